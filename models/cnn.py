@@ -1,0 +1,51 @@
+"""The student family: plain convolutional networks, conv-BN-ReLU blocks with max-pooling.
+
+`cnn{N}` has N blocks of widths `width * 2**i` (pooling after every block but the last), then
+global average pooling and a linear classifier: 24k parameters at N=3, width 16.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+from torchvision.ops import Conv2dNormActivation
+
+from models.registry import ImageClassifier, register_model
+
+
+class PlainCNN(ImageClassifier):
+    """`blocks` conv-BN-ReLU blocks; features `block1`..`blockN` and `pool` (the embedding)."""
+
+    def __init__(self, blocks: int, in_channels: int, num_classes: int, width: int) -> None:
+        super().__init__()
+        channels = in_channels
+        names = []
+        for index in range(blocks):
+            out = width * 2**index
+            layers: list[nn.Module] = [Conv2dNormActivation(channels, out, kernel_size=3)]
+            if index < blocks - 1:
+                layers.append(nn.MaxPool2d(2, ceil_mode=True))
+            name = f"block{index + 1}"
+            self.add_module(name, nn.Sequential(*layers))
+            names.append(name)
+            channels = out
+        self.pool = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.fc = nn.Linear(channels, num_classes)
+        self.block_names = tuple(names)
+        self.feature_layers = (*names, "pool")
+
+    def forward(self, x: Tensor) -> Tensor:
+        for name in self.block_names:
+            x = getattr(self, name)(x)
+        return self.fc(self.pool(x))
+
+
+def _plain_cnn(blocks: int):
+    def build(in_channels: int, num_classes: int, width: int) -> PlainCNN:
+        return PlainCNN(blocks, in_channels, num_classes, width)
+
+    return build
+
+
+register_model("cnn2", family="cnn", default_width=16)(_plain_cnn(2))
+register_model("cnn3", family="cnn", default_width=16)(_plain_cnn(3))
+register_model("cnn4", family="cnn", default_width=16)(_plain_cnn(4))

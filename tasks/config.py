@@ -1,0 +1,161 @@
+"""Flow configs: one pydantic model per flow, the Prefect parameter form, CLI and MLflow params.
+
+Every field is typed, bounded and described; unknown fields are rejected. Field groups are
+shared by mixing sections into a flow's config. A `profile` (smoke, quick, full) fills the
+fields that are not given explicitly; the class defaults are the `quick` profile.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+import models
+from tasks.environment import data_dir
+
+Profile = Literal["smoke", "quick", "full"]
+FASHION_MNIST = "fashion-mnist"
+
+
+class StrictConfig(BaseModel):
+    """Base of every config: unknown fields are errors, values are validated and frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class DataSection(StrictConfig):
+    """Which images, how they are split, and how they are read."""
+
+    data: str = Field(FASHION_MNIST, description="`fashion-mnist`, or the path of an ImageFolder "
+                      "directory (one sub-folder of images per class)")
+    image_size: int = Field(28, ge=8, le=512, description="images are resized to this square "
+                            "size (Fashion-MNIST is 28)")
+    channels: int = Field(0, ge=0, le=3, description="1 (gray) or 3 (RGB); 0 picks 1 when every "
+                          "image is grayscale")
+    val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="fraction of the training "
+                                "images held out for validation (early stopping, all choices)")
+    test_fraction: float = Field(0.2, gt=0.0, lt=0.5, description="ImageFolder only: fraction "
+                                 "held out as the test split (Fashion-MNIST has its own)")
+    split_seed: int = Field(0, ge=0, description="seed of the train/validation/test split, "
+                            "independent of the training seed so that every run sees the same "
+                            "test set")
+    train_limit: int | None = Field(None, ge=1, description="use at most this many training "
+                                    "images (a seeded subset); none: all")
+    test_limit: int | None = Field(None, ge=1, description="evaluate on at most this many test "
+                                   "images; none: all")
+    skip_bad_images: bool = Field(False, description="skip and count unreadable images instead "
+                                  "of stopping with an error")
+
+    @field_validator("channels")
+    @classmethod
+    def _one_or_three(cls, value: int) -> int:
+        if value == 2:
+            raise ValueError("channels must be 0 (auto), 1 or 3")
+        return value
+
+    @field_validator("data")
+    @classmethod
+    def _data_exists(cls, value: str) -> str:
+        if value == FASHION_MNIST:
+            raw = data_dir() / "fashion-mnist" / "FashionMNIST" / "raw"
+            if not raw.is_dir():
+                raise ValueError(f"Fashion-MNIST is not prepared in {raw}: run `make data`")
+            return value
+        path = Path(value).expanduser()
+        if not path.exists():
+            raise ValueError(f"no such dataset directory: {value}")
+        if not path.is_dir():
+            raise ValueError(f"{value} is not a directory (an ImageFolder has one folder per "
+                             "class)")
+        return str(path.resolve())
+
+
+class ModelSection(StrictConfig):
+    """Which network."""
+
+    model: str = Field("resnet18", description=f"a registered network: "
+                       f"{', '.join(models.list_models())}")
+    width: int | None = Field(None, ge=1, le=1024, description="channels of the first stage "
+                              "(doubling per stage); none: the model's default")
+
+    @field_validator("model")
+    @classmethod
+    def _model_registered(cls, value: str) -> str:
+        if value not in models.list_models():
+            raise ValueError(f"unknown model {value!r}; registered: "
+                             f"{', '.join(models.list_models())}")
+        return value
+
+
+class OptimSection(StrictConfig):
+    """How it learns: SGD with momentum, a cosine schedule and divergence guards."""
+
+    epochs: int = Field(6, ge=1, le=1000, description="passes over the training images")
+    batch_size: int = Field(128, ge=1, le=65536, description="images per training step")
+    lr: float = Field(0.05, gt=0.0, le=10.0, description="peak learning rate (cosine decay)")
+    warmup_epochs: float = Field(0.0, ge=0.0, le=100.0, description="linear warm-up, in epochs")
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum")
+    weight_decay: float = Field(5e-4, ge=0.0, lt=1.0, description="L2 weight decay")
+    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0, description="cross-entropy label "
+                                   "smoothing")
+    augment: float = Field(0.5, ge=0.0, le=1.0, description="augmentation strength: flips and "
+                           "shifts of up to 4*augment pixels; 0 is none")
+    grad_clip: float | None = Field(5.0, gt=0.0, description="clip the gradient norm to this; "
+                                    "none: no clipping")
+    patience: int | None = Field(None, ge=1, description="stop after this many epochs without a "
+                                 "better validation accuracy; none: run every epoch")
+
+
+class RunSection(StrictConfig):
+    """Where and how a run executes and what it is called."""
+
+    seed: int = Field(0, ge=0, description="seed of weights, shuffling and augmentation")
+    device: Literal["auto", "cpu", "cuda", "mps"] = Field("auto", description="where to train")
+    threads: int | None = Field(None, ge=1, le=512, description="CPU threads for PyTorch; none: "
+                                "PyTorch's default")
+    model_name: str | None = Field(None, min_length=1, max_length=100, description="registered "
+                                   "model name in MLflow; none: the flow's name")
+    progress: bool = Field(True, description="show progress bars")
+
+    @field_validator("model_name")
+    @classmethod
+    def _valid_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", value):
+            raise ValueError(f"model name {value!r} may hold only letters, digits, '_', '.', '-'")
+        return value
+
+
+class ProfiledConfig(StrictConfig):
+    """A config whose unspecified fields come from a named profile."""
+
+    PROFILES: ClassVar[dict[str, dict[str, Any]]] = {"quick": {}}
+    profile: Profile = Field("quick", description="preset sizes: smoke (seconds, for tests), "
+                             "quick (minutes on a laptop), full (real results, GPU-sized)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_profile(cls, values: Any) -> Any:
+        if not isinstance(values, dict):
+            return values
+        profile = values.get("profile", "quick")
+        if profile not in cls.PROFILES:
+            return values  # the field's own validation names the bad value
+        return {**cls.PROFILES[profile], **values}
+
+
+class TrainConfig(ProfiledConfig, DataSection, ModelSection, OptimSection, RunSection):
+    """The `train` flow: one classifier, evaluated, registered and promoted."""
+
+    PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
+        "smoke": {"model": "cnn2", "epochs": 1, "train_limit": 512, "test_limit": 256,
+                  "batch_size": 64, "progress": False},
+        "quick": {},
+        "full": {"epochs": 60, "width": 32, "batch_size": 256, "lr": 0.1, "warmup_epochs": 1.0},
+    }
+
+    def registered_name(self, flow_name: str) -> str:
+        """The MLflow registered-model name: `model_name`, or the flow's name."""
+        return self.model_name or flow_name

@@ -1,0 +1,160 @@
+"""Data tasks: the default data set's preparation, and a run's data set as one artifact.
+
+`prepare_dataset` reads the source (Fashion-MNIST or an ImageFolder), makes the deterministic
+train / validation / test split, and writes the images it uses, their labels, their dataset ids
+and the split as one versioned tensor file. Later tasks (here, or on another worker) load that
+file by reference; the same source version and split settings give the same file and hash, and
+Prefect's cache skips the work when they were prepared before.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from prefect import task
+from prefect.cache_policies import INPUTS, TASK_SOURCE
+from pydantic import BaseModel, ConfigDict
+from torch import Tensor
+
+from tasks.config import FASHION_MNIST, DataSection
+from tasks.environment import PROJECT_ROOT, data_dir
+from tasks.versioning import ArtifactRef, ArtifactStore, atomic_path, data_dvc_hash
+from training.datasets import (
+    ImageSet,
+    channel_stats,
+    limit,
+    load_fashion_mnist,
+    load_image_folder,
+    stratified_split,
+)
+
+DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+FASHION_MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                       "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+
+
+def fashion_mnist_root() -> Path:
+    """Where torchvision finds Fashion-MNIST (`<root>/FashionMNIST/raw/`)."""
+    return data_dir() / "fashion-mnist"
+
+
+def install_fashion_mnist(source: Path = DEBIAN_FASHION_MNIST) -> list[Path]:
+    """Gunzips Debian's Fashion-MNIST files into the data folder (atomically, only if missing).
+
+    Returns:
+        The files written (empty when all were there already).
+    """
+    raw = fashion_mnist_root() / "FashionMNIST" / "raw"
+    written = []
+    for name in FASHION_MNIST_FILES:
+        target = raw / name
+        if target.exists():
+            continue
+        packed = source / f"{name}.gz"
+        if not packed.exists():
+            raise FileNotFoundError(f"{packed} is missing: install Debian's package "
+                                    "dataset-fashion-mnist (`make data` does)")
+        with gzip.open(packed, "rb") as src, atomic_path(target) as temporary:
+            temporary.write_bytes(src.read())
+        written.append(target)
+    return written
+
+
+def source_version(data: DataSection) -> str:
+    """The version of a data source: data.dvc's hash, or a fingerprint of an ImageFolder.
+
+    The fingerprint hashes every file's relative path, size and modification time, so a
+    changed, added or removed image gives a new version (and a new prepared data set).
+    """
+    if data.data == FASHION_MNIST:
+        return f"data.dvc:{data_dvc_hash(PROJECT_ROOT / 'data.dvc')}"
+    digest = hashlib.md5()
+    root = Path(data.data)
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        stat = path.stat()
+        digest.update(f"{path.relative_to(root)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return f"folder:{digest.hexdigest()}"
+
+
+class DatasetRef(BaseModel):
+    """A prepared data set: its artifact and what a model needs to know about it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    artifact: ArtifactRef
+    source: str
+    version: str
+    classes: list[str]
+    channels: int
+    image_size: int
+    mean: list[float]
+    std: list[float]
+    sizes: dict[str, int]
+    skipped: list[str]
+
+
+@dataclass
+class LoadedDataset:
+    """Images (uint8 N x C x H x W), labels, dataset ids and split positions, in memory."""
+
+    images: Tensor
+    labels: Tensor
+    ids: Tensor
+    splits: dict[str, Tensor]
+
+
+def _read_source(data: DataSection) -> tuple[ImageSet, Tensor, Tensor, Tensor]:
+    """The source's images, and train / validation / test indices into them."""
+    if data.data == FASHION_MNIST:
+        train = load_fashion_mnist(fashion_mnist_root(), train=True)
+        test = load_fashion_mnist(fashion_mnist_root(), train=False)
+        merged = ImageSet(torch.cat([train.images, test.images]),
+                          torch.cat([train.labels, test.labels]), train.classes)
+        train_idx = torch.arange(len(train.labels))
+        test_idx = torch.arange(len(train.labels), len(merged.labels))
+    else:
+        merged = load_image_folder(Path(data.data), data.image_size, data.channels or None,
+                                   data.skip_bad_images)
+        all_idx, test_part = stratified_split(merged.labels, data.test_fraction, data.split_seed)
+        train_idx, test_idx = all_idx, test_part
+    fit, val = stratified_split(merged.labels[train_idx], data.val_fraction, data.split_seed + 1)
+    return merged, train_idx[fit], train_idx[val], test_idx
+
+
+@task(cache_policy=INPUTS + TASK_SOURCE, persist_result=True, task_run_name="prepare-dataset")
+def prepare_dataset(data: DataSection, version: str) -> DatasetRef:
+    """Reads, splits and versions the data set of a run (cached on the source version)."""
+    source, train, val, test = _read_source(data)
+    train = limit(train, data.train_limit, data.split_seed + 2)
+    test = limit(test, data.test_limit, data.split_seed + 3)
+    used = torch.cat([train, val, test])
+    positions = torch.arange(len(used))
+    splits = {"train": positions[:len(train)],
+              "val": positions[len(train):len(train) + len(val)],
+              "test": positions[len(train) + len(val):]}
+    images = source.images[used].contiguous()
+    mean, std = channel_stats(images[splits["train"]])
+    payload = {"images": images, "labels": source.labels[used].contiguous(), "ids": used,
+               "splits": splits}
+    key = hashlib.md5(f"{data.model_dump_json()}|{version}".encode()).hexdigest()[:16]
+    ref = ArtifactStore().write(f"datasets/{key}.pt", lambda path: torch.save(payload, path))
+    return DatasetRef(artifact=ref, source=data.data, version=version, classes=source.classes,
+                      channels=images.shape[1], image_size=images.shape[2], mean=mean, std=std,
+                      sizes={name: len(idx) for name, idx in splits.items()},
+                      skipped=source.skipped)
+
+
+def load_dataset(ref: DatasetRef) -> LoadedDataset:
+    """The prepared data set in memory (pulled by hash if missing; cached per process)."""
+    return _load_artifact(ref.artifact)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_artifact(artifact: ArtifactRef) -> LoadedDataset:
+    payload = torch.load(ArtifactStore().fetch(artifact), map_location="cpu", weights_only=True)
+    return LoadedDataset(payload["images"], payload["labels"], payload["ids"], payload["splits"])

@@ -1,0 +1,105 @@
+"""Registration: the final model as an MLflow pyfunc, promoted only if it beats the champion.
+
+Both the new model and the current champion are scored through their pyfunc (raw uint8 images
+in, labels out) on the same test split in the same run, so the comparison is like for like and
+also proves that the served model works end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from importlib.metadata import version as package_version
+from pathlib import Path
+
+import numpy as np
+from prefect import task
+from pydantic import BaseModel, ConfigDict
+
+from tasks import tracking
+from tasks.data import DatasetRef, load_dataset
+from tasks.environment import PROJECT_ROOT
+from tasks.versioning import ArtifactRef, ArtifactStore
+
+CHAMPION, CHALLENGER = "champion", "challenger"
+SERVING_PACKAGES = ("torch", "torchvision", "mlflow", "pillow", "pandas", "numpy")
+
+
+class Registration(BaseModel):
+    """The outcome of registering a model version and deciding its alias."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    version: str
+    alias: str
+    accuracy: float
+    champion_version: str | None
+    champion_accuracy: float | None
+    decision: str
+
+
+def pip_requirements() -> list[str]:
+    """Exact pins of what the served model imports (torch without its local build tag)."""
+    return [f"{name}=={package_version(name).split('+')[0]}" for name in SERVING_PACKAGES]
+
+
+def test_images(dataset: DatasetRef) -> tuple[np.ndarray, list[str]]:
+    """The test split as raw uint8 images (N x H x W, or N x H x W x C) and label names."""
+    data = load_dataset(dataset)
+    index = data.splits["test"]
+    images = data.images[index].permute(0, 2, 3, 1).numpy()
+    if images.shape[3] == 1:
+        images = images[:, :, :, 0]
+    return images, [dataset.classes[i] for i in data.labels[index].tolist()]
+
+
+def pyfunc_accuracy(model_uri: str, images: np.ndarray, labels: list[str]) -> float:
+    """Fraction of `images` that the pyfunc at `model_uri` labels correctly."""
+    predicted = tracking.load_pyfunc(model_uri).predict(images)["label"].tolist()
+    return float(np.mean([p == t for p, t in zip(predicted, labels, strict=True)]))
+
+
+def decide(accuracy: float, champion_accuracy: float | None) -> tuple[str, str]:
+    """Champion only when strictly better than the current one (or when there is none)."""
+    if champion_accuracy is None:
+        return CHAMPION, "no champion yet"
+    if accuracy > champion_accuracy:
+        return CHAMPION, f"beats the champion: {accuracy:.4f} > {champion_accuracy:.4f}"
+    return CHALLENGER, f"does not beat the champion: {accuracy:.4f} <= {champion_accuracy:.4f}"
+
+
+@task(task_run_name="register-and-promote")
+def register_and_promote(run_id: str, name: str, dataset: DatasetRef,
+                         program: ArtifactRef) -> Registration:
+    """Logs the pyfunc, scores it and the champion on the test split, registers, sets alias."""
+    store = ArtifactStore()
+    meta = {"classes": dataset.classes, "image_size": dataset.image_size,
+            "channels": dataset.channels, "mean": dataset.mean, "std": dataset.std}
+    with tempfile.TemporaryDirectory() as folder:
+        meta_path = Path(folder) / "meta.json"
+        meta_path.write_text(json.dumps(meta, indent=2))
+        model_uri = tracking.log_pyfunc_model(
+            run_id, str(PROJECT_ROOT / "tasks" / "pyfunc_model.py"),
+            artifacts={"program": str(store.fetch(program)), "meta": str(meta_path)},
+            pip_requirements=pip_requirements(),
+            code_paths=[str(PROJECT_ROOT / "tasks"), str(PROJECT_ROOT / "training")])
+    images, labels = test_images(dataset)
+    accuracy = pyfunc_accuracy(model_uri, images, labels)
+    champion_version = tracking.alias_version(name, CHAMPION)
+    champion_accuracy = None
+    if champion_version is not None:
+        champion_accuracy = pyfunc_accuracy(f"models:/{name}@{CHAMPION}", images, labels)
+    alias, decision = decide(accuracy, champion_accuracy)
+    version = tracking.register_model(model_uri, name, run_id, {
+        "test_accuracy": f"{accuracy:.6f}", "dataset": dataset.artifact.md5})
+    tracking.set_alias(name, alias, version)
+    tracking.set_tags(run_id, {"registry.model": name, "registry.version": version,
+                               "registry.alias": alias, "registry.decision": decision,
+                               "registry.champion_version": champion_version or "none"})
+    tracking.log_metrics(run_id, {"registry_test_accuracy": accuracy}
+                         | ({"champion_test_accuracy": champion_accuracy}
+                            if champion_accuracy is not None else {}))
+    return Registration(name=name, version=version, alias=alias, accuracy=accuracy,
+                        champion_version=champion_version, champion_accuracy=champion_accuracy,
+                        decision=decision)

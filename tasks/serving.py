@@ -1,0 +1,98 @@
+"""The registered model: an MLflow pyfunc that takes raw images, returns label and confidence.
+
+The network travels as a `torch.export` program (no Python class needed to load it) with a JSON
+of its preprocessing (size, channels, mean, std) and class names. Inputs, as a person or a
+server sends them:
+- a pandas DataFrame with a column `image` of encoded image bytes (PNG, JPEG, ...), or of their
+  base64 text (as JSON requests to `mlflow models serve` carry them);
+- a numpy uint8 array N x H x W (gray) or N x H x W x C.
+The output is a DataFrame with `label` (class name) and `confidence` (softmax probability).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import mlflow.pyfunc
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+
+from training.batches import Normalize
+from training.preprocess import array_to_image, decode_image, images_to_batch
+
+# MLflow asks for predict() type hints to build a schema; this model accepts two input kinds
+# (a DataFrame of encoded images, or a uint8 array) and validates them itself.
+warnings.filterwarnings("ignore", message=".*Add type hints to the `predict` method")
+
+IMAGE_COLUMN = "image"
+CHUNK = 512
+
+
+def export_program(model: nn.Module, channels: int, size: int, path: Path) -> None:
+    """Exports an eval-mode copy of `model` on the CPU, with a dynamic batch dimension."""
+    model = model.to("cpu").eval()
+    example = torch.zeros(2, channels, size, size)
+    batch = torch.export.Dim("batch", min=1, max=1 << 20)
+    program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
+    torch.export.save(program, str(path))
+
+
+def _as_bytes(value: Any, row: int) -> bytes:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    if isinstance(value, str):
+        try:
+            return base64.b64decode(value, validate=True)
+        except binascii.Error:
+            raise ValueError(f"row {row} of column '{IMAGE_COLUMN}' is text but not base64 "
+                             "image bytes") from None
+    raise ValueError(f"row {row} of column '{IMAGE_COLUMN}' is {type(value).__name__}, expected "
+                     "encoded image bytes")
+
+
+def input_images(model_input: Any) -> list:
+    """The PIL images in a DataFrame of encoded bytes or a uint8 image array."""
+    if isinstance(model_input, pd.DataFrame):
+        if IMAGE_COLUMN not in model_input.columns:
+            raise ValueError(f"expected a column '{IMAGE_COLUMN}' of encoded images, got "
+                             f"columns {list(model_input.columns)}")
+        return [decode_image(_as_bytes(v, i)) for i, v in enumerate(model_input[IMAGE_COLUMN])]
+    array = np.asarray(model_input)
+    if array.ndim not in (3, 4):
+        raise ValueError(f"expected images N x H x W or N x H x W x C, got shape {array.shape}")
+    if array.dtype != np.uint8:
+        if not np.issubdtype(array.dtype, np.integer) or array.min() < 0 or array.max() > 255:
+            raise ValueError(f"expected uint8 pixel values 0..255, got {array.dtype}")
+        array = array.astype(np.uint8)
+    return [array_to_image(image) for image in array]
+
+
+class ImageClassifierModel(mlflow.pyfunc.PythonModel):
+    """Raw images in, `label` and `confidence` out (see the module docstring)."""
+
+    def load_context(self, context):  # noqa: ANN001 (MLflow reads type hints as a schema)
+        meta = json.loads(Path(context.artifacts["meta"]).read_text())
+        self.classes: list[str] = meta["classes"]
+        self.size: int = meta["image_size"]
+        self.channels: int = meta["channels"]
+        self.normalize = Normalize(meta["mean"], meta["std"])
+        self.program = torch.export.load(context.artifacts["program"]).module()
+
+    def predict(self, context, model_input, params=None):  # noqa: ANN001 (see load_context)
+        images = input_images(model_input)
+        labels, confidences = [], []
+        with torch.no_grad():
+            for start in range(0, len(images), CHUNK):
+                batch = images_to_batch(images[start:start + CHUNK], self.size, self.channels)
+                probs = torch.softmax(self.program(self.normalize(batch)).float(), dim=1)
+                confidence, index = probs.max(dim=1)
+                labels += [self.classes[i] for i in index.tolist()]
+                confidences += confidence.tolist()
+        return pd.DataFrame({"label": labels, "confidence": confidences})

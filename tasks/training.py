@@ -1,0 +1,158 @@
+"""Training tasks: one epoch of a classifier, and the final test evaluation and export.
+
+Each epoch is one Prefect task that loads the previous checkpoint by reference, trains, scores
+the validation split, writes and versions a new checkpoint, and returns only the reference and
+the metrics. Tasks are cached on their inputs (config, data set, epoch, previous checkpoint),
+so re-running a flow after a crash skips the epochs already done and resumes from the last one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import torch
+from prefect import task
+from prefect.cache_policies import INPUTS, TASK_SOURCE
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+from models import ImageClassifier, build_model
+from tasks.checkpoints import load_checkpoint, save_checkpoint
+from tasks.config import ModelSection, OptimSection, RunSection
+from tasks.data import DatasetRef, LoadedDataset, load_dataset
+from tasks.serving import export_program
+from tasks.versioning import ArtifactRef, ArtifactStore
+from training.batches import Batches, Normalize
+from training.device import place_model, resolve_device
+from training.loops import classification_step, cosine_lr, evaluate, train_epoch
+
+
+class ClassifierConfig(ModelSection, OptimSection, RunSection):
+    """What one classifier's training needs (a part of every flow config that trains one)."""
+
+
+class EpochResult(BaseModel):
+    """What an epoch task returns: the checkpoint written and the epoch's metrics."""
+
+    model_config = ConfigDict(frozen=True)
+
+    epoch: int
+    checkpoint: ArtifactRef
+    metrics: dict[str, float]
+
+
+def classifier_config(config: BaseModel) -> ClassifierConfig:
+    """The classifier part of a flow config."""
+    return ClassifierConfig(**config.model_dump(include=set(ClassifierConfig.model_fields)))
+
+
+def run_key(config: BaseModel, dataset: DatasetRef) -> str:
+    """A short digest naming a training run's checkpoints (its config and data set)."""
+    text = json.dumps([config.model_dump(mode="json"), dataset.artifact.md5], sort_keys=True)
+    return hashlib.md5(text.encode()).hexdigest()[:12]
+
+
+def new_model(config: ClassifierConfig, dataset: DatasetRef) -> ImageClassifier:
+    """The configured network for the data set, initialised from the seed."""
+    torch.manual_seed(config.seed)
+    return build_model(config.model, dataset.channels, len(dataset.classes), config.width)
+
+
+def make_optimizer(model: nn.Module, config: ClassifierConfig) -> torch.optim.SGD:
+    """SGD with momentum; the learning rate is set every step from the schedule."""
+    return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
+                           weight_decay=config.weight_decay, nesterov=config.momentum > 0)
+
+
+def split_batches(data: LoadedDataset, dataset: DatasetRef, split: str, batch_size: int,
+                  device: torch.device, shuffle: bool = False, seed: int = 0,
+                  augment: float = 0.0) -> Batches:
+    """Batches over one split of a loaded data set."""
+    return Batches(data.images, data.labels, data.splits[split], batch_size,
+                   Normalize(dataset.mean, dataset.std), shuffle=shuffle, seed=seed,
+                   augment=augment, device=device)
+
+
+def restore(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+            checkpoint: dict) -> None:
+    """Loads weights (and optimizer state) from a checkpoint payload."""
+    model.load_state_dict(checkpoint["model"])
+    if optimizer is not None and "optimizer" in checkpoint:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+
+
+def _setup(config: ClassifierConfig) -> torch.device:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    return resolve_device(config.device)
+
+
+@task(cache_policy=INPUTS + TASK_SOURCE, persist_result=True, task_run_name="epoch-{epoch}")
+def train_classifier_epoch(config: ClassifierConfig, dataset: DatasetRef, epoch: int,
+                           previous: ArtifactRef | None, run_name: str = "train") -> EpochResult:
+    """Trains epoch `epoch` (0-based) from `previous` and scores the validation split."""
+    device = _setup(config)
+    store = ArtifactStore()
+    data = load_dataset(dataset)
+    model = new_model(config, dataset)
+    optimizer = make_optimizer(model, config)
+    if previous is not None:
+        restore(model, optimizer, load_checkpoint(store, previous))
+    model = place_model(model, device)
+    for state in optimizer.state.values():  # optimizer state follows the model's device
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                state[key] = value.to(device)
+    batches = split_batches(data, dataset, "train", config.batch_size, device, shuffle=True,
+                            seed=config.seed * 1000 + epoch, augment=config.augment)
+    per_epoch = len(batches)
+    total, warmup = config.epochs * per_epoch, round(config.warmup_epochs * per_epoch)
+
+    def lr_at(step: int) -> float:
+        return cosine_lr(config.lr, step, total, warmup)
+
+    started = time.perf_counter()
+    metrics = train_epoch(model, optimizer, batches, classification_step(config.label_smoothing),
+                          device, lr_at=lr_at, first_step=epoch * per_epoch,
+                          grad_clip=config.grad_clip,
+                          progress=f"epoch {epoch + 1}/{config.epochs}" if config.progress
+                          else None)
+    seconds = time.perf_counter() - started
+    val = evaluate(model, split_batches(data, dataset, "val", 1024, device), device)
+    metrics |= {"val_accuracy": val["accuracy"], "val_loss": val["loss"],
+                "lr": optimizer.param_groups[0]["lr"],
+                "images_per_second": len(batches.indices) / seconds}
+    payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+               "epoch": epoch, "metrics": metrics}
+    relpath = f"checkpoints/{run_name}/{run_key(config, dataset)}/epoch-{epoch + 1:03d}.pt"
+    return EpochResult(epoch=epoch, checkpoint=save_checkpoint(store, relpath, payload),
+                       metrics=metrics)
+
+
+class TestResult(BaseModel):
+    """The test split's metrics and the exported program of a checkpoint."""
+
+    model_config = ConfigDict(frozen=True)
+
+    metrics: dict[str, float]
+    program: ArtifactRef
+
+
+@task(cache_policy=INPUTS + TASK_SOURCE, persist_result=True, task_run_name="test-and-export")
+def test_and_export(config: ClassifierConfig, dataset: DatasetRef,
+                    checkpoint: ArtifactRef) -> TestResult:
+    """Scores a checkpoint on the test split and exports it as a torch.export program."""
+    device = _setup(config)
+    store = ArtifactStore()
+    model = new_model(config, dataset)
+    restore(model, None, load_checkpoint(store, checkpoint))
+    model = place_model(model, device)
+    data = load_dataset(dataset)
+    metrics = evaluate(model, split_batches(data, dataset, "test", 1024, device), device)
+    relpath = str(Path(checkpoint.path).with_suffix(".pt2"))
+    program = store.write(relpath, lambda path: export_program(
+        model, dataset.channels, dataset.image_size, path))
+    return TestResult(metrics={f"test_{k}": v for k, v in metrics.items()}, program=program)

@@ -1,0 +1,208 @@
+"""The one DVC adapter: every artifact a task writes is added to DVC's cache and pushed.
+
+Artifacts live in the artifact store, a DVC repository of its own (`artifacts/`, ignored by the
+project's git, with `core.no_scm`) that pushes to the project's DVC remote. It is separate because
+DVC refuses `.dvc` files that git ignores, and run outputs (checkpoints, banks, reports) belong
+in DVC, not in git history. Each artifact gets a `<file>.dvc` pointer beside it, as `dvc add`
+writes; an `ArtifactRef` (path, md5, size) is enough to rebuild that pointer on another machine
+and `dvc pull` the file by its hash.
+
+Writes are atomic: a file is written under a temporary name and renamed into place, so a crash
+never leaves a half-written artifact behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager, redirect_stdout
+from pathlib import Path
+
+import yaml
+from dvc.exceptions import DvcException
+from dvc.lock import LockError
+from dvc.repo import Repo
+from pydantic import BaseModel, ConfigDict
+
+from tasks.environment import PROJECT_ROOT, artifacts_dir
+
+_LOCK = threading.Lock()
+REMOTE_NAME = "project"
+
+
+class ArtifactRef(BaseModel):
+    """A versioned file: its path inside the artifact store and its content hash."""
+
+    model_config = ConfigDict(frozen=True)
+
+    path: str
+    md5: str
+    size: int
+
+    @property
+    def name(self) -> str:
+        """The file name, without folders."""
+        return Path(self.path).name
+
+
+def md5_of(path: Path) -> str:
+    """The md5 of a file's bytes (DVC's content hash for files)."""
+    digest = hashlib.md5()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@contextmanager
+def atomic_path(target: Path):
+    """Yields a temporary path beside `target`; renames it onto `target` only on success."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}.",
+                                         suffix=target.suffix)  # some writers check suffixes
+    os.close(handle)
+    try:
+        yield Path(temporary)
+        os.replace(temporary, target)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+
+
+def data_dvc_hash(path: Path = PROJECT_ROOT / "data.dvc") -> str:
+    """The content hash recorded in a `.dvc` file (for data.dvc: the default data's version)."""
+    if not path.exists():
+        return "missing"
+    outs = yaml.safe_load(path.read_text()).get("outs", [])
+    return outs[0]["md5"] if outs else "missing"
+
+
+def track_project_data(target: str = "data", project_root: Path = PROJECT_ROOT) -> ArtifactRef:
+    """`dvc add` of the project's data folder (writes `<target>.dvc`), then `dvc push`."""
+    repo = Repo(str(project_root))
+    repo.scm_context.quiet = True  # the data.dvc in git already says what to commit
+    try:
+        stage = repo.add(str(project_root / target))[0]
+        repo.push(targets=[str(project_root / f"{target}.dvc")])
+        out = stage.outs[0]
+        return ArtifactRef(path=target, md5=out.hash_info.value, size=int(out.meta.size or 0))
+    finally:
+        repo.close()
+
+
+def project_data_status(project_root: Path = PROJECT_ROOT) -> dict:
+    """`dvc status` of the project repository: empty when data and data.dvc agree."""
+    repo = Repo(str(project_root))
+    try:
+        return repo.status()
+    finally:
+        repo.close()
+
+
+def project_remote_url(project_root: Path = PROJECT_ROOT) -> str:
+    """The URL of the project's default DVC remote (`COMPACTML_DVC_REMOTE` overrides it)."""
+    if url := os.environ.get("COMPACTML_DVC_REMOTE"):
+        return url
+    config = Repo(str(project_root)).config
+    name = config["core"].get("remote")
+    if not name:
+        raise RuntimeError(f"the DVC repository in {project_root} has no default remote: "
+                           "`dvc remote add -d NAME URL`, or set COMPACTML_DVC_REMOTE")
+    return config["remote"][name]["url"]
+
+
+class ArtifactStore:
+    """The DVC-backed store of run artifacts.
+
+    Args:
+        root: the store's folder (default `COMPACTML_ARTIFACTS`, else `<project>/artifacts`).
+        remote_url: where pushes go (default: the project's DVC remote).
+    """
+
+    def __init__(self, root: Path | None = None, remote_url: str | None = None) -> None:
+        self.root = Path(root or artifacts_dir()).resolve()
+        self._remote_url = remote_url
+
+    def path_of(self, ref: ArtifactRef | str) -> Path:
+        """The local path of an artifact."""
+        return self.root / (ref.path if isinstance(ref, ArtifactRef) else ref)
+
+    def _repo(self) -> Repo:
+        if not (self.root / ".dvc").is_dir():
+            self.root.mkdir(parents=True, exist_ok=True)
+            with redirect_stdout(io.StringIO()):  # DVC prints a banner on init
+                Repo.init(str(self.root), no_scm=True, force=True)
+            url = self._remote_url or project_remote_url()
+            if "://" not in url:
+                url = str(Path(url).resolve())
+            repo = Repo(str(self.root))
+            with repo.config.edit() as config:
+                config["core"]["remote"] = REMOTE_NAME
+                config["core"]["analytics"] = False
+                config["core"]["check_update"] = False
+                config["remote"][REMOTE_NAME] = {"url": url}
+                config["cache"]["type"] = "reflink,hardlink,copy"
+            repo.close()
+        return Repo(str(self.root))
+
+    def _with_repo(self, action: Callable[[Repo], object]) -> object:
+        """Runs `action` on a fresh Repo under the store's lock, retrying a busy DVC lock."""
+        for attempt in range(20):
+            try:
+                with _LOCK:
+                    repo = self._repo()
+                    try:
+                        return action(repo)
+                    finally:
+                        repo.close()
+            except LockError:
+                time.sleep(0.25 * (attempt + 1))
+        raise RuntimeError(f"the DVC repository {self.root} stayed locked by another process")
+
+    def write(self, relpath: str, writer: Callable[[Path], None]) -> ArtifactRef:
+        """Writes an artifact atomically with `writer(temporary_path)`, then versions it."""
+        target = self.path_of(relpath)
+        with atomic_path(target) as temporary:
+            writer(temporary)
+        return self.version(relpath)
+
+    def version(self, relpath: str) -> ArtifactRef:
+        """Adds an existing file of the store to DVC's cache and pushes it to the remote."""
+        target = self.path_of(relpath)
+        if not target.is_file():
+            raise FileNotFoundError(f"cannot version {target}: no such file")
+
+        def add_and_push(repo: Repo) -> ArtifactRef:
+            stage = repo.add(str(target))[0]
+            out = stage.outs[0]
+            repo.push(targets=[str(target) + ".dvc"])
+            return ArtifactRef(path=Path(relpath).as_posix(), md5=out.hash_info.value,
+                               size=int(out.meta.size))
+
+        return self._with_repo(add_and_push)
+
+    def fetch(self, ref: ArtifactRef) -> Path:
+        """The local path of `ref`, pulled by hash from the remote if missing or different."""
+        target = self.path_of(ref)
+        if target.is_file() and target.stat().st_size == ref.size and md5_of(target) == ref.md5:
+            return target
+        pointer = Path(str(target) + ".dvc")
+        content = {"outs": [{"md5": ref.md5, "size": ref.size, "hash": "md5",
+                             "path": target.name}]}
+
+        def pull(repo: Repo) -> None:
+            with atomic_path(pointer) as temporary:
+                temporary.write_text(yaml.safe_dump(content, sort_keys=False))
+            repo.pull(targets=[str(pointer)], force=True)
+
+        try:
+            self._with_repo(pull)
+        except DvcException as error:
+            raise FileNotFoundError(f"artifact {ref.path} (md5 {ref.md5}) is neither local nor "
+                                    f"on the DVC remote: {error}") from error
+        return target

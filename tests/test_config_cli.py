@@ -1,0 +1,52 @@
+"""Configs and the command line: bad values stop before any work, naming the field."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from flows.cli import main
+from flows.commands import COMMANDS
+from tasks.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_profile_fills_only_what_is_not_given():
+    smoke = TrainConfig(profile="smoke", epochs=3)
+    assert smoke.model == "cnn2" and smoke.train_limit == 512 and smoke.epochs == 3
+    assert TrainConfig().epochs == 6 and TrainConfig().model == "resnet18"
+
+
+@pytest.mark.parametrize(("values", "field"), [
+    ({"lr": -0.1}, "lr"),
+    ({"learning_rate": 0.1}, "learning_rate"),
+    ({"data": "/no/such/folder"}, "data"),
+    ({"model": "vgg11"}, "model"),
+    ({"channels": 2}, "channels"),
+    ({"model_name": "bad name!"}, "model_name"),
+])
+def test_bad_config_names_the_field(values, field):
+    with pytest.raises(ValidationError) as error:
+        TrainConfig(**values)
+    assert [e["loc"][0] for e in error.value.errors()] == [field]
+
+
+def test_cli_rejects_bad_values_before_any_work(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(COMMANDS, ["train", "--lr", "-1", "--data", "/no/such/folder"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "lr: Input should be greater than 0" in err and "no such dataset directory" in err
+
+
+def test_cli_help_lists_flows_and_parameters():
+    out = subprocess.run([sys.executable, "-m", "flows", "train", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    for option in ("--profile", "--data", "--model", "--lr", "--model-name", "--skip-bad-images"):
+        assert option in out
+    top = subprocess.run([sys.executable, "-m", "flows", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    assert "train" in top and "prepare-data" in top

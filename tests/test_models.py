@@ -1,0 +1,56 @@
+"""Every registered network: forward, backward, a gradient for every parameter, no NaN."""
+
+import pytest
+import torch
+
+import models
+from models.registry import register_model
+from training.features import FeatureHooks
+
+
+@pytest.mark.parametrize("name", models.list_models())
+@pytest.mark.parametrize(("channels", "size"), [(1, 28), (3, 20)])
+def test_forward_backward_every_parameter_gets_a_gradient(name, channels, size):
+    torch.manual_seed(0)
+    model = models.build_model(name, in_channels=channels, num_classes=7, width=4)
+    x = torch.randn(3, channels, size, size)
+    logits = model(x)
+    assert logits.shape == (3, 7)
+    assert torch.isfinite(logits).all()
+    logits.logsumexp(1).mean().backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert missing == []
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", models.list_models())
+def test_feature_layers_are_hookable_and_last_is_the_embedding(name):
+    model = models.build_model(name, in_channels=1, num_classes=10, width=4).eval()
+    with FeatureHooks(model, model.feature_layers) as feats:
+        model(torch.randn(2, 1, 28, 28))
+    assert list(feats.outputs) == list(model.feature_layers)
+    embedding = feats[model.feature_layers[-1]]
+    assert embedding.shape == (2, model.fc.in_features)
+
+
+def test_teacher_family_is_deeper_than_student_family():
+    depth = {n: models.build_model(n, 1, 10).depth for n in models.list_models()}
+    assert depth["resnet18"] == 18 and depth["resnet20"] == 20 and depth["resnet8"] == 8
+    assert depth["cnn3"] == 4  # three convolutions and the classifier
+    assert max(depth[n] for n in depth if n.startswith("cnn")) < depth["resnet8"]
+
+
+def test_width_scales_channels():
+    narrow = models.build_model("resnet20", 1, 10, width=8)
+    wide = models.build_model("resnet20", 1, 10, width=16)
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert 3.5 < count(wide) / count(narrow) < 4.1  # conv weights grow with width squared
+
+
+def test_registry_rejects_duplicates_and_names_valid_models():
+    with pytest.raises(ValueError, match="already registered"):
+        register_model("cnn3", family="cnn", default_width=8)(lambda c, k, w: None)
+    with pytest.raises(KeyError, match="resnet18"):
+        models.build_model("vgg11", 1, 10)
+    with pytest.raises(KeyError, match="no layer"):
+        FeatureHooks(models.build_model("cnn3", 1, 10), ["nope"])

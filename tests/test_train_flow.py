@@ -1,0 +1,140 @@
+"""The `train` flow end to end: real Prefect, MLflow store, DVC remote and Fashion-MNIST."""
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from mlflow import MlflowClient
+from PIL import Image
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+from flows.train import train
+from tasks import tracking
+from tasks.config import TrainConfig
+from tasks.versioning import data_dvc_hash
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "smoke-model"
+
+
+def smoke(**overrides) -> TrainConfig:
+    return TrainConfig(**{"profile": "smoke", "model_name": NAME, "epochs": 2,
+                          "train_limit": 1024, "lr": 0.1, **overrides})
+
+
+def task_states(flow_state) -> dict[str, str]:
+    flow_run_id = flow_state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(
+            id=FlowRunFilterId(any_=[flow_run_id])))
+    return {run.name: run.state.name for run in runs}
+
+
+@pytest.fixture(scope="session")
+def first_run():
+    return train(smoke())
+
+
+def test_run_records_config_metrics_versions_and_champion(first_run):
+    run = MlflowClient().get_run(first_run.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["lr"] == "0.1" and run.data.params["model"] == "cnn2"
+    tags = run.data.tags
+    assert tags["data.dvc"] == data_dvc_hash() and len(tags["git.commit"]) >= 7
+    for artifact in ("dataset", "checkpoint.epoch-001", "checkpoint.best", "program"):
+        assert len(tags[f"dvc.{artifact}"]) == 32, artifact
+    history = MlflowClient().get_metric_history(first_run.run_id, "loss_ce")
+    assert [m.step for m in history] == [1, 2]
+    assert {"loss", "loss_ce", "val_accuracy", "test_accuracy"} <= set(run.data.metrics)
+    assert first_run.test_accuracy > 0.25  # 10 classes: chance is 0.1
+    registration = first_run.registration
+    assert registration.alias == "champion" and registration.champion_version is None
+    assert tracking.alias_version(NAME, "champion") == registration.version
+    assert registration.accuracy == pytest.approx(first_run.test_accuracy)  # pyfunc == torch
+
+
+def test_worse_model_is_only_a_challenger(first_run):
+    worse = train(smoke(lr=1e-4, seed=1))
+    reg = worse.registration
+    assert reg.alias == "challenger" and reg.champion_version == first_run.registration.version
+    assert reg.champion_accuracy == pytest.approx(first_run.test_accuracy)
+    assert reg.accuracy < reg.champion_accuracy
+    assert tracking.alias_version(NAME, "champion") == first_run.registration.version
+    tags = MlflowClient().get_run(worse.run_id).data.tags
+    assert tags["registry.decision"].startswith("does not beat the champion")
+
+
+def test_same_config_again_reuses_every_training_task(first_run):
+    state = train(smoke(), return_state=True)
+    states = task_states(state)
+    assert states["epoch-0"] == "Cached" and states["epoch-1"] == "Cached"
+    assert states["prepare-dataset"] == "Cached" and states["register-and-promote"] == "Completed"
+    assert state.result().test_accuracy == pytest.approx(first_run.test_accuracy)
+
+
+def test_killed_run_resumes_from_the_last_finished_epoch(session_dir):
+    config = ["--profile", "smoke", "--model-name", "resume", "--epochs", "4",
+              "--train-limit", "6000", "--seed", "5"]
+    checkpoints = Path(os.environ["COMPACTML_ARTIFACTS"]) / "checkpoints" / "train"
+    # epoch 2's checkpoint appearing means epoch 1's task has returned and its result is stored
+    before = set(checkpoints.rglob("epoch-002.pt.dvc")) if checkpoints.exists() else set()
+    proc = subprocess.Popen([sys.executable, "-m", "flows", "train", *config], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if set(checkpoints.rglob("epoch-002.pt.dvc")) - before:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not list(checkpoints.rglob(".*.tmp")) and not list(checkpoints.rglob(".epoch-*"))
+    config_obj = TrainConfig(profile="smoke", model_name="resume", epochs=4, train_limit=6000,
+                             seed=5)
+    state = train(config_obj, return_state=True)
+    states = task_states(state)
+    assert states["epoch-0"] == "Cached"
+    assert states["epoch-3"] == "Completed"
+
+
+def test_image_folder_trains_end_to_end(fashion_folder):
+    summary = train(TrainConfig(profile="smoke", data=str(fashion_folder), epochs=3,
+                                model_name="folder-model", lr=0.1))
+    assert summary.registration.alias == "champion"
+    model = tracking.load_pyfunc("models:/folder-model@champion")
+    image = next((fashion_folder / "Trouser").glob("*.png"))
+    out = model.predict(pd.DataFrame({"image": [image.read_bytes()]}))
+    assert out["label"].iloc[0] in {p.name for p in fashion_folder.iterdir()}
+
+
+def test_pyfunc_takes_encoded_bytes_base64_and_arrays(first_run):
+    import base64
+
+    model = tracking.load_pyfunc(f"models:/{NAME}@champion")
+    pixels = np.stack([np.full((28, 28), v, dtype=np.uint8) for v in (0, 90, 200)])
+    png = []
+    for image in pixels:
+        buffer = io.BytesIO()
+        Image.fromarray(image).save(buffer, format="PNG")
+        png.append(buffer.getvalue())
+    from_array = model.predict(pixels)
+    from_png = model.predict(pd.DataFrame({"image": png}))
+    from_b64 = model.predict(pd.DataFrame({"image": [base64.b64encode(b).decode() for b in png]}))
+    from_rgb = model.predict(np.repeat(pixels[..., None], 3, axis=3))
+    assert list(from_array.columns) == ["label", "confidence"]
+    assert from_array.equals(from_png) and from_png.equals(from_b64)
+    assert from_rgb["label"].tolist() == from_array["label"].tolist()
+    assert ((from_array["confidence"] > 0) & (from_array["confidence"] <= 1)).all()
+    with pytest.raises(ValueError, match="column 'image'"):
+        model.predict(pd.DataFrame({"pixels": png}))
+    with pytest.raises(ValueError, match="cannot decode"):
+        model.predict(pd.DataFrame({"image": [b"not an image"]}))

@@ -1,0 +1,86 @@
+"""The pure training code: batches, augmentation, schedule, loops, divergence guard."""
+
+import math
+
+import pytest
+import torch
+
+import models
+from training.batches import Batches, Normalize, random_shift_flip
+from training.loops import (
+    NonFiniteLossError,
+    classification_step,
+    cosine_lr,
+    evaluate,
+    train_epoch,
+)
+
+CPU = torch.device("cpu")
+
+
+def test_normalize_by_hand():
+    out = Normalize([0.5], [0.25])(torch.tensor([0, 255], dtype=torch.uint8).view(2, 1, 1, 1))
+    assert out.flatten().tolist() == pytest.approx([-2.0, 2.0])
+
+
+def test_batches_cover_each_index_once_and_reshuffle_per_pass():
+    images = torch.arange(10, dtype=torch.uint8).view(10, 1, 1, 1)
+    batches = Batches(images, torch.arange(10), torch.arange(2, 9), 3, Normalize([0], [1]),
+                      shuffle=True, seed=1)
+    first = torch.cat([ids for ids, _, _ in batches])
+    second = torch.cat([ids for ids, _, _ in batches])
+    assert sorted(first.tolist()) == list(range(2, 9)) and len(batches) == 3
+    assert first.tolist() != second.tolist()
+    for ids, x, y in batches:
+        assert torch.equal(y, ids) and torch.allclose(x.flatten() * 255, ids.float())
+
+
+def test_shift_flip_moves_pixels_within_the_padding():
+    x = torch.zeros(64, 1, 5, 5)
+    x[:, :, 2, 2] = 1.0
+    out = random_shift_flip(x, 1, torch.Generator().manual_seed(0))
+    rows, cols = out[:, 0].nonzero()[:, 1], out[:, 0].nonzero()[:, 2]
+    assert out.sum() == 64  # a centre pixel never leaves a 1-pixel shift
+    assert set(rows.tolist()) == {1, 2, 3} and set(cols.tolist()) == {1, 2, 3}
+    same = random_shift_flip(x, 1, torch.Generator().manual_seed(0))
+    assert torch.equal(out, same)
+
+
+def test_cosine_lr_by_hand():
+    assert cosine_lr(0.1, 0, 100) == pytest.approx(0.1)
+    assert cosine_lr(0.1, 50, 100) == pytest.approx(0.05)
+    assert cosine_lr(0.1, 100, 100) == pytest.approx(0.0)
+    assert cosine_lr(0.1, 0, 100, warmup_steps=10) == pytest.approx(0.01)
+    assert cosine_lr(0.1, 55, 100, warmup_steps=10) == pytest.approx(
+        0.05 * (1 + math.cos(math.pi * 0.5)))
+
+
+def _toy(n=64):
+    g = torch.Generator().manual_seed(0)
+    labels = torch.arange(n) % 2
+    images = (labels.view(n, 1, 1, 1) * 200 + torch.randint(0, 50, (n, 1, 8, 8), generator=g))
+    return images.to(torch.uint8), labels
+
+
+def test_train_epoch_learns_a_separable_toy_problem():
+    torch.manual_seed(0)
+    images, labels = _toy()
+    model = models.build_model("cnn2", 1, 2, width=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batches = Batches(images, labels, torch.arange(64), 16, Normalize([0.5], [0.4]), shuffle=True)
+    before = evaluate(model, batches, CPU)
+    for _ in range(5):
+        metrics = train_epoch(model, opt, batches, classification_step(), CPU)
+    after = evaluate(model, batches, CPU)
+    assert set(metrics) == {"loss", "loss_ce"} and metrics["loss"] == metrics["loss_ce"]
+    assert after["accuracy"] == 1.0 and after["loss"] < before["loss"]
+
+
+def test_non_finite_loss_stops_training():
+    images, labels = _toy()
+    model = models.build_model("cnn2", 1, 2, width=4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e12)
+    batches = Batches(images, labels, torch.arange(64), 8, Normalize([0.5], [0.4]))
+    with pytest.raises(NonFiniteLossError, match="loss is"):
+        for _ in range(3):
+            train_epoch(model, opt, batches, classification_step(), CPU)

@@ -1,0 +1,44 @@
+"""One setting picks the device; bf16 autocast and channels_last where the device gains."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """`auto` takes cuda, then mps, then cpu; an explicit name must be available."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for, but no CUDA device is available")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("device 'mps' asked for, but MPS is not available")
+    return device
+
+
+def uses_bf16(device: torch.device) -> bool:
+    """bf16 autocast pays on CUDA GPUs that support it; on CPU it is slower, so off."""
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
+def autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on a device that gains from it, else a no-op context."""
+    if uses_bf16(device):
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def place_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """Moves a model to `device`, in channels_last memory format on CUDA."""
+    model = model.to(device)
+    if device.type == "cuda":
+        model = model.to(memory_format=torch.channels_last)
+    return model

@@ -1,0 +1,52 @@
+"""Raw images to model input: one conversion for training data and for the served model.
+
+Training (ImageFolder) and inference (the registered pyfunc) both go through `image_to_array`,
+so a served model sees exactly the pixels it was trained on.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+GRAY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "F"})
+
+
+def image_to_array(image: Image.Image, size: int, channels: int) -> np.ndarray:
+    """A PIL image as uint8 (channels, size, size): converted to L or RGB, resized bilinearly."""
+    converted = image.convert("L" if channels == 1 else "RGB")
+    if converted.size != (size, size):
+        converted = converted.resize((size, size), Image.Resampling.BILINEAR)
+    array = np.asarray(converted, dtype=np.uint8)
+    return array[None] if channels == 1 else array.transpose(2, 0, 1)
+
+
+def decode_image(data: bytes) -> Image.Image:
+    """Decodes encoded image bytes (PNG, JPEG, anything Pillow reads); raises ValueError."""
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except Exception as error:  # Pillow raises several unrelated types for bad bytes
+        raise ValueError(f"cannot decode image bytes ({len(data)} bytes): {error}") from None
+    return image
+
+
+def array_to_image(array: np.ndarray) -> Image.Image:
+    """A uint8 H x W, H x W x 1 or H x W x 3 array as a PIL image."""
+    if array.ndim == 3 and array.shape[2] == 1:
+        array = array[:, :, 0]
+    if array.ndim == 2:
+        return Image.fromarray(array, mode="L")
+    if array.ndim == 3 and array.shape[2] in (3, 4):
+        return Image.fromarray(array[:, :, :3], mode="RGB")
+    raise ValueError(f"expected an image of shape HxW or HxWxC (C in 1, 3, 4), got {array.shape}")
+
+
+def images_to_batch(images: Sequence[Image.Image], size: int, channels: int) -> Tensor:
+    """PIL images as one uint8 tensor (N, channels, size, size)."""
+    return torch.from_numpy(np.stack([image_to_array(im, size, channels) for im in images]))
