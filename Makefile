@@ -1,19 +1,18 @@
 # Two commands set everything up on a fresh machine: `make run` and `make test`.
 ROOT := $(CURDIR)
 include project.env
-export
+export $(shell sed -n 's/^\([A-Z_][A-Z0-9_]*\) *?=.*/\1/p' project.env)
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-DATA_STAMP := data/fashion-mnist/FashionMNIST/raw/t10k-labels-idx1-ubyte
 DEBIAN_DATA := /usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PROFILE ?= quick
 MODEL ?= resnet18
 
-.PHONY: run test setup data lint ui bench clean
+.PHONY: run test setup data lint ui bench deploy worker serve clean
 
 run: setup data  ## train, test, register and promote a model on Fashion-MNIST
 	$(PY) -m flows train --profile $(PROFILE) --model $(MODEL)
@@ -29,9 +28,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
 	touch $@
 
-data: setup $(DATA_STAMP)
-
-$(DATA_STAMP):
+# Cheap when done before: unpacks only missing files; dvc add and push are then no-ops.
+data: setup
 	test -f $(DEBIAN_DATA) || { $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq dataset-fashion-mnist; }
 	$(PY) -m flows prepare-data
@@ -46,8 +44,20 @@ ui: setup  ## Prefect UI on 127.0.0.1:4200 and MLflow UI on 127.0.0.1:5000
 	$(VENV)/bin/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri "$(MLFLOW_TRACKING_URI)" & \
 	wait
 
-bench: setup data
-	$(PY) bench/throughput.py
+bench: setup data  ## the benchmarks (tables, then one JSON line each)
+	$(PY) -m bench.throughput
+	$(PY) -m bench.train_accuracy
+
+deploy: setup  ## register prefect.yaml's deployments with the server at PREFECT_API_URL
+	$(VENV)/bin/prefect work-pool create local --type process --overwrite
+	$(VENV)/bin/prefect --no-prompt deploy --all
+
+worker: setup  ## a process worker that runs deployments from the `local` pool
+	$(VENV)/bin/prefect worker start --pool local
+
+serve: setup  ## serve models:/$(NAME)@champion on 127.0.0.1:5001 (NAME=train by default)
+	PATH="$(ROOT)/$(VENV)/bin:$$PATH" $(VENV)/bin/mlflow models serve -m "models:/$(or $(NAME),train)@champion" \
+	  --env-manager local --host 127.0.0.1 --port 5001
 
 clean:
 	rm -rf .prefect artifacts mlruns/mlflow.db mlruns/artifacts

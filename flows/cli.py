@@ -45,6 +45,11 @@ def add_config_options(parser: argparse.ArgumentParser, config_cls: type[BaseMod
         flag = "--" + name.replace("_", "-")
         annotation = field.annotation
         text = f"{field.description or ''} (default: {getattr(defaults, name, field.default)})"
+        if name == "profile":
+            presets = getattr(config_cls, "PROFILES", {})
+            text += "; " + "; ".join(
+                f"{key}: " + (", ".join(f"{k}={v}" for k, v in values.items()) or "the defaults")
+                for key, values in presets.items())
         if annotation is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=text)

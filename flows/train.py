@@ -86,11 +86,12 @@ def train(config: TrainConfig) -> TrainSummary:
                                val_accuracy=best.metrics["val_accuracy"],
                                test_accuracy=test.metrics["test_accuracy"],
                                registration=registration)
-    publish_summary("train-summary", f"train: {config.model} on {config.data}", {
+    markdown = publish_summary("train-summary", f"train: {config.model} on {config.data}", {
         "test accuracy": f"{summary.test_accuracy:.4f}",
         "best epoch (validation)": f"{summary.best_epoch} ({summary.val_accuracy:.4f})",
         "model": f"{name} version {registration.version}, alias `{registration.alias}`",
         "decision": registration.decision,
         "MLflow run": run_id,
     })
+    get_run_logger().info("summary\n%s", markdown)
     return summary

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -9,9 +10,16 @@ import torch
 from tasks.versioning import ArtifactRef, ArtifactStore
 
 
+def torch_save(payload: Any, path: Path) -> None:
+    """torch.save through a file object: the archive's inner folder name is then fixed, so the
+    same tensors give the same bytes (and DVC hash) whatever the (temporary) file name."""
+    with open(path, "wb") as handle:
+        torch.save(payload, handle)
+
+
 def save_checkpoint(store: ArtifactStore, relpath: str, payload: dict[str, Any]) -> ArtifactRef:
-    """Writes `payload` with torch.save under a temporary name, renames it, versions it."""
-    return store.write(relpath, lambda path: torch.save(payload, path))
+    """Writes `payload` under a temporary name, renames it, versions it."""
+    return store.write(relpath, lambda path: torch_save(payload, path))
 
 
 def load_checkpoint(store: ArtifactStore, ref: ArtifactRef) -> dict[str, Any]:

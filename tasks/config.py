@@ -42,7 +42,7 @@ class DataSection(StrictConfig):
     split_seed: int = Field(0, ge=0, description="seed of the train/validation/test split, "
                             "independent of the training seed so that every run sees the same "
                             "test set")
-    train_limit: int | None = Field(None, ge=1, description="use at most this many training "
+    train_limit: int | None = Field(20000, ge=1, description="use at most this many training "
                                     "images (a seeded subset); none: all")
     test_limit: int | None = Field(None, ge=1, description="evaluate on at most this many test "
                                    "images; none: all")
@@ -93,7 +93,7 @@ class ModelSection(StrictConfig):
 class OptimSection(StrictConfig):
     """How it learns: SGD with momentum, a cosine schedule and divergence guards."""
 
-    epochs: int = Field(6, ge=1, le=1000, description="passes over the training images")
+    epochs: int = Field(8, ge=1, le=1000, description="passes over the training images")
     batch_size: int = Field(128, ge=1, le=65536, description="images per training step")
     lr: float = Field(0.05, gt=0.0, le=10.0, description="peak learning rate (cosine decay)")
     warmup_epochs: float = Field(0.0, ge=0.0, le=100.0, description="linear warm-up, in epochs")
@@ -153,7 +153,8 @@ class TrainConfig(ProfiledConfig, DataSection, ModelSection, OptimSection, RunSe
         "smoke": {"model": "cnn2", "epochs": 1, "train_limit": 512, "test_limit": 256,
                   "batch_size": 64, "progress": False},
         "quick": {},
-        "full": {"epochs": 60, "width": 32, "batch_size": 256, "lr": 0.1, "warmup_epochs": 1.0},
+        "full": {"train_limit": None, "epochs": 60, "width": 32, "batch_size": 256, "lr": 0.1,
+                 "warmup_epochs": 1.0},
     }
 
     def registered_name(self, flow_name: str) -> str:

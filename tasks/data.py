@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 from prefect import task
-from prefect.cache_policies import INPUTS, TASK_SOURCE
 from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
+from tasks.caching import computation_key
+from tasks.checkpoints import torch_save
 from tasks.config import FASHION_MNIST, DataSection
 from tasks.environment import PROJECT_ROOT, data_dir
 from tasks.versioning import ArtifactRef, ArtifactStore, atomic_path, data_dvc_hash
@@ -30,6 +31,7 @@ from training.datasets import (
     limit,
     load_fashion_mnist,
     load_image_folder,
+    reshape_images,
     stratified_split,
 )
 
@@ -113,8 +115,9 @@ def _read_source(data: DataSection) -> tuple[ImageSet, Tensor, Tensor, Tensor]:
     if data.data == FASHION_MNIST:
         train = load_fashion_mnist(fashion_mnist_root(), train=True)
         test = load_fashion_mnist(fashion_mnist_root(), train=False)
-        merged = ImageSet(torch.cat([train.images, test.images]),
-                          torch.cat([train.labels, test.labels]), train.classes)
+        images = reshape_images(torch.cat([train.images, test.images]), data.image_size,
+                                data.channels or 1)
+        merged = ImageSet(images, torch.cat([train.labels, test.labels]), train.classes)
         train_idx = torch.arange(len(train.labels))
         test_idx = torch.arange(len(train.labels), len(merged.labels))
     else:
@@ -126,7 +129,7 @@ def _read_source(data: DataSection) -> tuple[ImageSet, Tensor, Tensor, Tensor]:
     return merged, train_idx[fit], train_idx[val], test_idx
 
 
-@task(cache_policy=INPUTS + TASK_SOURCE, persist_result=True, task_run_name="prepare-dataset")
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name="prepare-dataset")
 def prepare_dataset(data: DataSection, version: str) -> DatasetRef:
     """Reads, splits and versions the data set of a run (cached on the source version)."""
     source, train, val, test = _read_source(data)
@@ -142,7 +145,7 @@ def prepare_dataset(data: DataSection, version: str) -> DatasetRef:
     payload = {"images": images, "labels": source.labels[used].contiguous(), "ids": used,
                "splits": splits}
     key = hashlib.md5(f"{data.model_dump_json()}|{version}".encode()).hexdigest()[:16]
-    ref = ArtifactStore().write(f"datasets/{key}.pt", lambda path: torch.save(payload, path))
+    ref = ArtifactStore().write(f"datasets/{key}.pt", lambda path: torch_save(payload, path))
     return DatasetRef(artifact=ref, source=data.data, version=version, classes=source.classes,
                       channels=images.shape[1], image_size=images.shape[2], mean=mean, std=std,
                       sizes={name: len(idx) for name, idx in splits.items()},

@@ -16,15 +16,15 @@ ENV_FILE = PROJECT_ROOT / "project.env"
 
 
 def read_env_file(path: Path = ENV_FILE, root: Path = PROJECT_ROOT) -> dict[str, str]:
-    """Parses `KEY=VALUE` lines (comments and blanks skipped), expanding `${ROOT}`."""
+    """Parses `KEY ?= VALUE` lines (comments and blanks skipped), expanding `${ROOT}`."""
     values: dict[str, str] = {}
     for number, raw in enumerate(path.read_text().splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        key, sep, value = line.partition("=")
+        key, sep, value = line.partition("?=")
         if not sep or not key.strip().isidentifier():
-            raise ValueError(f"{path}:{number}: expected KEY=VALUE, got {raw!r}")
+            raise ValueError(f"{path}:{number}: expected KEY ?= VALUE, got {raw!r}")
         values[key.strip()] = value.strip().replace("${ROOT}", str(root))
     return values
 

@@ -1,8 +1,15 @@
 """Registration: the final model as an MLflow pyfunc, promoted only if it beats the champion.
 
 Both the new model and the current champion are scored through their pyfunc (raw uint8 images
-in, labels out) on the same test split in the same run, so the comparison is like for like and
-also proves that the served model works end to end.
+in, labels out) on the same test split in the same run, so the comparison is on the same images
+and also proves that the served model works end to end. Each model's own network and
+preprocessing settings come from its stored files; the Python preprocessing code is the one
+installed in this process.
+
+A model identical to a registered version (same exported program) is not registered again, so
+a re-run or a retried task never adds a duplicate version. A champion trained on other classes
+is not compared (its labels could never match): the new model stays a challenger and the
+decision says to choose another `--model-name`.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from importlib.metadata import version as package_version
 from pathlib import Path
 
 import numpy as np
+from mlflow.exceptions import MlflowException
 from prefect import task
 from pydantic import BaseModel, ConfigDict
 
@@ -60,6 +68,19 @@ def pyfunc_accuracy(model_uri: str, images: np.ndarray, labels: list[str]) -> fl
     return float(np.mean([p == t for p, t in zip(predicted, labels, strict=True)]))
 
 
+def _transient(state) -> bool:
+    """Retry only when the tracking server or the file system failed, not on a logic error."""
+    try:
+        state.result()
+    except (OSError, TimeoutError, ConnectionError):
+        return True
+    except MlflowException as error:
+        return error.error_code in ("TEMPORARILY_UNAVAILABLE", "INTERNAL_ERROR")
+    except Exception:
+        return False
+    return False
+
+
 def decide(accuracy: float, champion_accuracy: float | None) -> tuple[str, str]:
     """Champion only when strictly better than the current one (or when there is none)."""
     if champion_accuracy is None:
@@ -69,7 +90,8 @@ def decide(accuracy: float, champion_accuracy: float | None) -> tuple[str, str]:
     return CHALLENGER, f"does not beat the champion: {accuracy:.4f} <= {champion_accuracy:.4f}"
 
 
-@task(task_run_name="register-and-promote")
+@task(task_run_name="register-and-promote", retries=2, retry_delay_seconds=10,
+      retry_condition_fn=lambda _task, _run, state: _transient(state))
 def register_and_promote(run_id: str, name: str, dataset: DatasetRef,
                          program: ArtifactRef) -> Registration:
     """Logs the pyfunc, scores it and the champion on the test split, registers, sets alias."""
@@ -87,12 +109,30 @@ def register_and_promote(run_id: str, name: str, dataset: DatasetRef,
     images, labels = test_images(dataset)
     accuracy = pyfunc_accuracy(model_uri, images, labels)
     champion_version = tracking.alias_version(name, CHAMPION)
-    champion_accuracy = None
+    champion_accuracy, refusal = None, None
     if champion_version is not None:
-        champion_accuracy = pyfunc_accuracy(f"models:/{name}@{CHAMPION}", images, labels)
-    alias, decision = decide(accuracy, champion_accuracy)
-    version = tracking.register_model(model_uri, name, run_id, {
-        "test_accuracy": f"{accuracy:.6f}", "dataset": dataset.artifact.md5})
+        champion_classes = tracking.version_tags(name, champion_version).get("classes")
+        if champion_classes is not None and champion_classes != json.dumps(dataset.classes):
+            refusal = (f"the champion (version {champion_version}) was trained on other "
+                       "classes; register this data set's models under another --model-name")
+        else:
+            try:
+                champion_accuracy = pyfunc_accuracy(f"models:/{name}/{champion_version}",
+                                                    images, labels)
+            except Exception as error:  # an old champion that no longer loads or predicts
+                refusal = (f"the champion (version {champion_version}) could not be scored: "
+                           f"{error}")
+    if refusal:  # never replace a champion on a comparison that did not happen
+        alias, decision = CHALLENGER, refusal
+    else:
+        alias, decision = decide(accuracy, champion_accuracy)
+    version = tracking.find_version(name, "program", program.md5)
+    if version is None:
+        version = tracking.register_model(model_uri, name, run_id, {
+            "test_accuracy": f"{accuracy:.6f}", "dataset": dataset.artifact.md5,
+            "program": program.md5, "classes": json.dumps(dataset.classes)})
+    elif version == champion_version:
+        alias, decision = CHAMPION, f"same model as the champion (version {version})"
     tracking.set_alias(name, alias, version)
     tracking.set_tags(run_id, {"registry.model": name, "registry.version": version,
                                "registry.alias": alias, "registry.decision": decision,

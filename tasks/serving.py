@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,34 +21,21 @@ import mlflow.pyfunc
 import numpy as np
 import pandas as pd
 import torch
-from torch import nn
 
 from training.batches import Normalize
 from training.preprocess import array_to_image, decode_image, images_to_batch
 
-# MLflow asks for predict() type hints to build a schema; this model accepts two input kinds
-# (a DataFrame of encoded images, or a uint8 array) and validates them itself.
-warnings.filterwarnings("ignore", message=".*Add type hints to the `predict` method")
-
 IMAGE_COLUMN = "image"
 CHUNK = 512
-
-
-def export_program(model: nn.Module, channels: int, size: int, path: Path) -> None:
-    """Exports an eval-mode copy of `model` on the CPU, with a dynamic batch dimension."""
-    model = model.to("cpu").eval()
-    example = torch.zeros(2, channels, size, size)
-    batch = torch.export.Dim("batch", min=1, max=1 << 20)
-    program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
-    torch.export.save(program, str(path))
 
 
 def _as_bytes(value: Any, row: int) -> bytes:
     if isinstance(value, bytes | bytearray | memoryview):
         return bytes(value)
     if isinstance(value, str):
+        text = value.split(",", 1)[1] if value.startswith("data:") else value  # a data: URL
         try:
-            return base64.b64decode(value, validate=True)
+            return base64.b64decode("".join(text.split()), validate=True)
         except binascii.Error:
             raise ValueError(f"row {row} of column '{IMAGE_COLUMN}' is text but not base64 "
                              "image bytes") from None
@@ -65,6 +51,8 @@ def input_images(model_input: Any) -> list:
                              f"columns {list(model_input.columns)}")
         return [decode_image(_as_bytes(v, i)) for i, v in enumerate(model_input[IMAGE_COLUMN])]
     array = np.asarray(model_input)
+    if array.size == 0:
+        raise ValueError("no images in the input")
     if array.ndim not in (3, 4):
         raise ValueError(f"expected images N x H x W or N x H x W x C, got shape {array.shape}")
     if array.dtype != np.uint8:

@@ -70,9 +70,8 @@ def git_commit(root: Path = PROJECT_ROOT) -> str:
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], check=True,
                                 capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
-                                "--untracked-files=no"], check=True, capture_output=True,
-                               text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain"], check=True,
+                               capture_output=True, text=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return f"{commit}-dirty" if dirty else commit
@@ -172,12 +171,37 @@ def register_model(model_uri: str, name: str, run_id: str, tags: Mapping[str, st
     return str(version.version)
 
 
+def _missing(error: MlflowException) -> bool:
+    return error.error_code == "RESOURCE_DOES_NOT_EXIST"
+
+
 def alias_version(name: str, alias: str) -> str | None:
-    """The version of `name` that holds `alias`, or None."""
+    """The version of `name` that holds `alias`; None only when there is none (or no model)."""
     try:
         return str(client().get_model_version_by_alias(name, alias).version)
-    except MlflowException:
-        return None
+    except MlflowException as error:
+        if _missing(error):
+            return None
+        raise
+
+
+def version_tags(name: str, version: str) -> dict[str, str]:
+    """The tags of one model version."""
+    return dict(client().get_model_version(name, version).tags)
+
+
+def find_version(name: str, tag: str, value: str) -> str | None:
+    """The first version of `name` whose tag `tag` equals `value`, or None."""
+    try:
+        versions = client().search_model_versions(f"name = '{name}'")
+    except MlflowException as error:
+        if _missing(error):
+            return None
+        raise
+    for version in sorted(versions, key=lambda v: int(v.version)):
+        if version.tags.get(tag) == value:
+            return str(version.version)
+    return None
 
 
 def set_alias(name: str, alias: str, version: str) -> None:

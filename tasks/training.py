@@ -2,8 +2,9 @@
 
 Each epoch is one Prefect task that loads the previous checkpoint by reference, trains, scores
 the validation split, writes and versions a new checkpoint, and returns only the reference and
-the metrics. Tasks are cached on their inputs (config, data set, epoch, previous checkpoint),
-so re-running a flow after a crash skips the epochs already done and resumes from the last one.
+the metrics. Tasks are cached on their inputs (config, data set, epoch, previous checkpoint)
+and the code's version, so re-running a flow after a crash skips the epochs already done and
+resumes from the last one.
 """
 
 from __future__ import annotations
@@ -15,15 +16,15 @@ from pathlib import Path
 
 import torch
 from prefect import task
-from prefect.cache_policies import INPUTS, TASK_SOURCE
+from prefect.runtime import task_run
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from models import ImageClassifier, build_model
+from tasks.caching import computation_key, result_fields
 from tasks.checkpoints import load_checkpoint, save_checkpoint
 from tasks.config import ModelSection, OptimSection, RunSection
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
-from tasks.serving import export_program
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.batches import Batches, Normalize
 from training.device import place_model, resolve_device
@@ -50,8 +51,8 @@ def classifier_config(config: BaseModel) -> ClassifierConfig:
 
 
 def run_key(config: BaseModel, dataset: DatasetRef) -> str:
-    """A short digest naming a training run's checkpoints (its config and data set)."""
-    text = json.dumps([config.model_dump(mode="json"), dataset.artifact.md5], sort_keys=True)
+    """A short digest naming a training run's checkpoints (its result-relevant config, data)."""
+    text = json.dumps([result_fields(config), dataset.artifact.md5], sort_keys=True)
     return hashlib.md5(text.encode()).hexdigest()[:12]
 
 
@@ -70,10 +71,11 @@ def make_optimizer(model: nn.Module, config: ClassifierConfig) -> torch.optim.SG
 def split_batches(data: LoadedDataset, dataset: DatasetRef, split: str, batch_size: int,
                   device: torch.device, shuffle: bool = False, seed: int = 0,
                   augment: float = 0.0) -> Batches:
-    """Batches over one split of a loaded data set."""
+    """Batches over one split of a loaded data set; a shuffled (training) pass drops a short
+    last batch, so BatchNorm never sees a batch of one."""
     return Batches(data.images, data.labels, data.splits[split], batch_size,
                    Normalize(dataset.mean, dataset.std), shuffle=shuffle, seed=seed,
-                   augment=augment, device=device)
+                   augment=augment, drop_last=shuffle, device=device)
 
 
 def restore(model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -90,7 +92,11 @@ def _setup(config: ClassifierConfig) -> torch.device:
     return resolve_device(config.device)
 
 
-@task(cache_policy=INPUTS + TASK_SOURCE, persist_result=True, task_run_name="epoch-{epoch}")
+def _epoch_run_name() -> str:
+    return f"epoch-{task_run.parameters['epoch'] + 1}"  # 1-based, like checkpoints and steps
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name=_epoch_run_name)
 def train_classifier_epoch(config: ClassifierConfig, dataset: DatasetRef, epoch: int,
                            previous: ArtifactRef | None, run_name: str = "train") -> EpochResult:
     """Trains epoch `epoch` (0-based) from `previous` and scores the validation split."""
@@ -124,12 +130,21 @@ def train_classifier_epoch(config: ClassifierConfig, dataset: DatasetRef, epoch:
     val = evaluate(model, split_batches(data, dataset, "val", 1024, device), device)
     metrics |= {"val_accuracy": val["accuracy"], "val_loss": val["loss"],
                 "lr": optimizer.param_groups[0]["lr"],
-                "images_per_second": len(batches.indices) / seconds}
+                "images_per_second": len(batches) * config.batch_size / seconds}
     payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                "epoch": epoch, "metrics": metrics}
     relpath = f"checkpoints/{run_name}/{run_key(config, dataset)}/epoch-{epoch + 1:03d}.pt"
     return EpochResult(epoch=epoch, checkpoint=save_checkpoint(store, relpath, payload),
                        metrics=metrics)
+
+
+def export_program(model: nn.Module, channels: int, size: int, path: Path) -> None:
+    """Exports an eval-mode copy of `model` on the CPU, with a dynamic batch dimension."""
+    model = model.to("cpu").eval()
+    example = torch.zeros(2, channels, size, size)
+    batch = torch.export.Dim("batch", min=1, max=1 << 20)
+    program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
+    torch.export.save(program, str(path))
 
 
 class TestResult(BaseModel):
@@ -141,7 +156,7 @@ class TestResult(BaseModel):
     program: ArtifactRef
 
 
-@task(cache_policy=INPUTS + TASK_SOURCE, persist_result=True, task_run_name="test-and-export")
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name="test-and-export")
 def test_and_export(config: ClassifierConfig, dataset: DatasetRef,
                     checkpoint: ArtifactRef) -> TestResult:
     """Scores a checkpoint on the test split and exports it as a torch.export program."""

@@ -68,6 +68,8 @@ def atomic_path(target: Path):
     os.close(handle)
     try:
         yield Path(temporary)
+        with open(temporary, "rb+") as written:  # on disk before it gets the real name
+            os.fsync(written.fileno())
         os.replace(temporary, target)
     finally:
         if os.path.exists(temporary):
@@ -133,22 +135,27 @@ class ArtifactStore:
         return self.root / (ref.path if isinstance(ref, ArtifactRef) else ref)
 
     def _repo(self) -> Repo:
+        """Opens the store (created on first use) with its remote set to the current URL."""
         if not (self.root / ".dvc").is_dir():
             self.root.mkdir(parents=True, exist_ok=True)
             with redirect_stdout(io.StringIO()):  # DVC prints a banner on init
                 Repo.init(str(self.root), no_scm=True, force=True)
-            url = self._remote_url or project_remote_url()
-            if "://" not in url:
-                url = str(Path(url).resolve())
-            repo = Repo(str(self.root))
-            with repo.config.edit() as config:
+        url = self._remote_url or project_remote_url()
+        if "://" not in url:
+            url = str(Path(url).resolve())
+        repo = Repo(str(self.root))
+        core = repo.config["core"]
+        if core.get("remote") != REMOTE_NAME or \
+                repo.config["remote"].get(REMOTE_NAME, {}).get("url") != url:
+            with repo.config.edit() as config:  # the remote follows the project's setting
                 config["core"]["remote"] = REMOTE_NAME
                 config["core"]["analytics"] = False
                 config["core"]["check_update"] = False
                 config["remote"][REMOTE_NAME] = {"url": url}
                 config["cache"]["type"] = "reflink,hardlink,copy"
             repo.close()
-        return Repo(str(self.root))
+            repo = Repo(str(self.root))
+        return repo
 
     def _with_repo(self, action: Callable[[Repo], object]) -> object:
         """Runs `action` on a fresh Repo under the store's lock, retrying a busy DVC lock."""
@@ -203,6 +210,7 @@ class ArtifactStore:
         try:
             self._with_repo(pull)
         except DvcException as error:
+            pointer.unlink(missing_ok=True)
             raise FileNotFoundError(f"artifact {ref.path} (md5 {ref.md5}) is neither local nor "
                                     f"on the DVC remote: {error}") from error
         return target

@@ -1,7 +1,7 @@
 """Test session setup: a private MLflow store, artifact store, DVC remote and Prefect home.
 
-The variables are set before `tasks` is imported, so project.env's defaults (which only fill
-what is unset) never point a test at the project's own stores. Prefect runs against one
+The variables are set before Prefect or MLflow is imported, so tests never write to the
+project's own stores. Prefect runs against one
 session-wide `prefect_test_harness`. The data is the real Fashion-MNIST prepared by `make data`.
 """
 
@@ -14,14 +14,17 @@ from pathlib import Path
 
 import pytest
 
+from tasks.environment import read_env_file  # Prefect and MLflow are not imported yet
+
 _SESSION_DIR = Path(tempfile.mkdtemp(prefix="compactml-tests-"))
-os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_SESSION_DIR}/mlruns/mlflow.db"
+# A tracking URI chosen by the user (a test server, say) is honoured; the project's own default
+# store is never written by tests.
+if os.environ.get("MLFLOW_TRACKING_URI") in (None, read_env_file()["MLFLOW_TRACKING_URI"]):
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_SESSION_DIR}/mlruns/mlflow.db"
 os.environ["COMPACTML_ARTIFACTS"] = str(_SESSION_DIR / "artifacts")
 os.environ["COMPACTML_DVC_REMOTE"] = str(_SESSION_DIR / "dvc-remote")
 os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
 (_SESSION_DIR / "mlruns").mkdir()
-
-import tasks  # noqa: E402,F401  (applies project.env for everything not set above)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -61,3 +64,22 @@ def fashion_folder(tmp_path_factory) -> Path:
                 image = image.convert("RGB").resize((36, 36))
             image.save(folder / f"img{n:03d}.{'jpg' if n % 2 else 'png'}")
     return root
+
+
+SMOKE_MODEL = "smoke-model"
+
+
+def smoke(**overrides):
+    """A seconds-long `train` config on 1024 Fashion-MNIST images, registered as SMOKE_MODEL."""
+    from tasks.config import TrainConfig
+
+    return TrainConfig(**{"profile": "smoke", "model_name": SMOKE_MODEL, "epochs": 2,
+                          "train_limit": 1024, "lr": 0.1, **overrides})
+
+
+@pytest.fixture(scope="session")
+def first_run():
+    """The session's first smoke run of the `train` flow (the champion of SMOKE_MODEL)."""
+    from flows.train import train
+
+    return train(smoke())

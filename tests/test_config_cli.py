@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_profile_fills_only_what_is_not_given():
     smoke = TrainConfig(profile="smoke", epochs=3)
     assert smoke.model == "cnn2" and smoke.train_limit == 512 and smoke.epochs == 3
-    assert TrainConfig().epochs == 6 and TrainConfig().model == "resnet18"
+    quick = TrainConfig()
+    assert quick.epochs == 8 and quick.train_limit == 20000 and quick.model == "resnet18"
 
 
 @pytest.mark.parametrize(("values", "field"), [

@@ -1,5 +1,7 @@
 """Data: Fashion-MNIST from disk, ImageFolder reading and its errors, deterministic splits."""
 
+import io
+
 import pytest
 import torch
 from PIL import Image
@@ -13,6 +15,7 @@ from training.datasets import (
     load_image_folder,
     stratified_split,
 )
+from training.preprocess import image_to_array
 
 
 def test_fashion_mnist_is_the_real_data_set():
@@ -78,3 +81,21 @@ def test_limit_and_channel_stats():
     images = torch.tensor([0, 255], dtype=torch.uint8).view(2, 1, 1, 1)
     mean, std = channel_stats(images)
     assert mean == pytest.approx([0.5]) and std == pytest.approx([0.70710678])
+
+
+def test_wide_grayscale_is_scaled_not_clipped():
+    wide = Image.new("I;16", (3, 1))
+    for x, value in enumerate((0, 1000, 65535)):
+        wide.putpixel((x, 0), value)
+    assert image_to_array(wide, 3, 1)[0, 0, :].tolist() == [0, 4, 255]  # 1000/65535*255 = 3.9
+
+
+def test_exif_orientation_is_applied():
+    image = Image.new("L", (4, 8), 0)
+    image.paste(255, (0, 0, 4, 1))  # a white top row, stored upside down
+    exif = Image.Exif()
+    exif[0x0112] = 3  # orientation tag: rotate 180 degrees to show it upright
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", exif=exif.tobytes())
+    upright = image_to_array(Image.open(io.BytesIO(buffer.getvalue())), 8, 1)[0]
+    assert upright[-1].mean() > upright[0].mean()

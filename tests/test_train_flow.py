@@ -20,14 +20,10 @@ from flows.train import train
 from tasks import tracking
 from tasks.config import TrainConfig
 from tasks.versioning import data_dvc_hash
+from tests.conftest import SMOKE_MODEL as NAME
+from tests.conftest import smoke
 
 ROOT = Path(__file__).resolve().parents[1]
-NAME = "smoke-model"
-
-
-def smoke(**overrides) -> TrainConfig:
-    return TrainConfig(**{"profile": "smoke", "model_name": NAME, "epochs": 2,
-                          "train_limit": 1024, "lr": 0.1, **overrides})
 
 
 def task_states(flow_state) -> dict[str, str]:
@@ -36,11 +32,6 @@ def task_states(flow_state) -> dict[str, str]:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(
             id=FlowRunFilterId(any_=[flow_run_id])))
     return {run.name: run.state.name for run in runs}
-
-
-@pytest.fixture(scope="session")
-def first_run():
-    return train(smoke())
 
 
 def test_run_records_config_metrics_versions_and_champion(first_run):
@@ -75,7 +66,7 @@ def test_worse_model_is_only_a_challenger(first_run):
 def test_same_config_again_reuses_every_training_task(first_run):
     state = train(smoke(), return_state=True)
     states = task_states(state)
-    assert states["epoch-0"] == "Cached" and states["epoch-1"] == "Cached"
+    assert states["epoch-1"] == "Cached" and states["epoch-2"] == "Cached"
     assert states["prepare-dataset"] == "Cached" and states["register-and-promote"] == "Completed"
     assert state.result().test_accuracy == pytest.approx(first_run.test_accuracy)
 
@@ -102,8 +93,8 @@ def test_killed_run_resumes_from_the_last_finished_epoch(session_dir):
                              seed=5)
     state = train(config_obj, return_state=True)
     states = task_states(state)
-    assert states["epoch-0"] == "Cached"
-    assert states["epoch-3"] == "Completed"
+    assert states["epoch-1"] == "Cached"
+    assert states["epoch-4"] == "Completed"
 
 
 def test_image_folder_trains_end_to_end(fashion_folder):

@@ -52,7 +52,8 @@ class Batches:
         images: uint8 (N, C, H, W), the whole data set (moved to `device` once).
         labels: int64 (N,).
         indices: which rows to iterate (dataset ids; returned with each batch).
-        batch_size: images per batch; the last batch may be smaller unless `drop_last`.
+        batch_size: images per batch; the last batch may be smaller unless `drop_last` (which
+            keeps a short batch only when there is no full one).
         normalize: the per-channel normalisation.
         shuffle: reshuffle every pass, from `seed` and the pass number.
         seed: seed of the shuffling and augmentation generator.
@@ -90,7 +91,7 @@ class Batches:
 
     def __len__(self) -> int:
         full, rest = divmod(len(self.indices), self.batch_size)
-        return full if (self.drop_last or rest == 0) else full + 1
+        return full if rest == 0 or (self.drop_last and full > 0) else full + 1
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
         generator = torch.Generator().manual_seed(self.seed * 100_003 + self.passes)

@@ -19,7 +19,11 @@ from torchvision.datasets import FashionMNIST
 
 from training.preprocess import GRAY_MODES, image_to_array
 
-IMAGE_EXTENSIONS = frozenset(ext.lower() for ext in Image.registered_extensions())
+# Extensions of the formats Pillow can open (some registered ones, like .pdf, are save-only).
+IMAGE_EXTENSIONS = frozenset(ext.lower() for ext, fmt in Image.registered_extensions().items()
+                             if fmt in Image.OPEN)
+BAD_IMAGE_ERRORS = (UnidentifiedImageError, OSError, ValueError, SyntaxError,
+                    Image.DecompressionBombError)
 
 
 class DataError(ValueError):
@@ -52,6 +56,18 @@ def load_fashion_mnist(root: Path, train: bool) -> ImageSet:
         raise DataError(f"Fashion-MNIST not found in {raw} (run `make data`): {error}") from None
     return ImageSet(dataset.data.unsqueeze(1).contiguous(), dataset.targets.long(),
                     list(dataset.classes))
+
+
+def reshape_images(images: Tensor, size: int, channels: int) -> Tensor:
+    """uint8 images at another square size or channel count, through the same conversion the
+    served model applies to raw images (so training and serving see the same pixels)."""
+    if images.shape[1:] == (channels, size, size):
+        return images
+    mode = "L" if images.shape[1] == 1 else "RGB"
+    arrays = [image_to_array(Image.fromarray(img.squeeze(2) if mode == "L" else img, mode),
+                             size, channels)
+              for img in images.permute(0, 2, 3, 1).numpy()]
+    return torch.from_numpy(np.stack(arrays))
 
 
 def _bad_image(path: Path, error: Exception, skip: bool, skipped: list[str]) -> None:
@@ -89,7 +105,8 @@ def load_image_folder(
     for label, class_dir in enumerate(class_dirs):
         files = sorted(
             p for p in class_dir.rglob("*")
-            if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS
+            if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
+            and not any(part.startswith(".") for part in p.relative_to(class_dir).parts)
         )
         if not files:
             raise DataError(f"class folder {class_dir} has no images")
@@ -102,7 +119,7 @@ def load_image_folder(
             with Image.open(path) as image:
                 modes.append(image.mode)
             readable.append((path, label))
-        except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as error:
+        except BAD_IMAGE_ERRORS as error:
             _bad_image(path, error, skip_bad_images, skipped)
     if channels is None:
         channels = 1 if all(mode in GRAY_MODES for mode in modes) else 3
@@ -112,7 +129,7 @@ def load_image_folder(
             with Image.open(path) as image:
                 arrays.append(image_to_array(image, image_size, channels))
             labels.append(label)
-        except (OSError, ValueError, SyntaxError) as error:
+        except BAD_IMAGE_ERRORS as error:
             _bad_image(path, error, skip_bad_images, skipped)
     for label, class_dir in enumerate(class_dirs):
         if label not in labels:

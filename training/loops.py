@@ -7,6 +7,7 @@ minimised; every key becomes a metric under the same name (`loss`, `loss_ce`, ..
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterable
 
 import torch
@@ -70,7 +71,8 @@ def train_epoch(
     model.train()
     sums: dict[str, Tensor] = {}
     seen = 0
-    bar = tqdm(batches, desc=progress, leave=False, disable=progress is None, unit="batch")
+    bar = tqdm(batches, desc=progress, leave=False, disable=progress is None, unit="batch",
+               mininterval=0.5 if sys.stderr.isatty() else 30.0)  # logs get few lines
     for index, (_, x, y) in enumerate(bar):
         if lr_at is not None:
             for group in optimizer.param_groups:

@@ -11,15 +11,31 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 from torch import Tensor
 
-GRAY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "F"})
+GRAY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"})
+
+
+WIDE_GRAY_MODES = frozenset({"I", "I;16", "I;16B", "I;16L", "F"})
+
+
+def to_8bit(image: Image.Image) -> Image.Image:
+    """16-bit, 32-bit and float grayscale scaled to 0..255 (PIL's convert would clip them)."""
+    if image.mode not in WIDE_GRAY_MODES:
+        return image
+    array = np.asarray(image, dtype=np.float64)
+    top = 65535.0 if image.mode.startswith("I;16") else max(float(array.max()), 255.0)
+    return Image.fromarray(np.clip(array * (255.0 / top), 0, 255).round().astype(np.uint8), "L")
 
 
 def image_to_array(image: Image.Image, size: int, channels: int) -> np.ndarray:
-    """A PIL image as uint8 (channels, size, size): converted to L or RGB, resized bilinearly."""
-    converted = image.convert("L" if channels == 1 else "RGB")
+    """A PIL image as uint8 (channels, size, size).
+
+    Turned upright by its EXIF orientation, wide grayscale scaled to 8 bits, converted to L or
+    RGB, resized bilinearly.
+    """
+    converted = to_8bit(ImageOps.exif_transpose(image)).convert("L" if channels == 1 else "RGB")
     if converted.size != (size, size):
         converted = converted.resize((size, size), Image.Resampling.BILINEAR)
     array = np.asarray(converted, dtype=np.uint8)

@@ -1,0 +1,144 @@
+"""Images per second of the `train` flow's training step against a bare PyTorch loop.
+
+Both train the same model on the same Fashion-MNIST images with the same batch size, the same
+augmentation, schedule and gradient clipping, and both score the validation split after each
+epoch. The flow side runs the real epoch task inside a Prefect flow with an MLflow run, metric
+logging and a checkpoint written, added to DVC and pushed: everything the `train` flow does per
+epoch. The two alternate epoch by epoch in one process (order swapped every round), so machine
+noise hits both.
+
+    python -m bench.throughput            # quick profile data: ~6 minutes on 2 cores
+    python -m bench.throughput --full     # GPU-sized: all 54k images, wider models
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from prefect import flow
+
+from bench.common import mean_std, print_json, print_table
+from flows.train import data_section
+from tasks import tracking
+from tasks.config import TrainConfig
+from tasks.data import DatasetRef, load_dataset, prepare_dataset, source_version
+from tasks.training import (
+    ClassifierConfig,
+    classifier_config,
+    make_optimizer,
+    new_model,
+    split_batches,
+    train_classifier_epoch,
+)
+from training.device import autocast, place_model, resolve_device
+from training.loops import cosine_lr, evaluate
+
+EXPERIMENT = "bench-throughput"
+
+
+class BareLoop:
+    """The plain loop: zero_grad, forward (autocast where the flow uses it), cross-entropy,
+    backward, clip, step; then validation. Same schedule and loss settings as the flow."""
+
+    def __init__(self, config: ClassifierConfig, dataset: DatasetRef) -> None:
+        self.config, self.dataset = config, dataset
+        self.device = resolve_device(config.device)
+        self.data = load_dataset(dataset)
+        self.model = place_model(new_model(config, dataset), self.device)
+        self.optimizer = make_optimizer(self.model, config)
+
+    def epoch(self, epoch: int) -> float:
+        """Trains one epoch and scores validation; returns training images per second."""
+        config = self.config
+        batches = split_batches(self.data, self.dataset, "train", config.batch_size, self.device,
+                                shuffle=True, seed=config.seed * 1000 + epoch,
+                                augment=config.augment)
+        total = config.epochs * len(batches)
+        warmup = round(config.warmup_epochs * len(batches))
+        started = time.perf_counter()
+        self.model.train()
+        for index, (_, x, y) in enumerate(batches):
+            for group in self.optimizer.param_groups:
+                group["lr"] = cosine_lr(config.lr, epoch * len(batches) + index, total, warmup)
+            self.optimizer.zero_grad(set_to_none=True)
+            with autocast(self.device):
+                loss = torch.nn.functional.cross_entropy(
+                    self.model(x), y, label_smoothing=config.label_smoothing)
+            loss.backward()
+            if config.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
+            self.optimizer.step()
+        evaluate(self.model, split_batches(self.data, self.dataset, "val", 1024, self.device),
+                 self.device)
+        return len(batches) * config.batch_size / (time.perf_counter() - started)
+
+
+class FlowSide:
+    """The `train` flow's per-epoch work: the epoch task plus tracking of its results."""
+
+    def __init__(self, config: ClassifierConfig, dataset: DatasetRef, run_id: str) -> None:
+        self.config, self.dataset, self.run_id = config, dataset, run_id
+        self.task = train_classifier_epoch.with_options(refresh_cache=True)
+        self.previous = None
+
+    def epoch(self, epoch: int) -> float:
+        """Runs one epoch task and logs it; returns training images per second."""
+        started = time.perf_counter()
+        result = self.task(self.config, self.dataset, epoch, self.previous, EXPERIMENT)
+        tracking.log_metrics(self.run_id, result.metrics, step=epoch + 1)
+        tracking.log_artifact_refs(self.run_id, {f"checkpoint.epoch-{epoch + 1:03d}":
+                                                 result.checkpoint})
+        self.previous = result.checkpoint
+        trained = self.dataset.sizes["train"] // self.config.batch_size * self.config.batch_size
+        return trained / (time.perf_counter() - started)
+
+
+@flow(name=EXPERIMENT)
+def measure(model_names: list[str], rounds: int, full: bool) -> list[dict]:
+    """Alternates bare and flow epochs for each model; returns their rates and ratio."""
+    results = []
+    for name in model_names:
+        config = TrainConfig(profile="full" if full else "quick", model=name, epochs=rounds + 1,
+                             progress=False)
+        data_cfg = data_section(config)
+        dataset = prepare_dataset(data_cfg, source_version(data_cfg))
+        classifier = classifier_config(config)
+        rates: dict[str, list[float]] = {"bare": [], "flow": []}
+        with tracking.tracked_run(EXPERIMENT, f"throughput-{name}", config) as run_id:
+            sides = {"bare": BareLoop(classifier, dataset),
+                     "flow": FlowSide(classifier, dataset, run_id)}
+            for epoch in range(rounds + 1):  # epoch 0 warms both sides up and is not counted
+                for side in (("bare", "flow") if epoch % 2 == 0 else ("flow", "bare")):
+                    rate = sides[side].epoch(epoch)
+                    if epoch > 0:
+                        rates[side].append(rate)
+        bare, flow_ = mean_std(rates["bare"]), mean_std(rates["flow"])
+        results.append({"model": name, "images": dataset.sizes["train"],
+                        "batch_size": config.batch_size, "rounds": rounds,
+                        "bare_images_per_s": bare[0], "bare_std": bare[1],
+                        "flow_images_per_s": flow_[0], "flow_std": flow_[1],
+                        "ratio": flow_[0] / bare[0]})
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="GPU-sized run")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timed epochs per side and model (after one warm-up epoch)")
+    parser.add_argument("--models", nargs="+", default=["cnn3", "resnet18"])
+    args = parser.parse_args()
+    results = measure(args.models, args.rounds, args.full)
+    print_table(["model", "train images", "batch", "bare img/s", "flow img/s", "flow/bare"],
+                [[r["model"], r["images"], r["batch_size"],
+                  f"{r['bare_images_per_s']:.0f} ± {r['bare_std']:.0f}",
+                  f"{r['flow_images_per_s']:.0f} ± {r['flow_std']:.0f}", f"{r['ratio']:.3f}"]
+                 for r in results])
+    print_json({"benchmark": "throughput", "device": str(resolve_device("auto")),
+                "results": results, "min_ratio": min(r["ratio"] for r in results)})
+
+
+if __name__ == "__main__":
+    main()

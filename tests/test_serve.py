@@ -1,0 +1,84 @@
+"""`mlflow models serve -m models:/NAME@champion` answers raw-image requests (a real server)."""
+
+import base64
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tasks import tracking
+from tasks.data import fashion_mnist_root
+from tests.conftest import SMOKE_MODEL
+from training.datasets import load_fashion_mnist
+
+MLFLOW = Path(sys.executable).with_name("mlflow")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def post(url: str, payload: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture(scope="module")
+def server(first_run, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    proc = subprocess.Popen(
+        [str(MLFLOW), "models", "serve", "-m", f"models:/{SMOKE_MODEL}@champion",
+         "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)],
+        env={**os.environ, "PATH": f"{MLFLOW.parent}{os.pathsep}{os.environ['PATH']}"},
+        stdout=subprocess.DEVNULL, stderr=open(log, "wb"))  # noqa: SIM115 (closed by the OS)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"mlflow models serve exited: {log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/ping", timeout=2):
+                break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("mlflow models serve did not answer /ping within 120 s")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_served_champion_answers_like_the_loaded_model(server, first_run):
+    test = load_fashion_mnist(fashion_mnist_root(), train=False)
+    pixels = test.images[:64, 0].numpy()
+    encoded = []
+    for image in pixels:
+        buffer = io.BytesIO()
+        Image.fromarray(image).save(buffer, format="PNG")
+        encoded.append(base64.b64encode(buffer.getvalue()).decode())
+    by_png = post(f"{server}/invocations",
+                  {"dataframe_split": {"columns": ["image"], "data": [[e] for e in encoded]}})
+    by_array = post(f"{server}/invocations", {"inputs": pixels.tolist()})
+    rows = by_png["predictions"]
+    assert len(rows) == 64 and rows == by_array["predictions"]
+    local = tracking.load_pyfunc(f"models:/{SMOKE_MODEL}@champion").predict(pixels)
+    assert [row["label"] for row in rows] == local["label"].tolist()
+    assert [row["confidence"] for row in rows] == pytest.approx(local["confidence"].tolist())
+    accuracy = np.mean([row["label"] == test.classes[y] for row, y in
+                        zip(rows, test.labels[:64].tolist(), strict=True)])
+    assert accuracy > 0.2  # the smoke champion is weak, but far above chance (0.1)

@@ -1,0 +1,51 @@
+"""Task logic through `.fn()`: the data and epoch tasks on a fresh artifact store."""
+
+import math
+
+import pytest
+import torch
+
+from flows.train import data_section
+from tasks.config import TrainConfig
+from tasks.data import load_dataset, prepare_dataset, source_version
+from tasks.training import classifier_config, run_key, train_classifier_epoch
+from tasks.versioning import ArtifactStore
+
+
+def test_prepare_dataset_splits_and_versions_the_subset():
+    config = TrainConfig(profile="smoke", train_limit=300, test_limit=100, val_fraction=0.2)
+    data = data_section(config)
+    ref = prepare_dataset.fn(data, source_version(data))
+    assert ref.sizes == {"train": 300, "val": 12000, "test": 100}
+    assert ref.classes[9] == "Ankle boot" and ref.channels == 1 and ref.image_size == 28
+    loaded = load_dataset(ref)
+    ids = {name: set(loaded.ids[idx].tolist()) for name, idx in loaded.splits.items()}
+    assert ids["train"].isdisjoint(ids["val"]) and ids["train"].isdisjoint(ids["test"])
+    assert min(ids["test"]) >= 60000  # Fashion-MNIST's own test images
+    assert ArtifactStore().fetch(ref.artifact).stat().st_size == ref.artifact.size
+    again = prepare_dataset.fn(data, source_version(data))
+    assert again.artifact == ref.artifact  # same inputs, same bytes, same hash
+
+
+def test_resized_rgb_fashion_mnist():
+    data = data_section(TrainConfig(profile="smoke", image_size=32, channels=3))
+    ref = prepare_dataset.fn(data, source_version(data))
+    assert (ref.channels, ref.image_size) == (3, 32)
+    assert load_dataset(ref).images.shape[1:] == (3, 32, 32)
+
+
+def test_epoch_task_resumes_with_the_configured_learning_rate():
+    config = TrainConfig(profile="smoke", epochs=2, lr=0.2, momentum=0.0, train_limit=256)
+    data = data_section(config)
+    dataset = prepare_dataset.fn(data, source_version(data))
+    classifier = classifier_config(config)
+    first = train_classifier_epoch.fn(classifier, dataset, 0, None)
+    assert first.checkpoint.path.endswith(f"{run_key(classifier, dataset)}/epoch-001.pt")
+    # A checkpoint written with another learning rate: the resumed run must not inherit it.
+    stored = torch.load(ArtifactStore().fetch(first.checkpoint), weights_only=True)
+    assert stored["optimizer"]["param_groups"][0]["lr"] == first.metrics["lr"]
+    faster = classifier.model_copy(update={"lr": 0.4})
+    second = train_classifier_epoch.fn(faster, dataset, 1, first.checkpoint)
+    # 256 images in batches of 64: 4 steps an epoch; the last step is step 7 of 8, and the
+    # cosine schedule of the configured 0.4 gives 0.4 * (1 + cos(7/8 pi)) / 2 there.
+    assert second.metrics["lr"] == pytest.approx(0.4 * 0.5 * (1 + math.cos(math.pi * 7 / 8)))
