@@ -95,7 +95,7 @@ def train_epoch(
         for key, value in losses.items():
             sums[key] = sums.get(key, 0.0) + value.detach().float() * n
         if index % 20 == 0 and progress is not None:
-            bar.set_postfix(loss=f"{loss.item():.4f}")
+            bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
     return {key: (value / max(seen, 1)).item() for key, value in sums.items()}
 
 
