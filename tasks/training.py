@@ -130,7 +130,9 @@ def train_classifier_epoch(config: ClassifierConfig, dataset: DatasetRef, epoch:
     val = evaluate(model, split_batches(data, dataset, "val", 1024, device), device)
     metrics |= {"val_accuracy": val["accuracy"], "val_loss": val["loss"],
                 "lr": optimizer.param_groups[0]["lr"],
-                "images_per_second": len(batches) * config.batch_size / seconds}
+                "images_per_second": len(batches) * config.batch_size / seconds,
+                "train_seconds": seconds,
+                "val_seconds": time.perf_counter() - started - seconds}
     payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                "epoch": epoch, "metrics": metrics}
     relpath = f"checkpoints/{run_name}/{run_key(config, dataset)}/epoch-{epoch + 1:03d}.pt"
