@@ -49,3 +49,22 @@ def test_epoch_task_resumes_with_the_configured_learning_rate():
     # 256 images in batches of 64: 4 steps an epoch; the last step is step 7 of 8, and the
     # cosine schedule of the configured 0.4 gives 0.4 * (1 + cos(7/8 pi)) / 2 there.
     assert second.metrics["lr"] == pytest.approx(0.4 * 0.5 * (1 + math.cos(math.pi * 7 / 8)))
+
+
+def test_warm_continuation_equals_a_cold_resume_from_the_checkpoint():
+    from tasks import training
+
+    config = TrainConfig(profile="smoke", epochs=2, train_limit=256, seed=3)
+    data = data_section(config)
+    dataset = prepare_dataset.fn(data, source_version(data))
+    classifier = classifier_config(config)
+    first = train_classifier_epoch.fn(classifier, dataset, 0, None)
+    warm = train_classifier_epoch.fn(classifier, dataset, 1, first.checkpoint)  # live model
+    training._WARM.clear()
+    cold = train_classifier_epoch.fn(classifier, dataset, 1, first.checkpoint)  # from disk
+    store = ArtifactStore()
+    warm_state = torch.load(store.fetch(warm.checkpoint), weights_only=True)
+    cold_state = torch.load(store.fetch(cold.checkpoint), weights_only=True)
+    for name, tensor in warm_state["model"].items():
+        assert torch.equal(tensor, cold_state["model"][name]), name
+    assert cold.metrics["loss"] == warm.metrics["loss"]
