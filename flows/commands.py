@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import sys
+
 from tasks.config import TrainConfig
 from tasks.data import install_fashion_mnist
 from tasks.reporting import ui_commands
 from tasks.versioning import project_data_status, track_project_data
+from training.datasets import DataError
 
 
 def run_train(config: TrainConfig) -> None:
     """Train one classifier, test it, register it and promote it if it beats the champion."""
     from flows.train import train
 
-    summary = train(config)
+    try:
+        summary = train(config)
+    except DataError as error:  # bad input: one clear line at the end, not only a traceback
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     reg = summary.registration
     print(f"\ntest accuracy {summary.test_accuracy:.4f} "
           f"(best epoch {summary.best_epoch}, validation {summary.val_accuracy:.4f})")

@@ -51,3 +51,18 @@ def test_cli_help_lists_flows_and_parameters():
     top = subprocess.run([sys.executable, "-m", "flows", "--help"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     assert "train" in top and "prepare-data" in top
+
+
+def test_cli_names_an_unreadable_image_and_exits_2(tmp_path):
+    from PIL import Image
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        for i in range(4):
+            Image.new("L", (8, 8), i * 40).save(tmp_path / name / f"{i}.png")
+    (tmp_path / "b" / "broken.jpg").write_bytes(b"not a jpeg")
+    done = subprocess.run([sys.executable, "-m", "flows", "train", "--profile", "smoke",
+                           "--data", str(tmp_path), "--image-size", "8"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert f"error: cannot read image {tmp_path / 'b' / 'broken.jpg'}" in done.stderr
