@@ -7,7 +7,6 @@ thread, a task thread or a Dask worker. The tracking URI comes from `MLFLOW_TRAC
 
 from __future__ import annotations
 
-import os
 import subprocess
 import tempfile
 import time
@@ -29,15 +28,15 @@ from tasks.versioning import ArtifactRef, data_dvc_hash
 
 def client() -> MlflowClient:
     """A client on the configured tracking and registry URI."""
-    return MlflowClient(tracking_uri=mlflow.get_tracking_uri())
+    return MlflowClient(tracking_uri=tracking_uri())
 
 
 def _artifact_location(experiment: str) -> str | None:
     """For a local SQLite store, artifacts go to `<db folder>/artifacts/<experiment>`."""
-    parsed = urlparse(mlflow.get_tracking_uri())
-    if parsed.scheme != "sqlite":
+    uri = tracking_uri()
+    if urlparse(uri).scheme != "sqlite":
         return None
-    database = Path(mlflow.get_tracking_uri().removeprefix("sqlite:///"))
+    database = Path(uri.removeprefix("sqlite:///"))
     return (database.parent / "artifacts" / experiment).resolve().as_uri()
 
 
@@ -142,16 +141,6 @@ def log_artifact_refs(run_id: str, refs: Mapping[str, ArtifactRef]) -> None:
     set_tags(run_id, {f"dvc.{name}.path": ref.path for name, ref in refs.items()})
 
 
-def log_text(run_id: str, text: str, artifact_file: str) -> None:
-    """Stores text as a run artifact."""
-    client().log_text(run_id, text, artifact_file)
-
-
-def log_file(run_id: str, path: Path, artifact_path: str | None = None) -> None:
-    """Stores a file as a run artifact."""
-    client().log_artifact(run_id, str(path), artifact_path)
-
-
 def log_pyfunc_model(run_id: str, python_model: str,
                      artifacts: Mapping[str, str], pip_requirements: list[str],
                      code_paths: list[str] | None = None, artifact_path: str = "model") -> str:
@@ -215,5 +204,5 @@ def load_pyfunc(model_uri: str) -> mlflow.pyfunc.PyFuncModel:
 
 
 def tracking_uri() -> str:
-    """The tracking URI in force."""
-    return os.environ.get("MLFLOW_TRACKING_URI", mlflow.get_tracking_uri())
+    """The tracking URI in force (MLflow reads MLFLOW_TRACKING_URI itself)."""
+    return mlflow.get_tracking_uri()
