@@ -25,6 +25,14 @@ class Normalize:
         return (images.float().div_(255) - mean) / std
 
 
+def draw_shift_flip(n: int, max_shift: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Random flips (n,) and shifts (n, 2) for `shift_flip`, from `generator` on the CPU."""
+    flips = torch.rand(n, generator=generator) < 0.5
+    shifts = torch.randint(0, 2 * max_shift + 1, (n, 2), generator=generator) if max_shift > 0 \
+        else torch.zeros(n, 2, dtype=torch.long)
+    return flips, shifts
+
+
 def random_shift_flip(x: Tensor, max_shift: int, generator: torch.Generator) -> Tensor:
     """Random crop after zero padding by `max_shift` pixels, and a horizontal flip half the time.
 
@@ -32,10 +40,14 @@ def random_shift_flip(x: Tensor, max_shift: int, generator: torch.Generator) -> 
     with one gather. Random numbers come from `generator` on the CPU, so a seed gives the same
     batch on every device.
     """
+    flips, shifts = draw_shift_flip(len(x), max_shift, generator)
+    return shift_flip(x, flips, shifts, max_shift)
+
+
+def shift_flip(x: Tensor, flips: Tensor, shifts: Tensor, max_shift: int) -> Tensor:
+    """Applies drawn flips and shifts (see `draw_shift_flip`) to a batch."""
     n, _, h, w = x.shape
-    flips = torch.rand(n, generator=generator) < 0.5
     if max_shift > 0:
-        shifts = torch.randint(0, 2 * max_shift + 1, (n, 2), generator=generator)
         padded = torch.nn.functional.pad(x, (max_shift,) * 4)
         rows = (shifts[:, :1] + torch.arange(h)).to(x.device)
         cols = (shifts[:, 1:] + torch.arange(w)).to(x.device)
@@ -60,6 +72,10 @@ class Batches:
         augment: augmentation strength in [0, 1]: 0 is none; otherwise flips and shifts of up
             to `round(4 * augment)` pixels.
         device: where batches are produced.
+        rank, world_size: under data-parallel training, this process's share of every batch:
+            the images at positions `rank, rank + world_size, ...` of the batch all processes
+            draw alike (same order, same augmentation), so the union over ranks is the batch
+            one process would see.
     """
 
     def __init__(
@@ -74,9 +90,15 @@ class Batches:
         augment: float = 0.0,
         drop_last: bool = False,
         device: torch.device | str = "cpu",
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not 0 <= rank < world_size or batch_size % world_size:
+            raise ValueError(f"batch_size {batch_size} must split evenly over {world_size} "
+                             f"processes (rank {rank})")
+        self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
         self.images = images.to(self.device)
         self.labels = labels.to(self.device)
@@ -102,8 +124,12 @@ class Batches:
         max_shift = round(4 * self.augment)
         for start in range(0, len(self) * self.batch_size, self.batch_size):
             ids = order[start:start + self.batch_size]
+            if self.augment > 0:
+                flips, shifts = draw_shift_flip(len(ids), max_shift, generator)
+            mine = slice(self.rank, None, self.world_size)
+            ids = ids[mine]
             on_device = ids.to(self.device)
             x = self.images[on_device]
             if self.augment > 0:
-                x = random_shift_flip(x, max_shift, generator)
+                x = shift_flip(x, flips[mine], shifts[mine], max_shift)
             yield ids, self.normalize(x), self.labels[on_device]

@@ -1,7 +1,8 @@
 """Train and evaluation loops over any step that returns a named dict of losses.
 
-A step maps `(model, images, labels)` to a dict of scalar tensors whose key `loss` is
-minimised; every key becomes a metric under the same name (`loss`, `loss_ce`, ...).
+A step maps `(model, ids, images, labels)` (ids: the images' dataset ids) to a dict of scalar
+tensors whose key `loss` is minimised; every key becomes a metric under the same name (`loss`,
+`loss_ce`, ...).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from training.device import autocast
+from training.distributed import sum_over_processes
 
-Step = Callable[[nn.Module, Tensor, Tensor], dict[str, Tensor]]
+Step = Callable[[nn.Module, Tensor, Tensor, Tensor], dict[str, Tensor]]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -27,7 +29,7 @@ class NonFiniteLossError(RuntimeError):
 def classification_step(label_smoothing: float = 0.0) -> Step:
     """Cross-entropy on the labels: `loss = loss_ce = CE(model(x), y)`."""
 
-    def step(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+    def step(model: nn.Module, _ids: Tensor, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         ce = F.cross_entropy(model(x), y, label_smoothing=label_smoothing)
         return {"loss": ce, "loss_ce": ce}
 
@@ -57,7 +59,8 @@ def train_epoch(
     grad_clip: float | None = None,
     progress: str | None = None,
 ) -> dict[str, float]:
-    """One pass over `batches`; returns each loss key's mean over the images seen.
+    """One pass over `batches`; returns each loss key's mean over the images seen (by every
+    process, under data-parallel training).
 
     Args:
         lr_at: learning rate for a global step number, set before each step when given.
@@ -73,12 +76,12 @@ def train_epoch(
     seen = 0
     bar = tqdm(batches, desc=progress, leave=False, disable=progress is None, unit="batch",
                mininterval=0.5 if sys.stderr.isatty() else 30.0)  # logs get few lines
-    for index, (_, x, y) in enumerate(bar):
+    for index, (ids, x, y) in enumerate(bar):
         if lr_at is not None:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(first_step + index)
         with autocast(device):
-            losses = step(model, x, y)
+            losses = step(model, ids, x, y)
         loss = losses["loss"]
         if not torch.isfinite(loss):
             raise NonFiniteLossError(
@@ -96,7 +99,10 @@ def train_epoch(
             sums[key] = sums.get(key, 0.0) + value.detach().float() * n
         if index % 20 == 0 and progress is not None:
             bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
-    return {key: (value / max(seen, 1)).item() for key, value in sums.items()}
+    keys = sorted(sums)
+    totals = sum_over_processes(torch.stack([*(sums[k] for k in keys),
+                                             torch.tensor(float(seen), device=device)]))
+    return {key: (totals[i] / max(totals[-1].item(), 1)).item() for i, key in enumerate(keys)}
 
 
 @torch.no_grad()

@@ -1,0 +1,85 @@
+"""Distillation losses against hand-computed values, the adapter, and the student's step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from models import build_model
+from training.distillation import (
+    FeatureAdapter,
+    FeatureLoss,
+    bank_targets,
+    distillation_step,
+    feature_loss_per_image,
+    layer_shape,
+    masked_feature_loss,
+)
+from training.feature_bank import FeatureBank
+from training.features import FeatureHooks
+
+
+def test_l2_cosine_and_kl_match_hand_computed_values():
+    s = torch.tensor([[1.0, 2.0], [1.0, 0.0]])
+    t = torch.tensor([[0.0, 0.0], [0.0, 1.0]])
+    assert feature_loss_per_image(s, t, "l2").tolist() == [2.5, 1.0]
+    cosine = feature_loss_per_image(s, torch.tensor([[2.0, 4.0], [0.0, 1.0]]), "cosine")
+    assert cosine.tolist() == pytest.approx([0.0, 1.0], abs=1e-6)
+    # two classes, T = 1: KL(p || q) with p = softmax(0, 0) = (1/2, 1/2), q = softmax(0, ln 3)
+    kl = feature_loss_per_image(torch.tensor([[0.0, math.log(3)]]), torch.zeros(1, 2), "kl", 1.0)
+    expected = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)
+    assert kl.item() == pytest.approx(expected, rel=1e-5)
+    # the T^2 factor: the same logits scaled by T give T^2 times the T = 1 value
+    scaled = feature_loss_per_image(torch.tensor([[0.0, 4 * math.log(3)]]), torch.zeros(1, 2),
+                                    "kl", 4.0)
+    assert scaled.item() == pytest.approx(16 * expected, rel=1e-5)
+
+
+def test_unfilled_targets_add_nothing_and_the_batch_size_divides():
+    s, t = torch.tensor([[1.0], [3.0], [5.0]]), torch.zeros(3, 1)
+    mask = torch.tensor([True, False, True])
+    assert masked_feature_loss(s, t, mask, "l2").item() == pytest.approx((1 + 25) / 3)
+    assert masked_feature_loss(s, t, torch.zeros(3, dtype=torch.bool), "l2").item() == 0.0
+    with pytest.raises(ValueError, match="unknown feature loss"):
+        FeatureLoss("huber")
+
+
+@pytest.mark.parametrize(("student", "teacher", "kind"), [
+    ((16,), (64,), nn.Linear), ((16, 7, 7), (64, 4, 4), nn.Sequential),
+    ((16, 7, 7), (64,), nn.Sequential), ((10,), (10,), nn.Identity)])
+def test_adapter_maps_the_student_shape_to_the_teachers(student, teacher, kind):
+    adapter = FeatureAdapter(student, teacher)
+    assert isinstance(adapter.body, kind)
+    assert adapter(torch.randn(2, *student)).shape == (2, *teacher)
+
+
+def test_adapter_refuses_a_vector_to_map():
+    with pytest.raises(ValueError, match="cannot adapt"):
+        FeatureAdapter((16,), (8, 4, 4))
+
+
+def test_step_trains_student_and_adapter_on_filled_bank_entries_only():
+    torch.manual_seed(0)
+    student = build_model("cnn2", 1, 10, 4)
+    x, y, ids = torch.randn(4, 1, 28, 28), torch.tensor([0, 1, 2, 3]), torch.tensor([5, 6, 7, 8])
+    shape = layer_shape(student, "pool", x)
+    bank = FeatureBank(torch.arange(10), (6,))
+    bank.update(torch.tensor([5, 6]), torch.randn(2, 6), state=1)  # 7 and 8 unfilled
+    adapter = FeatureAdapter(shape, (6,))
+    with FeatureHooks(student, ["pool"]) as hooks:
+        step = distillation_step(hooks, "pool", adapter, bank_targets(bank, torch.device("cpu")),
+                                 FeatureLoss("l2"), ce_weight=0.5, feature_weight=2.0)
+        losses = step(student, ids, x, y)
+        losses["loss"].backward()
+        feats = adapter(hooks["pool"])
+    assert losses["loss"].item() == pytest.approx(
+        0.5 * losses["loss_ce"].item() + 2.0 * losses["loss_feat"].item(), rel=1e-6)
+    target, filled = bank.lookup(ids)
+    per_image = (feats - target).pow(2).mean(1)
+    assert losses["loss_feat"].item() == pytest.approx(per_image[filled].sum().item() / 4,
+                                                       rel=1e-5)
+    assert adapter.body.weight.grad is not None and adapter.body.weight.grad.abs().sum() > 0
+    assert all(p.grad is not None for p in student.parameters())

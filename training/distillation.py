@@ -1,0 +1,161 @@
+"""Distillation losses and the student's training step.
+
+The student's loss is `ce_weight * CE(student(x), y) + feature_weight * L(adapter(f_s), f_t)`,
+where `f_s` is the student's feature at a named layer (a forward hook), `f_t` the teacher's
+feature for the same images (from a feature bank, or from a teacher network run alongside) and
+`L` one of:
+
+- `l2`: mean squared difference over the feature's values (FitNets hints);
+- `cosine`: `1 - cos(f_s, f_t)` over the flattened feature;
+- `kl`: `T^2 * KL(softmax(f_t / T) || softmax(f_s / T))`, for logits (Hinton KD at layer `fc`).
+
+Each image's term is counted only where its target is filled (`mask`), and the sum is divided
+by the batch size, so a batch's feature loss weighs every image the same whether or not all of
+them have targets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from training.features import FeatureHooks
+from training.loops import Step
+
+FeatureLossKind = Literal["l2", "cosine", "kl"]
+Targets = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+def feature_loss_per_image(student: Tensor, teacher: Tensor, kind: FeatureLossKind,
+                           temperature: float = 4.0) -> Tensor:
+    """The per-image distance `L(f_s, f_t)` (see the module docstring), shape `(batch,)`."""
+    if student.shape != teacher.shape:
+        raise ValueError(f"student feature {tuple(student.shape)} and teacher feature "
+                         f"{tuple(teacher.shape)} differ: add an adapter")
+    s, t = student.flatten(1).float(), teacher.flatten(1).float()
+    if kind == "l2":
+        return (s - t).pow(2).mean(1)
+    if kind == "cosine":
+        return 1.0 - F.cosine_similarity(s, t, dim=1, eps=1e-6)
+    if kind == "kl":
+        log_p_student = F.log_softmax(s / temperature, dim=1)
+        log_p_teacher = F.log_softmax(t / temperature, dim=1)
+        return (log_p_teacher.exp() * (log_p_teacher - log_p_student)).sum(1) * temperature**2
+    raise ValueError(f"unknown feature loss {kind!r}: use l2, cosine or kl")
+
+
+def masked_feature_loss(student: Tensor, teacher: Tensor, mask: Tensor, kind: FeatureLossKind,
+                        temperature: float = 4.0) -> Tensor:
+    """`sum_i mask_i * L(f_s_i, f_t_i) / batch`: unfilled targets add nothing."""
+    per_image = feature_loss_per_image(student, teacher, kind, temperature)
+    return torch.where(mask, per_image, torch.zeros_like(per_image)).sum() / len(per_image)
+
+
+class FeatureLoss(nn.Module):
+    """Holds a feature loss's kind and temperature (see `masked_feature_loss`)."""
+
+    def __init__(self, kind: FeatureLossKind = "l2", temperature: float = 4.0) -> None:
+        super().__init__()
+        if kind not in ("l2", "cosine", "kl"):
+            raise ValueError(f"unknown feature loss {kind!r}: use l2, cosine or kl")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        self.kind: FeatureLossKind = kind
+        self.temperature = temperature
+
+    def forward(self, student: Tensor, teacher: Tensor, mask: Tensor) -> Tensor:
+        return masked_feature_loss(student, teacher, mask, self.kind, self.temperature)
+
+
+class FeatureAdapter(nn.Module):
+    """Maps a student feature to the teacher's feature shape; learned, trained with the student.
+
+    Identity when the shapes match; a linear map between vectors; a 1x1 convolution (then
+    average pooling to the teacher's size) between maps; pooling then a linear map from a map
+    to a vector.
+    """
+
+    def __init__(self, student_shape: Sequence[int], teacher_shape: Sequence[int]) -> None:
+        super().__init__()
+        student_shape, teacher_shape = tuple(student_shape), tuple(teacher_shape)
+        self.teacher_shape = teacher_shape
+        if student_shape == teacher_shape:
+            self.body: nn.Module = nn.Identity()
+        elif len(student_shape) == 1 and len(teacher_shape) == 1:
+            self.body = nn.Linear(student_shape[0], teacher_shape[0])
+        elif len(student_shape) == 3 and len(teacher_shape) == 3:
+            self.body = nn.Sequential(
+                nn.Conv2d(student_shape[0], teacher_shape[0], 1, bias=False),
+                nn.BatchNorm2d(teacher_shape[0]),
+                nn.AdaptiveAvgPool2d(teacher_shape[1:]),
+            )
+        elif len(student_shape) == 3 and len(teacher_shape) == 1:
+            self.body = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                      nn.Linear(student_shape[0], teacher_shape[0]))
+        else:
+            raise ValueError(f"cannot adapt a student feature of shape {student_shape} to a "
+                             f"teacher feature of shape {teacher_shape}: pick a student layer "
+                             "with a feature map")
+
+    def forward(self, feature: Tensor) -> Tensor:
+        return self.body(feature)
+
+
+def layer_shape(model: nn.Module, layer: str, example: Tensor) -> tuple[int, ...]:
+    """The shape of one image's feature at `layer` (runs `example` through an eval pass)."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad(), FeatureHooks(model, [layer]) as hooks:
+        model(example[:1])
+    model.train(was_training)
+    return tuple(hooks[layer].shape[1:])
+
+
+def distillation_step(hooks: FeatureHooks, student_layer: str, adapter: nn.Module,
+                      targets: Targets, loss: FeatureLoss, ce_weight: float = 1.0,
+                      feature_weight: float = 1.0, label_smoothing: float = 0.0) -> Step:
+    """A training step: `ce_weight * CE + feature_weight * feature loss` (module docstring).
+
+    Args:
+        hooks: forward hooks on the student that capture `student_layer`.
+        adapter: maps the student's feature to the target's shape.
+        targets: `(ids, images) -> (teacher features, filled mask)`.
+    """
+
+    def step(model: nn.Module, ids: Tensor, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        logits = model(x)
+        ce = F.cross_entropy(logits, y, label_smoothing=label_smoothing)
+        teacher, filled = targets(ids, x)
+        feature = loss(adapter(hooks[student_layer]), teacher, filled)
+        return {"loss": ce_weight * ce + feature_weight * feature, "loss_ce": ce,
+                "loss_feat": feature}
+
+    return step
+
+
+def bank_targets(bank, device: torch.device) -> Targets:
+    """Targets read from a `FeatureBank` by dataset id."""
+
+    def targets(ids: Tensor, _x: Tensor) -> tuple[Tensor, Tensor]:
+        return bank.lookup(ids, device)
+
+    return targets
+
+
+def teacher_targets(teacher: nn.Module, layer: str) -> Targets:
+    """Targets from a frozen teacher run on the same (augmented) images: every one is filled."""
+    teacher.eval()
+    for parameter in teacher.parameters():
+        parameter.requires_grad_(False)
+    hooks = FeatureHooks(teacher, [layer], detach=True)  # lives as long as the teacher
+
+    def targets(_ids: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+        with torch.no_grad():
+            teacher(x)
+        return hooks[layer].float(), torch.ones(len(x), dtype=torch.bool, device=x.device)
+
+    return targets
