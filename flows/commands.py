@@ -4,27 +4,62 @@ from __future__ import annotations
 
 import sys
 
-from tasks.config import TrainConfig
+from tasks.config import DistillConfig, TrainConfig
 from tasks.data import install_fashion_mnist
+from tasks.prediction import PredictConfig, predict_images
 from tasks.reporting import ui_commands
 from tasks.versioning import project_data_status, track_project_data
 from training.datasets import DataError
+
+
+def _exit_on_data_error(call):
+    """Runs `call()`; bad input ends with one clear `error:` line and exit code 2."""
+    try:
+        return call()
+    except DataError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _print_registration(summary) -> None:
+    reg = summary.registration
+    print(f"registered {reg.name} version {reg.version} as '{reg.alias}': {reg.decision}")
+    print(f"MLflow run {summary.run_id}\n{ui_commands()}")
 
 
 def run_train(config: TrainConfig) -> None:
     """Train one classifier, test it, register it and promote it if it beats the champion."""
     from flows.train import train
 
-    try:
-        summary = train(config)
-    except DataError as error:  # bad input: one clear line at the end, not only a traceback
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
-    reg = summary.registration
+    summary = _exit_on_data_error(lambda: train(config))
     print(f"\ntest accuracy {summary.test_accuracy:.4f} "
           f"(best epoch {summary.best_epoch}, validation {summary.val_accuracy:.4f})")
-    print(f"registered {reg.name} version {reg.version} as '{reg.alias}': {reg.decision}")
-    print(f"MLflow run {summary.run_id}\n{ui_commands()}")
+    _print_registration(summary)
+
+
+def run_distill(config: DistillConfig) -> None:
+    """Distil a teacher trained in stages into a student through a feature bank; register it."""
+    from flows.distill import distill
+
+    summary = _exit_on_data_error(lambda: distill(config))
+    print(f"\nstudent test accuracy {summary.test_accuracy:.4f} "
+          f"(teacher {summary.teacher_test_accuracy:.4f}, {len(summary.stages)} stages)")
+    _print_registration(summary)
+
+
+def run_predict(config: PredictConfig) -> None:
+    """Print the label and confidence a registered model gives each image of a file or folder."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        table, skipped = _exit_on_data_error(lambda: predict_images(config))
+    except MlflowException as error:
+        print(f"error: cannot load {config.model_uri()}: {error.message}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(table.to_string(index=False, formatters={"confidence": "{:.4f}".format}))
+    if skipped:
+        print(f"skipped {len(skipped)} unreadable images: {', '.join(map(str, skipped[:5]))}",
+              file=sys.stderr)
 
 
 def prepare_data() -> None:
@@ -38,5 +73,7 @@ def prepare_data() -> None:
 
 COMMANDS = [
     ("train", TrainConfig, run_train),
+    ("distill", DistillConfig, run_distill),
+    ("predict", PredictConfig, run_predict),
     ("prepare-data", None, prepare_data),
 ]

@@ -90,10 +90,9 @@ class ModelSection(StrictConfig):
         return value
 
 
-class OptimSection(StrictConfig):
-    """How it learns: SGD with momentum, a cosine schedule and divergence guards."""
+class StepSection(StrictConfig):
+    """How each step learns: SGD with momentum, a cosine schedule and divergence guards."""
 
-    epochs: int = Field(8, ge=1, le=1000, description="passes over the training images")
     batch_size: int = Field(128, ge=1, le=65536, description="images per training step")
     lr: float = Field(0.05, gt=0.0, le=10.0, description="peak learning rate (cosine decay)")
     warmup_epochs: float = Field(0.0, ge=0.0, le=100.0, description="linear warm-up, in epochs")
@@ -105,6 +104,12 @@ class OptimSection(StrictConfig):
                            "shifts of up to 4*augment pixels; 0 is none")
     grad_clip: float | None = Field(5.0, gt=0.0, description="clip the gradient norm to this; "
                                     "none: no clipping")
+
+
+class OptimSection(StepSection):
+    """How long it learns: epochs, and early stopping."""
+
+    epochs: int = Field(8, ge=1, le=1000, description="passes over the training images")
     patience: int | None = Field(None, ge=1, description="stop after this many epochs without a "
                                  "better validation accuracy; none: run every epoch")
 
@@ -156,6 +161,105 @@ class TrainConfig(ProfiledConfig, DataSection, ModelSection, OptimSection, RunSe
         "full": {"train_limit": None, "epochs": 60, "width": 32, "batch_size": 256, "lr": 0.1,
                  "warmup_epochs": 1.0},
     }
+
+    def registered_name(self, flow_name: str) -> str:
+        """The MLflow registered-model name: `model_name`, or the flow's name."""
+        return self.model_name or flow_name
+
+
+class RunnerSection(StrictConfig):
+    """Where a flow's tasks run: in this process, or on a Dask cluster (prefect-dask)."""
+
+    runner: Literal["process", "dask"] = Field("process", description="process: tasks run in "
+                                               "turn in this process; dask: on a Dask cluster")
+    dask_workers: int = Field(2, ge=1, le=512, description="worker processes of the local Dask "
+                              "cluster (with --runner dask and no --dask-address)")
+    dask_address: str | None = Field(None, min_length=1, description="address of a running Dask "
+                                     "scheduler (tcp://host:8786); none: start a local cluster")
+
+
+def _layers_of(model: str) -> tuple[tuple[str, ...], int]:
+    """A registered model's feature layers (and the classifier `fc`) and its depth."""
+    network = models.build_model(model, 1, 2, 4)
+    return (*network.feature_layers, "fc"), network.depth
+
+
+class DistillConfig(ProfiledConfig, DataSection, StepSection, RunSection, RunnerSection):
+    """The `distill` flow: a deeper teacher trained in stages fills a feature bank; a shallower
+    student learns stage by stage from the bank and the labels."""
+
+    PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
+        "smoke": {"teacher_model": "resnet8", "student_model": "cnn2", "stages": 2,
+                  "train_limit": 512, "test_limit": 256, "batch_size": 64, "lr": 0.1,
+                  "progress": False},
+        "quick": {},
+        "full": {"train_limit": None, "stages": 60, "teacher_width": 32, "batch_size": 256,
+                 "lr": 0.1, "warmup_epochs": 1.0},
+    }
+
+    teacher_model: str = Field("resnet18", description="the teacher network (deeper than the "
+                               "student)")
+    teacher_width: int | None = Field(None, ge=1, le=1024, description="the teacher's width; "
+                                      "none: the model's default")
+    student_model: str = Field("cnn3", description="the student network, the final model")
+    student_width: int | None = Field(None, ge=1, le=1024, description="the student's width; "
+                                      "none: the model's default")
+    stages: int = Field(10, ge=2, le=10000, description="S: teacher and student stages")
+    teacher_fraction: float = Field(0.8, gt=0.0, lt=1.0, description="N/M: the share of the M "
+                                    "training images the teacher draws per stage")
+    student_fraction: float = Field(0.8, gt=0.0, lt=1.0, description="P/M: the share of the "
+                                    "training images the student draws per stage")
+    front_weight: float = Field(2.0, gt=0.0, description="draw weight of an image not drawn "
+                                "in the previous stage")
+    back_weight: float = Field(1.0, gt=0.0, description="draw weight of an image drawn in the "
+                               "previous stage")
+    student_queue: Literal["recency", "uniform"] = Field("recency", description="how the "
+                                                         "student draws: like the teacher, or "
+                                                         "uniformly")
+    teacher_layer: str = Field("pool", description="the teacher layer whose features fill "
+                               "the bank (`fc`: the logits)")
+    student_layer: str = Field("pool", description="the student layer matched to the bank "
+                               "through the adapter")
+    feature_loss: Literal["l2", "cosine", "kl"] = Field("cosine", description="the feature "
+                                                       "sub-loss (kl: on softened outputs)")
+    feature_weight: float = Field(1.0, ge=0.0, le=1000.0, description="weight of the feature "
+                                  "sub-loss")
+    ce_weight: float = Field(1.0, ge=0.0, le=1000.0, description="weight of the CE sub-loss")
+    temperature: float = Field(4.0, gt=0.0, le=100.0, description="softening temperature of "
+                               "the kl feature loss")
+    bank_mode: Literal["single", "per-state"] = Field("single", description="single: one bank, "
+                                                      "each entry from the state that last "
+                                                      "wrote it; per-state: bank s kept for "
+                                                      "each stage s")
+    bank_dtype: Literal["float16", "bfloat16", "float32"] = Field("float16", description="how "
+                                                                  "bank features are stored")
+    bank_memmap: bool = Field(False, description="memory-map banks from disk instead of "
+                              "loading them (for banks larger than memory)")
+    initial_bank: Literal["masked", "teacher"] = Field("masked", description="masked: entries "
+                                                       "no stage wrote are left out of the "
+                                                       "loss; teacher: filled by the initial "
+                                                       "teacher (state 0)")
+
+    @field_validator("teacher_model", "student_model")
+    @classmethod
+    def _model_registered(cls, value: str) -> str:
+        return ModelSection._model_registered(value)
+
+    @model_validator(mode="after")
+    def _teacher_deeper_and_layers_exist(self) -> DistillConfig:
+        teacher_layers, teacher_depth = _layers_of(self.teacher_model)
+        student_layers, student_depth = _layers_of(self.student_model)
+        if teacher_depth <= student_depth:
+            raise ValueError(f"the teacher must be deeper than the student: teacher_model "
+                             f"{self.teacher_model} has {teacher_depth} layers, student_model "
+                             f"{self.student_model} has {student_depth}")
+        if self.teacher_layer not in teacher_layers:
+            raise ValueError(f"teacher_layer {self.teacher_layer!r} is not a layer of "
+                             f"{self.teacher_model}: {', '.join(teacher_layers)}")
+        if self.student_layer not in student_layers:
+            raise ValueError(f"student_layer {self.student_layer!r} is not a layer of "
+                             f"{self.student_model}: {', '.join(student_layers)}")
+        return self
 
     def registered_name(self, flow_name: str) -> str:
         """The MLflow registered-model name: `model_name`, or the flow's name."""

@@ -141,6 +141,11 @@ def log_artifact_refs(run_id: str, refs: Mapping[str, ArtifactRef]) -> None:
     set_tags(run_id, {f"dvc.{name}.path": ref.path for name, ref in refs.items()})
 
 
+def log_dict(run_id: str, values: Mapping[str, Any], artifact_file: str) -> None:
+    """Stores `values` as a JSON (or YAML, by extension) artifact of the run."""
+    client().log_dict(run_id, dict(values), artifact_file)
+
+
 def log_pyfunc_model(run_id: str, python_model: str,
                      artifacts: Mapping[str, str], pip_requirements: list[str],
                      code_paths: list[str] | None = None, artifact_path: str = "model") -> str:

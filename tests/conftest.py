@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -83,3 +87,20 @@ def first_run():
     from flows.train import train
 
     return train(smoke())
+
+
+def kill_when_written(args: list[str], folder: Path, pattern: str, timeout: float = 180) -> None:
+    """Runs `python -m flows *args` and SIGKILLs it (and its children) as soon as a new file
+    matching `pattern` appears under `folder`; fails if the run ends first."""
+    before = set(folder.rglob(pattern)) if folder.exists() else set()
+    proc = subprocess.Popen([sys.executable, "-m", "flows", *args],
+                            cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if set(folder.rglob(pattern)) - before:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()

@@ -2,10 +2,6 @@
 
 import io
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +17,7 @@ from tasks import tracking
 from tasks.config import TrainConfig
 from tasks.versioning import data_dvc_hash
 from tests.conftest import SMOKE_MODEL as NAME
-from tests.conftest import smoke
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import kill_when_written, smoke
 
 
 def task_states(flow_state) -> dict[str, str]:
@@ -76,18 +70,7 @@ def test_killed_run_resumes_from_the_last_finished_epoch(session_dir):
               "--train-limit", "6000", "--seed", "5"]
     checkpoints = Path(os.environ["COMPACTML_ARTIFACTS"]) / "checkpoints" / "train"
     # epoch 2's checkpoint appearing means epoch 1's task has returned and its result is stored
-    before = set(checkpoints.rglob("epoch-002.pt.dvc")) if checkpoints.exists() else set()
-    proc = subprocess.Popen([sys.executable, "-m", "flows", "train", *config], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if set(checkpoints.rglob("epoch-002.pt.dvc")) - before:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_when_written(["train", *config], checkpoints, "epoch-002.pt.dvc", timeout=120)
     assert not list(checkpoints.rglob(".*.tmp")) and not list(checkpoints.rglob(".epoch-*"))
     config_obj = TrainConfig(profile="smoke", model_name="resume", epochs=4, train_limit=6000,
                              seed=5)

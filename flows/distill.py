@@ -1,0 +1,174 @@
+"""The `distill` flow: stage-wise distillation from a multi-state teacher feature bank.
+
+Stage s = 1..S: the teacher trains on N queued images (state s -> s+1); its features for them
+replace their entries in the bank (bank s); the student trains on P queued images with CE plus
+a feature loss against bank s. The teacher's stage s+1 needs only its own state, so it runs
+while the student runs stage s: on two Dask workers they overlap, in-process they run in turn,
+and the results are the same either way (every task is a function of its inputs and the seed).
+After stage S the student is tested, registered, and promoted if it beats the champion.
+"""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+from pydantic import BaseModel, ConfigDict
+
+from flows.train import prepare
+from tasks import tracking
+from tasks.config import DistillConfig
+from tasks.data import DatasetRef
+from tasks.distill import (
+    BankSnapshot,
+    DistillPlan,
+    StageResult,
+    bank_snapshot,
+    student_stage,
+    teacher_stage,
+)
+from tasks.registration import Registration, register_and_promote
+from tasks.reporting import publish_summary
+from tasks.runners import submitter, task_runner, worker_threads
+from tasks.training import classifier_config, test_and_export
+
+FLOW_NAME = "distill"
+
+
+class StageRecord(BaseModel):
+    """One stage's three results."""
+
+    model_config = ConfigDict(frozen=True)
+
+    teacher: StageResult
+    bank: BankSnapshot
+    student: StageResult
+
+
+class DistillSummary(BaseModel):
+    """What a `distill` run gives back."""
+
+    model_config = ConfigDict(frozen=True)
+
+    run_id: str
+    dataset: DatasetRef
+    stages: list[StageRecord]
+    teacher_test_accuracy: float
+    test_accuracy: float
+    registration: Registration
+
+
+def _stage_loop(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef,
+                on_stage) -> list[StageRecord]:
+    """Submits the stages so that the teacher's stage s+1 runs beside the student's stage s.
+
+    In `single` bank mode there is one bank file, so snapshot s+1 waits for the student's
+    stage s to finish reading snapshot s; in `per-state` mode it does not.
+    """
+    submit = submitter(config)
+    records: list[StageRecord] = []
+
+    def finish(running: tuple[StageResult, BankSnapshot, object]) -> StageResult:
+        """Waits for a running student stage and records its stage."""
+        teacher, bank, student_future = running
+        records.append(StageRecord(teacher=teacher, bank=bank, student=student_future.result()))
+        on_stage(records[-1])
+        return records[-1].student
+
+    teacher_future = submit(teacher_stage, plan.teacher, dataset, 1, None)
+    bank, student, running = None, None, None
+    for stage in range(1, config.stages + 1):
+        teacher = teacher_future.result()
+        if plan.bank.mode == "single" and running:  # snapshot s+1 rewrites the bank s reads
+            student, running = finish(running), None
+        bank = submit(bank_snapshot, plan.teacher, plan.bank, dataset, stage, teacher.checkpoint,
+                      bank.bank if bank else None).result()
+        if stage < config.stages:  # the teacher's next stage runs beside this student stage
+            teacher_future = submit(teacher_stage, plan.teacher, dataset, stage + 1,
+                                    teacher.checkpoint)
+        if running:
+            student = finish(running)
+        running = (teacher, bank, submit(student_stage, plan.student, dataset, stage,
+                                         student.checkpoint if student else None, bank.bank))
+    finish(running)
+    return records
+
+
+@flow(name="distill-stages", description="The teacher, bank and student stages of `distill`.")
+def distill_stages(config: DistillConfig, dataset: DatasetRef, run_id: str,
+                   teacher_run_id: str, student_run_id: str) -> list[StageRecord]:
+    """Runs the S stages and logs each one as it finishes (see `_stage_loop`)."""
+    logger = get_run_logger()
+
+    def on_stage(record: StageRecord) -> None:
+        stage = record.teacher.stage
+        tracking.log_metrics(teacher_run_id, record.teacher.metrics, step=stage)
+        tracking.log_metrics(student_run_id, record.student.metrics, step=stage)
+        bank = record.bank
+        tracking.log_metrics(run_id, {"bank_fill_fraction": bank.fill_fraction,
+                                      "bank_bytes": bank.nbytes} | {
+            f"bank_entries_state_{state}" if state >= 0 else "bank_entries_unfilled": count
+            for state, count in bank.state_histogram.items()}, step=stage)
+        tracking.log_dict(run_id, {"stage": stage, "fill_fraction": bank.fill_fraction,
+                                   "state_histogram": bank.state_histogram,
+                                   "artifact": bank.bank.model_dump()},
+                          f"banks/stage-{stage:03d}.json")
+        tracking.log_artifact_refs(run_id, {f"bank.stage-{stage:03d}": bank.bank})
+        tracking.log_artifact_refs(teacher_run_id, {f"checkpoint.stage-{stage:03d}":
+                                                    record.teacher.checkpoint})
+        tracking.log_artifact_refs(student_run_id, {f"checkpoint.stage-{stage:03d}":
+                                                    record.student.checkpoint})
+        logger.info("stage %d/%d: teacher val %.4f, bank filled %.3f, student val %.4f "
+                    "(loss_ce %.4f, loss_feat %.4f)", stage, config.stages,
+                    record.teacher.metrics["val_accuracy"], bank.fill_fraction,
+                    record.student.metrics["val_accuracy"], record.student.metrics["loss_ce"],
+                    record.student.metrics["loss_feat"])
+
+    threads = worker_threads(config, config.threads)
+    plan = DistillPlan.of(config.model_copy(update={"threads": threads}))
+    return _stage_loop(config, plan, dataset, on_stage)
+
+
+@flow(name=FLOW_NAME, description="Distil a deeper teacher, trained in stages, into a student "
+      "through a multi-state feature bank; register the student and promote it if it wins.")
+def distill(config: DistillConfig) -> DistillSummary:
+    """Runs the stages, then tests, registers and promotes the student."""
+    name = config.registered_name(FLOW_NAME)
+    run_name = f"{FLOW_NAME}-{config.teacher_model}-to-{config.student_model}-seed{config.seed}"
+    tags = {"prefect.flow_run_id": str(flow_run.get_id() or "none"), "profile": config.profile}
+    plan = DistillPlan.of(config)
+    with tracking.tracked_run(FLOW_NAME, run_name, config, tags) as run_id:
+        dataset = prepare(config, run_id)
+        with tracking.tracked_run(FLOW_NAME, "teacher", plan.teacher, parent_run_id=run_id) \
+                as teacher_run_id, \
+                tracking.tracked_run(FLOW_NAME, "student", plan.student, parent_run_id=run_id) \
+                as student_run_id:
+            stages = distill_stages.with_options(task_runner=task_runner(config))(
+                config, dataset, run_id, teacher_run_id, student_run_id)
+            teacher_test = test_and_export(classifier_config(plan.teacher), dataset,
+                                           stages[-1].teacher.checkpoint)
+            tracking.log_metrics(teacher_run_id, teacher_test.metrics)
+            test = test_and_export(classifier_config(plan.student), dataset,
+                                   stages[-1].student.checkpoint)
+            tracking.log_metrics(student_run_id, test.metrics)
+        tracking.log_metrics(run_id, test.metrics | {
+            "teacher_test_accuracy": teacher_test.metrics["test_accuracy"]})
+        tracking.log_artifact_refs(run_id, {"program": test.program,
+                                            "checkpoint.final": stages[-1].student.checkpoint})
+        registration = register_and_promote(run_id, name, dataset, test.program)
+        summary = DistillSummary(run_id=run_id, dataset=dataset, stages=stages,
+                                 teacher_test_accuracy=teacher_test.metrics["test_accuracy"],
+                                 test_accuracy=test.metrics["test_accuracy"],
+                                 registration=registration)
+    markdown = publish_summary("distill-summary", f"distill: {config.teacher_model} -> "
+                               f"{config.student_model} on {config.data}", {
+        "student test accuracy": f"{summary.test_accuracy:.4f}",
+        "teacher test accuracy": f"{summary.teacher_test_accuracy:.4f}",
+        "stages": str(config.stages),
+        "bank": f"{config.bank_mode}, layer {config.teacher_layer}, {config.bank_dtype}, "
+                f"filled {stages[-1].bank.fill_fraction:.3f}",
+        "model": f"{name} version {registration.version}, alias `{registration.alias}`",
+        "decision": registration.decision,
+        "MLflow run": run_id,
+    })
+    get_run_logger().info("summary\n%s", markdown)
+    return summary

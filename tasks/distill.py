@@ -1,0 +1,348 @@
+"""Distillation tasks: a teacher stage, a feature-bank snapshot, a student stage.
+
+Each task loads its inputs by reference, does one coarse unit of work, writes its output
+atomically into the artifact store (versioned with DVC) and returns the reference and metrics.
+The images of a stage come from a recency queue replayed from the seed, so a task needs no
+queue state from another task, and a re-run (or a run resumed after a crash) draws the same
+images. Tasks are cached on their inputs and the code's version, like the `train` epochs.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from prefect import task
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor, nn
+
+from tasks.caching import computation_key
+from tasks.checkpoints import load_checkpoint, save_checkpoint, torch_save
+from tasks.config import DistillConfig, StrictConfig
+from tasks.data import DatasetRef, LoadedDataset, load_dataset
+from tasks.training import (
+    ClassifierConfig,
+    _setup,
+    make_optimizer,
+    new_model,
+    restore,
+    run_key,
+    split_batches,
+)
+from tasks.versioning import ArtifactRef, ArtifactStore
+from training.batches import Batches, Normalize
+from training.data_queue import RecencyQueue
+from training.device import autocast, place_model
+from training.distillation import (
+    FeatureAdapter,
+    FeatureLoss,
+    bank_targets,
+    distillation_step,
+    layer_shape,
+)
+from training.feature_bank import DTYPES, FeatureBank
+from training.features import FeatureHooks
+from training.loops import classification_step, cosine_lr, evaluate, train_epoch
+
+Role = Literal["teacher", "student"]
+
+
+class RoleConfig(ClassifierConfig):
+    """One network's part of a `distill` run: what it is, how it learns, how it draws images.
+
+    `epochs` is the number of stages: the learning-rate schedule spans all of them.
+    """
+
+    role: Role
+    fraction: float = Field(gt=0.0, lt=1.0)
+    front_weight: float = Field(gt=0.0)
+    back_weight: float = Field(gt=0.0)
+    queue: Literal["recency", "uniform"]
+
+
+class StudentConfig(RoleConfig):
+    """The student's loss: CE plus a feature loss against the bank through an adapter."""
+
+    layer: str
+    feature_loss: Literal["l2", "cosine", "kl"]
+    feature_weight: float
+    ce_weight: float
+    temperature: float
+    bank_memmap: bool
+
+
+class BankConfig(StrictConfig):
+    """Which teacher features the bank holds and how it is kept."""
+
+    layer: str
+    mode: Literal["single", "per-state"]
+    dtype: Literal["float16", "bfloat16", "float32"]
+    memmap: bool
+    initial: Literal["masked", "teacher"]
+
+
+class DistillPlan(BaseModel):
+    """A `distill` config split into what each task needs (so a task's cache key holds only
+    what its result depends on: a changed student loss does not re-train the teacher)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    teacher: RoleConfig
+    bank: BankConfig
+    student: StudentConfig
+
+    @classmethod
+    def of(cls, config: DistillConfig) -> DistillPlan:
+        shared = config.model_dump(include=set(ClassifierConfig.model_fields) - {
+            "model", "width", "epochs", "patience"})
+        teacher = RoleConfig(**shared, role="teacher", model=config.teacher_model,
+                             width=config.teacher_width, epochs=config.stages,
+                             fraction=config.teacher_fraction, front_weight=config.front_weight,
+                             back_weight=config.back_weight, queue="recency")
+        student = StudentConfig(
+            **shared, role="student", model=config.student_model, width=config.student_width,
+            epochs=config.stages, fraction=config.student_fraction,
+            front_weight=config.front_weight, back_weight=config.back_weight,
+            queue=config.student_queue, layer=config.student_layer,
+            feature_loss=config.feature_loss, feature_weight=config.feature_weight,
+            ce_weight=config.ce_weight, temperature=config.temperature,
+            bank_memmap=config.bank_memmap)
+        bank = BankConfig(layer=config.teacher_layer, mode=config.bank_mode,
+                          dtype=config.bank_dtype, memmap=config.bank_memmap,
+                          initial=config.initial_bank)
+        return cls(teacher=teacher, bank=bank, student=student)
+
+
+class StageResult(BaseModel):
+    """A teacher or student stage: the checkpoint of the network it produced, and metrics."""
+
+    model_config = ConfigDict(frozen=True)
+
+    role: Role
+    stage: int
+    checkpoint: ArtifactRef
+    metrics: dict[str, float]
+
+
+class BankSnapshot(BaseModel):
+    """A feature-bank snapshot: its artifact and what it holds."""
+
+    model_config = ConfigDict(frozen=True)
+
+    stage: int
+    bank: ArtifactRef
+    fill_fraction: float
+    state_histogram: dict[int, int]
+    nbytes: int
+    entries: int
+    feature_values: int
+
+
+def stage_ids(role: RoleConfig, train_ids: Tensor, stage: int) -> Tensor:
+    """The dataset ids a role draws at `stage` (1-based): the queue replayed from the seed.
+
+    The teacher and the student have their own queue and generator, so one's draws never shift
+    the other's.
+    """
+    count = min(max(round(role.fraction * len(train_ids)), 1), len(train_ids) - 1)
+    queue = RecencyQueue(train_ids, role.front_weight, role.back_weight) \
+        if role.queue == "recency" else RecencyQueue.uniform(train_ids)
+    generator = torch.Generator().manual_seed(
+        role.seed * 1_000_003 + (1 if role.role == "teacher" else 2))
+    drawn = train_ids[:0]
+    for _ in range(stage):
+        drawn = queue.draw(count, generator)
+    return drawn
+
+
+def stage_batches(role: RoleConfig, dataset: DatasetRef, data: LoadedDataset, ids: Tensor,
+                  stage: int, device: torch.device) -> Batches:
+    """Shuffled, augmented batches over a stage's images (a short last batch is dropped)."""
+    return Batches(data.images, data.labels, ids, role.batch_size,
+                   Normalize(dataset.mean, dataset.std), shuffle=True,
+                   seed=role.seed * 1000 + stage, augment=role.augment, drop_last=True,
+                   device=device)
+
+
+def _optimizer_to(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for name, value in state.items():
+            if torch.is_tensor(value):
+                state[name] = value.to(device)
+
+
+def _train_stage(role: RoleConfig, dataset: DatasetRef, stage: int, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, batches: Batches, step, device: torch.device,
+                 data: LoadedDataset) -> dict[str, float]:
+    """One pass over a stage's batches on the cosine schedule spanning all stages."""
+    per_stage = len(batches)
+    total, warmup = role.epochs * per_stage, round(role.warmup_epochs * per_stage)
+    metrics = train_epoch(model, optimizer, batches, step, device,
+                          lr_at=lambda n: cosine_lr(role.lr, n, total, warmup),
+                          first_step=(stage - 1) * per_stage, grad_clip=role.grad_clip,
+                          progress=f"{role.role} stage {stage}/{role.epochs}"
+                          if role.progress else None)
+    val = evaluate(model, split_batches(data, dataset, "val", 1024, device), device)
+    return metrics | {"val_accuracy": val["accuracy"], "val_loss": val["loss"],
+                      "lr": optimizer.param_groups[0]["lr"], "images": float(len(batches)
+                                                                           * role.batch_size)}
+
+
+def _stage_name(prefix: str):
+    from prefect.runtime import task_run
+
+    return lambda: f"{prefix}-{task_run.parameters['stage']}"
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name=_stage_name("teacher"))
+def teacher_stage(teacher: RoleConfig, dataset: DatasetRef, stage: int,
+                  previous: ArtifactRef | None) -> StageResult:
+    """The teacher at state `stage` trains on its N queued images with CE: state `stage + 1`."""
+    device = _setup(teacher)
+    store = ArtifactStore()
+    data = load_dataset(dataset)
+    model = new_model(teacher, dataset)
+    optimizer = make_optimizer(model, teacher)
+    if previous is not None:
+        restore(model, optimizer, load_checkpoint(store, previous))
+    model = place_model(model, device)
+    _optimizer_to(optimizer, device)
+    ids = stage_ids(teacher, data.splits["train"], stage)
+    batches = stage_batches(teacher, dataset, data, ids, stage, device)
+    metrics = _train_stage(teacher, dataset, stage, model, optimizer, batches,
+                           classification_step(teacher.label_smoothing), device, data)
+    payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+               "stage": stage, "ids": ids, "metrics": metrics}
+    relpath = f"checkpoints/distill/{run_key(teacher, dataset)}/teacher-{stage:03d}.pt"
+    return StageResult(role="teacher", stage=stage, checkpoint=save_checkpoint(
+        store, relpath, payload), metrics=metrics)
+
+
+@torch.no_grad()
+def teacher_features(model: nn.Module, layer: str, dataset: DatasetRef, data: LoadedDataset,
+                     ids: Tensor, device: torch.device) -> Tensor:
+    """Features at `layer` of `ids`' images (no augmentation, eval mode), on the CPU."""
+    model.eval()
+    batches = Batches(data.images, data.labels, ids, 1024, Normalize(dataset.mean, dataset.std),
+                      device=device)
+    out = []
+    with FeatureHooks(model, [layer], detach=True) as hooks:
+        for _, x, _ in batches:
+            with autocast(device):
+                model(x)
+            out.append(hooks[layer].float().cpu())
+    return torch.cat(out)
+
+
+def load_bank(store: ArtifactStore, ref: ArtifactRef, memmap: bool = False) -> FeatureBank:
+    """A bank from the store; memory-mapped from disk when `memmap` (read on demand)."""
+    state = torch.load(store.fetch(ref), map_location="cpu", weights_only=True, mmap=memmap)
+    return FeatureBank.from_state_dict(state)
+
+
+def bank_path(teacher: RoleConfig, bank: BankConfig, dataset: DatasetRef, stage: int) -> str:
+    """single: one file rewritten each stage (each version kept by DVC); per-state: one each."""
+    key = run_key(BankKey(teacher=teacher, bank=bank), dataset)
+    name = "bank.pt" if bank.mode == "single" else f"bank-{stage:03d}.pt"
+    return f"banks/{key}/{name}"
+
+
+class BankKey(BaseModel):
+    """What a bank's content depends on (names its folder)."""
+
+    teacher: RoleConfig
+    bank: BankConfig
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name=_stage_name("bank"))
+def bank_snapshot(teacher: RoleConfig, bank: BankConfig, dataset: DatasetRef, stage: int,
+                  teacher_checkpoint: ArtifactRef, previous: ArtifactRef | None) -> BankSnapshot:
+    """Bank `stage`: bank `stage - 1` (or the initial bank) with the entries of the images the
+    teacher trained on at `stage` replaced by its features for them, marked with `stage`."""
+    device = _setup(teacher)
+    store = ArtifactStore()
+    data = load_dataset(dataset)
+    checkpoint = load_checkpoint(store, teacher_checkpoint)
+    model = new_model(teacher, dataset)
+    initial_state = {k: v.clone() for k, v in model.state_dict().items()}
+    restore(model, None, checkpoint)
+    model = place_model(model, device)
+    if previous is not None:  # a memory-mapped bank is mapped privately: updates stay in RAM
+        features = load_bank(store, previous, bank.memmap)
+    else:
+        features = initial_bank(teacher, bank, dataset, data, model, initial_state, device)
+        model.load_state_dict(checkpoint["model"])
+    ids = checkpoint["ids"]
+    features.update(ids, teacher_features(model, bank.layer, dataset, data, ids, device), stage)
+    state = features.state_dict()
+    ref = store.write(bank_path(teacher, bank, dataset, stage),
+                      lambda path: torch_save(state, path))
+    return BankSnapshot(stage=stage, bank=ref, fill_fraction=features.fill_fraction(),
+                        state_histogram=features.state_histogram(), nbytes=features.nbytes(),
+                        entries=len(features), feature_values=features.features[0].numel())
+
+
+def initial_bank(teacher: RoleConfig, bank: BankConfig, dataset: DatasetRef,
+                 data: LoadedDataset, model: nn.Module, initial_state: dict[str, Tensor],
+                 device: torch.device) -> FeatureBank:
+    """The bank before stage 1: every entry masked, or filled by the initial teacher (state 0).
+
+    `model` is the teacher network; it is left holding `initial_state` (the seeded weights).
+    """
+    train_ids = data.splits["train"]
+    model.load_state_dict(initial_state)
+    example = data.images[train_ids[:1]].float()
+    shape = layer_shape(model, bank.layer, example.to(device))
+    features = FeatureBank(train_ids, shape, DTYPES[bank.dtype])
+    if bank.initial == "teacher":
+        features.update(train_ids, teacher_features(model, bank.layer, dataset, data, train_ids,
+                                                    device), 0)
+    return features
+
+
+def student_network(student: StudentConfig, dataset: DatasetRef, feature_shape: tuple[int, ...],
+                    device: torch.device) -> tuple[nn.Module, FeatureAdapter]:
+    """The seeded student and its adapter to the bank's feature shape."""
+    model = new_model(student, dataset)
+    example = torch.zeros(1, dataset.channels, dataset.image_size, dataset.image_size)
+    adapter = FeatureAdapter(layer_shape(model, student.layer, example), feature_shape)
+    return place_model(model, device), adapter.to(device)
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name=_stage_name("student"))
+def student_stage(student: StudentConfig, dataset: DatasetRef, stage: int,
+                  previous: ArtifactRef | None, bank: ArtifactRef) -> StageResult:
+    """The student at state `stage` learns from its P queued images with CE plus the feature
+    loss against bank `stage`: state `stage + 1`."""
+    device = _setup(student)
+    store = ArtifactStore()
+    data = load_dataset(dataset)
+    features = load_bank(store, bank, student.bank_memmap)
+    if not student.bank_memmap:
+        features = features.to(device)
+    model, adapter = student_network(student, dataset, features.feature_shape, device)
+    optimizer = make_optimizer(nn.ModuleList([model, adapter]), student)
+    if previous is not None:
+        checkpoint = load_checkpoint(store, previous)
+        restore(model, optimizer, checkpoint)
+        adapter.load_state_dict(checkpoint["adapter"])
+        _optimizer_to(optimizer, device)
+    ids = stage_ids(student, data.splits["train"], stage)
+    batches = stage_batches(student, dataset, data, ids, stage, device)
+    adapter.train()
+    with FeatureHooks(model, [student.layer]) as hooks:
+        step = distillation_step(hooks, student.layer, adapter, bank_targets(features, device),
+                                 FeatureLoss(student.feature_loss, student.temperature),
+                                 student.ce_weight, student.feature_weight,
+                                 student.label_smoothing)
+        metrics = _train_stage(student, dataset, stage, model, optimizer, batches, step, device,
+                               data)
+    filled = features.lookup(ids)[1].float().mean().item()
+    metrics |= {"bank_filled_fraction_drawn": filled}
+    payload = {"model": model.state_dict(), "adapter": adapter.state_dict(),
+               "optimizer": optimizer.state_dict(), "stage": stage, "ids": ids,
+               "metrics": metrics}
+    bank_key = bank.path.split("/")[1]  # the student's result depends on the bank's content
+    relpath = f"checkpoints/distill/{run_key(student, dataset)}-{bank_key}/student-{stage:03d}.pt"
+    return StageResult(role="student", stage=stage, checkpoint=save_checkpoint(
+        store, relpath, payload), metrics=metrics)

@@ -1,0 +1,83 @@
+"""Inference with any registered model: image files in, labels and confidences out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+from pydantic import Field, field_validator
+
+from tasks import tracking
+from tasks.config import StrictConfig
+from training.datasets import IMAGE_EXTENSIONS, DataError
+from training.preprocess import decode_image
+
+
+class PredictConfig(StrictConfig):
+    """Which images, and which registered model version."""
+
+    images: str = Field(description="an image file, or a folder searched recursively")
+    model_name: str = Field("distill", min_length=1, description="the registered model's name "
+                            "(train, distill, or a --model-name given to a flow)")
+    alias: str | None = Field("champion", description="the version's alias; ignored when "
+                              "--version is given")
+    version: int | None = Field(None, ge=1, description="a version number; none: the alias")
+    skip_bad_images: bool = Field(False, description="skip unreadable images instead of "
+                                  "stopping with an error")
+
+    @field_validator("images")
+    @classmethod
+    def _exists(cls, value: str) -> str:
+        if not Path(value).expanduser().exists():
+            raise ValueError(f"no such image file or folder: {value}")
+        return value
+
+    def model_uri(self) -> str:
+        """`models:/name/version` or `models:/name@alias`."""
+        if self.version is not None:
+            return f"models:/{self.model_name}/{self.version}"
+        if not self.alias:
+            raise ValueError("give --version or --alias")
+        return f"models:/{self.model_name}@{self.alias}"
+
+
+def image_files(path: Path) -> list[Path]:
+    """The file itself, or every image file under a folder (sorted)."""
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file()
+                  and p.suffix.lower() in IMAGE_EXTENSIONS)
+
+
+def read_images(files: list[Path], skip_bad: bool) -> tuple[list[Path], list[bytes], list[Path]]:
+    """The readable files and their bytes, and the skipped ones.
+
+    Raises:
+        DataError: a file is not a readable image (and `skip_bad` is off).
+    """
+    kept, blobs, skipped = [], [], []
+    for file in files:
+        data = file.read_bytes()
+        try:
+            decode_image(data)
+        except ValueError as error:
+            if not skip_bad:
+                raise DataError(f"cannot read image {file}: {error}") from None
+            skipped.append(file)
+            continue
+        kept.append(file)
+        blobs.append(data)
+    return kept, blobs, skipped
+
+
+def predict_images(config: PredictConfig) -> tuple[pd.DataFrame, list[Path]]:
+    """A table of `path`, `label`, `confidence` per image, and the skipped files."""
+    files = image_files(Path(config.images).expanduser())
+    if not files:
+        raise DataError(f"no image files ({', '.join(sorted(IMAGE_EXTENSIONS)[:6])}, ...) "
+                        f"under {config.images}")
+    kept, blobs, skipped = read_images(files, config.skip_bad_images)
+    model = tracking.load_pyfunc(config.model_uri())
+    out = model.predict(pd.DataFrame({"image": blobs}))
+    out.insert(0, "path", [str(p) for p in kept])
+    return out, skipped

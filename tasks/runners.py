@@ -1,0 +1,88 @@
+"""Task runners: in this process, or on a Dask cluster through prefect-dask.
+
+Tasks that run on Dask workers report to the Prefect API. Without a configured server each
+worker process would start a temporary server of its own (about 20 s each, and the flow's UI
+would not see their task runs), so before a local cluster starts, the API the flow itself uses
+(a configured server, or the flow's own temporary one) is put in the environment the workers
+inherit.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import dask
+from prefect.settings import PREFECT_API_URL
+from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
+
+from tasks.config import RunnerSection
+
+
+def shared_api_url() -> str:
+    """The Prefect API this process uses; starts the temporary server if there is none yet."""
+    url = PREFECT_API_URL.value()
+    if url:
+        return url
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    server.start()  # a no-op when this process's temporary server already runs
+    return server.api_url
+
+
+def task_runner(config: RunnerSection) -> TaskRunner:
+    """The task runner a config asks for (see the module docstring for the Dask case)."""
+    if config.runner == "process":
+        return ThreadPoolTaskRunner(max_workers=1)
+    from prefect_dask import DaskTaskRunner
+
+    if config.dask_address:
+        return DaskTaskRunner(address=config.dask_address)
+    os.environ["PREFECT_API_URL"] = shared_api_url()  # the workers inherit it
+    use_this_process_threads_on_workers()
+    return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs={
+        "n_workers": config.dask_workers, "threads_per_worker": 1, "processes": True,
+        "dashboard_address": None})
+
+
+def use_this_process_threads_on_workers() -> None:
+    """Local Dask workers start with this process's thread settings, not Dask's default of 1.
+
+    Dask sets OMP_NUM_THREADS=1 (in this process too) before it spawns a worker, and PyTorch's
+    CPU kernels set up under that compute in another order than under the default, even at the
+    same `torch.set_num_threads`: a task would give other bits on a worker than in-process.
+    Tasks set their own thread count (`--threads`, or `worker_threads`).
+    """
+    threads = os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    dask.config.set({"distributed.nanny.pre-spawn-environ": {
+        **dask.config.get("distributed.nanny.pre-spawn-environ", {}),
+        "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+        "OPENBLAS_NUM_THREADS": threads}})
+
+
+def worker_threads(config: RunnerSection, threads: int | None) -> int | None:
+    """PyTorch threads per task: `threads` if given; on a local Dask cluster, the cores shared
+    among its workers (so overlapping tasks do not oversubscribe them); else PyTorch's default.
+    """
+    if threads is not None or config.runner == "process" or config.dask_address:
+        return threads
+    return max(1, (os.cpu_count() or 1) // config.dask_workers)
+
+
+class Completed:
+    """The result of a task already run in this process, shaped like a Prefect future."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
+
+
+def submitter(config: RunnerSection) -> Callable[..., Any]:
+    """`submit(task, *args)`: the task's future on Dask, or its result now, run in turn."""
+    if config.runner == "process":
+        return lambda task, *args: Completed(task(*args))
+    return lambda task, *args: task.submit(*args)

@@ -1,0 +1,91 @@
+"""The distill tasks through `.fn()`: queue draws, the teacher stage, bank snapshots, students."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flows.train import data_section
+from tasks.config import DistillConfig
+from tasks.data import load_dataset, prepare_dataset, source_version
+from tasks.distill import (
+    DistillPlan,
+    bank_snapshot,
+    load_bank,
+    stage_ids,
+    student_stage,
+    teacher_stage,
+)
+from tasks.versioning import ArtifactStore
+from training.feature_bank import UNFILLED
+
+
+@pytest.fixture(scope="module")
+def setup():
+    config = DistillConfig(profile="smoke", train_limit=400, stages=3, seed=4, threads=2)
+    data = data_section(config)
+    dataset = prepare_dataset.fn(data, source_version(data))
+    return config, DistillPlan.of(config), dataset
+
+
+def test_teacher_and_student_queues_are_seeded_separately_and_prefer_the_front(setup):
+    _, plan, dataset = setup
+    train_ids = load_dataset(dataset).splits["train"]
+    first, second = (stage_ids(plan.teacher, train_ids, s) for s in (1, 2))
+    assert len(first) == round(0.8 * len(train_ids)) and len(set(first.tolist())) == len(first)
+    assert torch.equal(first, stage_ids(plan.teacher, train_ids, 1))  # replayed, same draws
+    not_first = set(train_ids.tolist()) - set(first.tolist())
+    # stage 2 draws 320 of 400: the 80 images left out at stage 1 (weight 2) are nearly all in
+    assert len(not_first & set(second.tolist())) > 0.9 * len(not_first)
+    assert not torch.equal(first, stage_ids(plan.student, train_ids, 1))
+
+
+def test_stages_fill_the_bank_with_state_ids_and_resume_with_the_configured_lr(setup):
+    config, plan, dataset = setup
+    store = ArtifactStore()
+    t1 = teacher_stage.fn(plan.teacher, dataset, 1, None)
+    b1 = bank_snapshot.fn(plan.teacher, plan.bank, dataset, 1, t1.checkpoint, None)
+    assert b1.state_histogram == {UNFILLED: 80, 1: 320} and b1.fill_fraction == 0.8
+    assert b1.entries == 400 and b1.feature_values == 64  # resnet8's pooled feature
+    assert b1.nbytes == 400 * 64 * 2 + 400 * 6
+    t2 = teacher_stage.fn(plan.teacher, dataset, 2, t1.checkpoint)
+    b2 = bank_snapshot.fn(plan.teacher, plan.bank, dataset, 2, t2.checkpoint, b1.bank)
+    assert b2.bank.path == b1.bank.path and b2.bank.md5 != b1.bank.md5  # single mode: one file
+    assert set(b2.state_histogram) <= {UNFILLED, 1, 2} and b2.state_histogram[2] == 320
+    bank1 = load_bank(store, b1.bank)  # the older version comes back by hash
+    assert bank1.state_histogram() == b1.state_histogram
+    # the student of stage 2, resumed with a different configured learning rate
+    s1 = student_stage.fn(plan.student, dataset, 1, None, b1.bank)
+    assert s1.metrics["bank_filled_fraction_drawn"] < 1.0
+    faster = plan.student.model_copy(update={"lr": 0.3})
+    s2 = student_stage.fn(faster, dataset, 2, s1.checkpoint, b2.bank)
+    # 320 images in batches of 64: 5 steps a stage, 15 in all; stage 2 ends at step 9
+    assert s2.metrics["lr"] == pytest.approx(0.3 * 0.5 * (1 + math.cos(math.pi * 9 / 15)))
+    assert {"loss", "loss_ce", "loss_feat", "val_accuracy"} <= set(s2.metrics)
+
+
+def test_memory_mapped_and_per_state_banks_hold_the_same_entries(setup):
+    config, plan, dataset = setup
+    t1 = teacher_stage.fn(plan.teacher, dataset, 1, None)
+    in_memory = bank_snapshot.fn(plan.teacher, plan.bank, dataset, 1, t1.checkpoint, None)
+    mapped_plan = DistillPlan.of(config.model_copy(update={"bank_memmap": True,
+                                                          "bank_mode": "per-state"}))
+    mapped = bank_snapshot.fn(mapped_plan.teacher, mapped_plan.bank, dataset, 1, t1.checkpoint,
+                              None)
+    assert mapped.bank.path.endswith("bank-001.pt") and mapped.bank.md5 == in_memory.bank.md5
+    t2 = teacher_stage.fn(plan.teacher, dataset, 2, t1.checkpoint)
+    again = bank_snapshot.fn(mapped_plan.teacher, mapped_plan.bank, dataset, 2, t2.checkpoint,
+                             mapped.bank)
+    assert again.bank.path.endswith("bank-002.pt")
+    bank = load_bank(ArtifactStore(), mapped.bank, memmap=True)
+    assert bank.state_histogram() == mapped.state_histogram  # stage 2 left bank 1 unchanged
+
+
+def test_initial_bank_from_the_untrained_teacher_is_state_zero(setup):
+    config, _, dataset = setup
+    plan = DistillPlan.of(config.model_copy(update={"initial_bank": "teacher"}))
+    t1 = teacher_stage.fn(plan.teacher, dataset, 1, None)
+    bank = bank_snapshot.fn(plan.teacher, plan.bank, dataset, 1, t1.checkpoint, None)
+    assert bank.state_histogram == {0: 80, 1: 320} and bank.fill_fraction == 1.0
