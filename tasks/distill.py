@@ -13,6 +13,7 @@ from typing import Literal
 
 import torch
 from prefect import task
+from prefect.runtime import task_run
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
@@ -25,6 +26,7 @@ from tasks.training import (
     _setup,
     make_optimizer,
     new_model,
+    optimizer_to,
     restore,
     run_key,
     split_batches,
@@ -164,13 +166,6 @@ def stage_batches(role: RoleConfig, dataset: DatasetRef, data: LoadedDataset, id
                    device=device)
 
 
-def _optimizer_to(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    for state in optimizer.state.values():
-        for name, value in state.items():
-            if torch.is_tensor(value):
-                state[name] = value.to(device)
-
-
 def _train_stage(role: RoleConfig, dataset: DatasetRef, stage: int, model: nn.Module,
                  optimizer: torch.optim.Optimizer, batches: Batches, step, device: torch.device,
                  data: LoadedDataset) -> dict[str, float]:
@@ -189,8 +184,6 @@ def _train_stage(role: RoleConfig, dataset: DatasetRef, stage: int, model: nn.Mo
 
 
 def _stage_name(prefix: str):
-    from prefect.runtime import task_run
-
     return lambda: f"{prefix}-{task_run.parameters['stage']}"
 
 
@@ -204,9 +197,9 @@ def teacher_stage(teacher: RoleConfig, dataset: DatasetRef, stage: int,
     model = new_model(teacher, dataset)
     optimizer = make_optimizer(model, teacher)
     if previous is not None:
-        restore(model, optimizer, load_checkpoint(store, previous))
+        restore(model, optimizer, load_checkpoint(store, previous), teacher)
     model = place_model(model, device)
-    _optimizer_to(optimizer, device)
+    optimizer_to(optimizer, device)
     ids = stage_ids(teacher, data.splits["train"], stage)
     batches = stage_batches(teacher, dataset, data, ids, stage, device)
     metrics = _train_stage(teacher, dataset, stage, model, optimizer, batches,
@@ -324,9 +317,9 @@ def student_stage(student: StudentConfig, dataset: DatasetRef, stage: int,
     optimizer = make_optimizer(nn.ModuleList([model, adapter]), student)
     if previous is not None:
         checkpoint = load_checkpoint(store, previous)
-        restore(model, optimizer, checkpoint)
+        restore(model, optimizer, checkpoint, student)
         adapter.load_state_dict(checkpoint["adapter"])
-        _optimizer_to(optimizer, device)
+        optimizer_to(optimizer, device)
     ids = stage_ids(student, data.splits["train"], stage)
     batches = stage_batches(student, dataset, data, ids, stage, device)
     adapter.train()

@@ -80,11 +80,28 @@ def split_batches(data: LoadedDataset, dataset: DatasetRef, split: str, batch_si
 
 
 def restore(model: nn.Module, optimizer: torch.optim.Optimizer | None,
-            checkpoint: dict) -> None:
-    """Loads weights (and optimizer state) from a checkpoint payload."""
+            checkpoint: dict, config: ClassifierConfig | None = None) -> None:
+    """Loads weights (and optimizer state) from a checkpoint payload.
+
+    With `config`, the optimizer keeps the configured momentum and weight decay, not the
+    stored ones (the learning rate is set at every step from the schedule): a resumed run, or
+    a PBT member starting from another's checkpoint, trains with its own hyperparameters.
+    """
     model.load_state_dict(checkpoint["model"])
     if optimizer is not None and "optimizer" in checkpoint:
         optimizer.load_state_dict(checkpoint["optimizer"])
+        if config is not None:
+            for group in optimizer.param_groups:
+                group.update(momentum=config.momentum, weight_decay=config.weight_decay,
+                             nesterov=config.momentum > 0)
+
+
+def optimizer_to(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Moves the optimizer's state (momentum buffers) to the model's device."""
+    for state in optimizer.state.values():
+        for name, value in state.items():
+            if torch.is_tensor(value):
+                state[name] = value.to(device)
 
 
 def _setup(config: ClassifierConfig) -> torch.device:
@@ -133,12 +150,9 @@ def train_classifier_epoch(config: ClassifierConfig, dataset: DatasetRef, epoch:
         model = new_model(config, dataset)
         optimizer = make_optimizer(model, config)
         if previous is not None:
-            restore(model, optimizer, load_checkpoint(store, previous))
+            restore(model, optimizer, load_checkpoint(store, previous), config)
         model = place_model(model, device)
-        for state in optimizer.state.values():  # optimizer state follows the model's device
-            for name, value in state.items():
-                if torch.is_tensor(value):
-                    state[name] = value.to(device)
+        optimizer_to(optimizer, device)
     batches = split_batches(data, dataset, "train", config.batch_size, device, shuffle=True,
                             seed=config.seed * 1000 + epoch, augment=config.augment)
     per_epoch = len(batches)

@@ -59,10 +59,13 @@ def test_stages_fill_the_bank_with_state_ids_and_resume_with_the_configured_lr(s
     # the student of stage 2, resumed with a different configured learning rate
     s1 = student_stage.fn(plan.student, dataset, 1, None, b1.bank)
     assert s1.metrics["bank_filled_fraction_drawn"] < 1.0
-    faster = plan.student.model_copy(update={"lr": 0.3})
+    faster = plan.student.model_copy(update={"lr": 0.3, "momentum": 0.5})
     s2 = student_stage.fn(faster, dataset, 2, s1.checkpoint, b2.bank)
     # 320 images in batches of 64: 5 steps a stage, 15 in all; stage 2 ends at step 9
     assert s2.metrics["lr"] == pytest.approx(0.3 * 0.5 * (1 + math.cos(math.pi * 9 / 15)))
+    groups = torch.load(store.fetch(s2.checkpoint), weights_only=True)["optimizer"][
+        "param_groups"]
+    assert groups[0]["momentum"] == 0.5  # the configured value, not the stored 0.9
     assert {"loss", "loss_ce", "loss_feat", "val_accuracy"} <= set(s2.metrics)
 
 
