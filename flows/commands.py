@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from tasks.config import DistillConfig, TrainConfig
+from tasks.config import DistillConfig, PBTConfig, TrainConfig
 from tasks.data import install_fashion_mnist
 from tasks.prediction import PredictConfig, predict_images
 from tasks.reporting import ui_commands
@@ -47,6 +47,18 @@ def run_distill(config: DistillConfig) -> None:
     _print_registration(summary)
 
 
+def run_pbt(config: PBTConfig) -> None:
+    """Population-based training: members copy the best's weights and explore around it."""
+    from flows.pbt import pbt
+
+    summary = _exit_on_data_error(lambda: pbt(config))
+    population = summary.population
+    print(f"\ntest accuracy {summary.test_accuracy:.4f} (best member {population.best.member} "
+          f"after {population.stages} stages: " + ", ".join(
+              f"{k}={v:.4g}" for k, v in population.hyperparameters.items()) + ")")
+    _print_registration(summary)
+
+
 def run_predict(config: PredictConfig) -> None:
     """Print the label and confidence a registered model gives each image of a file or folder."""
     from mlflow.exceptions import MlflowException
@@ -74,6 +86,7 @@ def prepare_data() -> None:
 COMMANDS = [
     ("train", TrainConfig, run_train),
     ("distill", DistillConfig, run_distill),
+    ("pbt", PBTConfig, run_pbt),
     ("predict", PredictConfig, run_predict),
     ("prepare-data", None, prepare_data),
 ]

@@ -264,3 +264,74 @@ class DistillConfig(ProfiledConfig, DataSection, StepSection, RunSection, Runner
     def registered_name(self, flow_name: str) -> str:
         """The MLflow registered-model name: `model_name`, or the flow's name."""
         return self.model_name or flow_name
+
+
+class PBTConfig(ProfiledConfig, DataSection, ModelSection, StepSection, RunSection,
+                RunnerSection):
+    """The `pbt` flow: a population trained in stages; the best member's weights are copied to
+    the others, which then explore hyperparameters around the best's.
+
+    `lr`, `weight_decay`, `momentum` and `augment` are the warm-up values (the same for every
+    member); the stages search them within the `*_range` bounds.
+    """
+
+    PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
+        "smoke": {"model": "cnn2", "members": 2, "warmup_epochs": 1, "round_epochs": 1,
+                  "stages": 2, "train_limit": 512, "test_limit": 256, "batch_size": 64,
+                  "progress": False},
+        "quick": {},
+        "full": {"train_limit": None, "members": 8, "warmup_epochs": 5, "round_epochs": 5,
+                 "stages": 11, "width": 32, "batch_size": 256},
+    }
+
+    members: int = Field(4, ge=2, le=256, description="N: networks in the population")
+    warmup_epochs: int = Field(2, ge=1, le=1000, description="epochs of the warm-up, with the "
+                               "same hyperparameters for every member")
+    warmup_patience: int | None = Field(None, ge=1, description="end the warm-up early after "
+                                        "this many epochs without a better validation "
+                                        "accuracy; none: all warm-up epochs")
+    round_epochs: int = Field(1, ge=1, le=1000, description="epochs each member trains per "
+                              "stage")
+    stages: int = Field(6, ge=1, le=10000, description="stop after this many stages")
+    target_accuracy: float | None = Field(None, gt=0.0, le=1.0, description="stop once the "
+                                          "best validation accuracy reaches this")
+    stage_patience: int | None = Field(None, ge=1, description="stop after this many stages "
+                                       "without a better best validation accuracy")
+    lr_range: tuple[float, float] = Field((0.005, 0.3), description="bounds of the learning "
+                                          "rate (log scale)")
+    weight_decay_range: tuple[float, float] = Field((1e-5, 5e-3), description="bounds of the "
+                                                    "weight decay (log scale)")
+    momentum_range: tuple[float, float] = Field((0.5, 0.99), description="bounds of the "
+                                                "momentum (linear scale)")
+    augment_range: tuple[float, float] = Field((0.0, 1.0), description="bounds of the "
+                                               "augmentation strength (linear scale)")
+    explore_factors: tuple[float, float] = Field((0.5, 2.0), description="a log-scale value "
+                                                 "is the best's times a factor in this range")
+    explore_step: float = Field(0.25, gt=0.0, le=1.0, description="a linear-scale value moves "
+                                "by up to this fraction of its range from the best's")
+
+    @field_validator("lr_range", "weight_decay_range", "momentum_range", "augment_range",
+                     "explore_factors", mode="before")
+    @classmethod
+    def _pair(cls, value: Any) -> Any:
+        if isinstance(value, str):  # from the command line: "0.01,0.3"
+            value = [part for part in re.split(r"[,\s]+", value.strip("()[] ")) if part]
+        return value
+
+    @model_validator(mode="after")
+    def _ordered_ranges(self) -> PBTConfig:
+        for name in ("lr_range", "weight_decay_range", "momentum_range", "augment_range",
+                     "explore_factors"):
+            low, high = getattr(self, name)
+            if not low < high:
+                raise ValueError(f"{name}: low {low} must be below high {high}")
+        if self.lr_range[0] <= 0 or self.weight_decay_range[0] <= 0:
+            raise ValueError("lr_range and weight_decay_range are log scales: bounds must be "
+                             "positive")
+        if self.momentum_range[1] >= 1 or self.augment_range[1] > 1:
+            raise ValueError("momentum_range must stay below 1 and augment_range within [0, 1]")
+        return self
+
+    def registered_name(self, flow_name: str) -> str:
+        """The MLflow registered-model name: `model_name`, or the flow's name."""
+        return self.model_name or flow_name

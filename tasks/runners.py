@@ -72,17 +72,24 @@ def worker_threads(config: RunnerSection, threads: int | None) -> int | None:
 
 
 class Completed:
-    """The result of a task already run in this process, shaped like a Prefect future."""
+    """A task already run in this process, shaped like a Prefect future: `result()` returns its
+    value or raises its error."""
 
-    def __init__(self, value: Any) -> None:
-        self.value = value
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self.value, self.error = None, None
+        try:
+            self.value = call()
+        except Exception as error:  # kept for result(), as a future keeps a failed state
+            self.error = error
 
     def result(self) -> Any:
+        if self.error is not None:
+            raise self.error
         return self.value
 
 
 def submitter(config: RunnerSection) -> Callable[..., Any]:
     """`submit(task, *args)`: the task's future on Dask, or its result now, run in turn."""
     if config.runner == "process":
-        return lambda task, *args: Completed(task(*args))
+        return lambda task, *args: Completed(lambda: task(*args))
     return lambda task, *args: task.submit(*args)

@@ -146,6 +146,16 @@ def log_dict(run_id: str, values: Mapping[str, Any], artifact_file: str) -> None
     client().log_dict(run_id, dict(values), artifact_file)
 
 
+def log_figure(run_id: str, figure: Any, artifact_file: str) -> None:
+    """Stores a matplotlib figure as an image artifact of the run."""
+    client().log_figure(run_id, figure, artifact_file)
+
+
+def log_file(run_id: str, path: Path, artifact_path: str | None = None) -> None:
+    """Stores a local file as an artifact of the run."""
+    client().log_artifact(run_id, str(path), artifact_path)
+
+
 def log_pyfunc_model(run_id: str, python_model: str,
                      artifacts: Mapping[str, str], pip_requirements: list[str],
                      code_paths: list[str] | None = None, artifact_path: str = "model") -> str:

@@ -1,0 +1,49 @@
+"""PBT's exploit and explore steps against hand-checked bounds, seeds and ties."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from training.pbt import SearchSpace, best_member, explore, initial_hyperparameters
+
+SPACES = [SearchSpace("lr", 0.01, 0.4), SearchSpace("momentum", 0.5, 0.99, "linear"),
+          SearchSpace("batch_size", 32, 256, "log", integer=True)]
+
+
+def test_initial_members_fall_in_different_slices_of_each_range():
+    members = initial_hyperparameters(SPACES, 4, random.Random(0))
+    slices = sorted(int(4 * (math.log(m["lr"]) - math.log(0.01)) / (math.log(0.4)
+                                                                     - math.log(0.01)))
+                    for m in members)
+    assert slices == [0, 1, 2, 3]
+    assert len({m["momentum"] for m in members}) == 4
+    assert all(m["batch_size"] == round(m["batch_size"]) and 32 <= m["batch_size"] <= 256
+               for m in members)
+    assert members == initial_hyperparameters(SPACES, 4, random.Random(0))  # seeded
+
+
+def test_explore_stays_within_the_factor_and_the_bounds():
+    rng = random.Random(1)
+    best = {"lr": 0.1, "momentum": 0.9, "batch_size": 128, "weight_decay": 5e-4}
+    for _ in range(200):
+        new = explore(best, SPACES, rng)
+        assert 0.05 <= new["lr"] <= 0.2
+        assert 0.9 - 0.25 * 0.49 - 1e-12 <= new["momentum"] <= 0.99
+        assert 64 <= new["batch_size"] <= 256 and new["batch_size"] == round(new["batch_size"])
+        assert new["weight_decay"] == 5e-4  # not searched: kept
+    at_edge = explore({"lr": 0.4, "momentum": 0.99, "batch_size": 256}, SPACES,
+                      random.Random(2), low_factor=1.0, high_factor=4.0)
+    assert at_edge["lr"] == 0.4 and at_edge["batch_size"] == 256  # clipped to the bounds
+    assert explore(best, SPACES, random.Random(3)) == explore(best, SPACES, random.Random(3))
+
+
+def test_best_member_takes_the_first_of_equals_and_skips_failed_members():
+    assert best_member([0.8, 0.9, 0.9]) == 1
+    assert best_member([None, 0.5, float("nan")]) == 1
+    with pytest.raises(ValueError, match="every member failed"):
+        best_member([None, None])
+    with pytest.raises(ValueError, match="positive low bound"):
+        SearchSpace("wd", 0.0, 1.0)

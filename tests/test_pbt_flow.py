@@ -1,0 +1,83 @@
+"""The `pbt` flow end to end: lineage, weight copy, exploration, Dask, and failing members."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from mlflow import MlflowClient
+from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
+
+from flows.pbt import pbt
+from tasks.config import PBTConfig
+from tasks.versioning import ArtifactStore
+
+NAME = "pbt-smoke"
+
+
+def pbt_smoke(**overrides) -> PBTConfig:
+    """Seconds long: 2 cnn2 members, 1 warm-up epoch, 2 stages on 512 images, 1 thread."""
+    return PBTConfig(**{"profile": "smoke", "model_name": NAME, "threads": 1, **overrides})
+
+
+def stage_rows(lineage):
+    return [r for r in lineage if r["phase"] == "stage"]
+
+
+@pytest.fixture(scope="module")
+def first_pbt():
+    return pbt(pbt_smoke())
+
+
+def test_lineage_records_copies_and_draws_and_the_best_is_registered(first_pbt):
+    population = first_pbt.population
+    rows = stage_rows(population.lineage)
+    assert [(r["stage"], r["member"]) for r in rows] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    stage1, stage2 = rows[:2], rows[2:]
+    assert stage1[0]["hyperparameters"] != stage1[1]["hyperparameters"]  # distinct starts
+    best1 = max(stage1, key=lambda r: (r["score"], -r["member"]))
+    assert all(r["parent"] == best1["member"] for r in stage2)  # everyone copied the best
+    kept = next(r for r in stage2 if r["member"] == best1["member"])
+    assert kept["hyperparameters"] == best1["hyperparameters"]  # the best keeps its values
+    other = next(r for r in stage2 if r["member"] != best1["member"])
+    ratio = other["hyperparameters"]["lr"] / best1["hyperparameters"]["lr"]
+    assert 0.5 <= ratio <= 2.0 or other["hyperparameters"]["lr"] in (0.005, 0.3)  # or clipped
+    assert first_pbt.registration.alias == "champion"
+    client = MlflowClient()
+    run = client.get_run(first_pbt.run_id)
+    artifacts = {a.path for a in client.list_artifacts(first_pbt.run_id, "pbt")}
+    assert {"pbt/lineage.jsonl", "pbt/lineage.png", "pbt/lineage.json"} <= artifacts
+    assert run.data.metrics["stages_run"] == 2
+    children = client.search_runs([run.info.experiment_id],
+                                  f"tags.mlflow.parentRunId = '{first_pbt.run_id}'")
+    assert sorted(c.info.run_name for c in children) == ["member-0", "member-1"]
+    history = client.get_metric_history(children[0].info.run_id, "hp_lr")
+    assert [m.step for m in history] == [0, 1, 2]  # warm-up, then the stages
+    logged = ArtifactStore().fetch(population.lineage_log)
+    assert run.data.tags["dvc.lineage"] == population.lineage_log.md5
+    assert [json.loads(line) for line in logged.read_text().splitlines()] == \
+        population.lineage
+
+
+def test_same_seed_gives_the_same_lineage_on_a_dask_cluster(first_pbt, monkeypatch):
+    monkeypatch.setenv("PREFECT_TASKS_REFRESH_CACHE", "true")
+    with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: True}):
+        on_dask = pbt(pbt_smoke(runner="dask", dask_workers=2))
+    ours, theirs = on_dask.population.lineage, first_pbt.population.lineage
+    assert [(r["phase"], r["stage"], r["member"], r["parent"], r["hyperparameters"])
+            for r in ours] == [(r["phase"], r["stage"], r["member"], r["parent"],
+                                r["hyperparameters"]) for r in theirs]
+    assert [r["score"] for r in ours] == pytest.approx([r["score"] for r in theirs], abs=0.02)
+
+
+def test_a_member_that_keeps_failing_is_recorded_and_the_stage_goes_on():
+    # learning rates up to 1e12 without clipping: the members drawn in the top of the range
+    # blow up, and the loop's check stops them with NonFiniteLossError (retried once, then
+    # recorded); the lowest quarter of the range (below 6) trains
+    summary = pbt(pbt_smoke(members=4, stages=1, lr_range=(1e-3, 1e12), grad_clip=None,
+                            model_name="pbt-failing"))
+    rows = stage_rows(summary.population.lineage)
+    failed = [r for r in rows if r["score"] is None]
+    assert failed and all("NonFiniteLossError" in r["error"] for r in failed)
+    assert len(failed) < 4 and summary.population.best.member not in {r["member"]
+                                                                      for r in failed}

@@ -1,0 +1,109 @@
+"""Population-based training's exploit and explore steps, as pure functions (Ray Tune's split).
+
+A member's hyperparameters are a dict of floats. Each searched hyperparameter has bounds and a
+scale. `initial_hyperparameters` spreads the members over the space, `best_member` picks the
+most accurate member of a stage (exploit: its weights are copied to the others), and `explore`
+draws a member's new values around the best's:
+
+- log scale: `best * f` with `log f` uniform in `[log low_factor, log high_factor]`
+  (0.5 to 2 by default);
+- linear scale: `best + u * (high - low)` with `u` uniform in `[-linear_step, linear_step]`;
+
+then clipped to the bounds (and rounded where the value is an integer, e.g. a batch size).
+Every random number comes from the explicit `random.Random` passed in: the same seed gives the
+same population history.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+Scale = Literal["log", "linear"]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """One searched hyperparameter: bounds, scale, and whether it is an integer."""
+
+    name: str
+    low: float
+    high: float
+    scale: Scale = "log"
+    integer: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.low < self.high:
+            raise ValueError(f"{self.name}: low {self.low} must be below high {self.high}")
+        if self.scale == "log" and self.low <= 0:
+            raise ValueError(f"{self.name}: a log scale needs a positive low bound, got "
+                             f"{self.low}")
+
+    def clip(self, value: float) -> float:
+        """The value inside the bounds (rounded for an integer hyperparameter)."""
+        value = min(max(value, self.low), self.high)
+        return float(round(value)) if self.integer else value
+
+    def sample(self, rng: random.Random) -> float:
+        """A value drawn uniformly on the scale over the whole range."""
+        if self.scale == "log":
+            return self.clip(math.exp(rng.uniform(math.log(self.low), math.log(self.high))))
+        return self.clip(rng.uniform(self.low, self.high))
+
+
+def initial_hyperparameters(spaces: Sequence[SearchSpace], members: int,
+                            rng: random.Random) -> list[dict[str, float]]:
+    """`members` distinct starting points: stratified on each scale (member i draws from the
+    i-th of `members` equal slices of every range, slices shuffled per hyperparameter), so no
+    two members start alike."""
+    columns: dict[str, list[float]] = {}
+    for space in spaces:
+        order = list(range(members))
+        rng.shuffle(order)
+        values = []
+        for slot in order:
+            low, high = slot / members, (slot + 1) / members
+            u = rng.uniform(low, high)
+            if space.scale == "log":
+                value = math.exp(math.log(space.low) + u * (math.log(space.high)
+                                                            - math.log(space.low)))
+            else:
+                value = space.low + u * (space.high - space.low)
+            values.append(space.clip(value))
+        columns[space.name] = values
+    return [{name: columns[name][i] for name in columns} for i in range(members)]
+
+
+def explore(best: Mapping[str, float], spaces: Sequence[SearchSpace], rng: random.Random,
+            low_factor: float = 0.5, high_factor: float = 2.0,
+            linear_step: float = 0.25) -> dict[str, float]:
+    """New hyperparameters around `best`'s (module docstring); unsearched keys are kept."""
+    if not 0 < low_factor <= 1 <= high_factor:
+        raise ValueError(f"need 0 < low_factor <= 1 <= high_factor, got {low_factor}, "
+                         f"{high_factor}")
+    values = dict(best)
+    for space in spaces:
+        current = best[space.name]
+        if space.scale == "log":
+            factor = math.exp(rng.uniform(math.log(low_factor), math.log(high_factor)))
+            values[space.name] = space.clip(current * factor)
+        else:
+            step = rng.uniform(-linear_step, linear_step) * (space.high - space.low)
+            values[space.name] = space.clip(current + step)
+    return values
+
+
+def best_member(scores: Sequence[float | None]) -> int:
+    """The index of the highest score (the first on ties); `None` marks a failed member.
+
+    Raises:
+        ValueError: no member has a score.
+    """
+    ranked = [(score, -index) for index, score in enumerate(scores) if score is not None
+              and not math.isnan(score)]
+    if not ranked:
+        raise ValueError("no member of the stage has a score: every member failed")
+    return -max(ranked)[1]
