@@ -132,6 +132,10 @@ class RunSection(StrictConfig):
             raise ValueError(f"model name {value!r} may hold only letters, digits, '_', '.', '-'")
         return value
 
+    def registered_name(self, flow_name: str) -> str:
+        """The MLflow registered-model name: `model_name`, or the flow's name."""
+        return self.model_name or flow_name
+
 
 class ProfiledConfig(StrictConfig):
     """A config whose unspecified fields come from a named profile."""
@@ -161,10 +165,6 @@ class TrainConfig(ProfiledConfig, DataSection, ModelSection, OptimSection, RunSe
         "full": {"train_limit": None, "epochs": 60, "width": 32, "batch_size": 256, "lr": 0.1,
                  "warmup_epochs": 1.0},
     }
-
-    def registered_name(self, flow_name: str) -> str:
-        """The MLflow registered-model name: `model_name`, or the flow's name."""
-        return self.model_name or flow_name
 
 
 class RunnerSection(StrictConfig):
@@ -261,10 +261,6 @@ class DistillConfig(ProfiledConfig, DataSection, StepSection, RunSection, Runner
                              f"{self.student_model}: {', '.join(student_layers)}")
         return self
 
-    def registered_name(self, flow_name: str) -> str:
-        """The MLflow registered-model name: `model_name`, or the flow's name."""
-        return self.model_name or flow_name
-
 
 class PBTConfig(ProfiledConfig, DataSection, ModelSection, StepSection, RunSection,
                 RunnerSection):
@@ -331,7 +327,3 @@ class PBTConfig(ProfiledConfig, DataSection, ModelSection, StepSection, RunSecti
         if self.momentum_range[1] >= 1 or self.augment_range[1] > 1:
             raise ValueError("momentum_range must stay below 1 and augment_range within [0, 1]")
         return self
-
-    def registered_name(self, flow_name: str) -> str:
-        """The MLflow registered-model name: `model_name`, or the flow's name."""
-        return self.model_name or flow_name
