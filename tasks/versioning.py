@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
+import logging
 import os
 import tempfile
 import threading
@@ -25,13 +27,15 @@ from pathlib import Path
 
 import yaml
 from dvc.exceptions import DvcException
-from dvc.lock import LockError
+from dvc.lock import LockError, make_lock
 from dvc.repo import Repo
+from dvc.rwlock import RWLOCK_FILE, RWLOCK_LOCK, RWLockFileCorruptedError
 from pydantic import BaseModel, ConfigDict
 
 from tasks.environment import PROJECT_ROOT, artifacts_dir
 
 _LOCK = threading.Lock()
+logger = logging.getLogger(__name__)
 REMOTE_NAME = "project"
 
 
@@ -82,6 +86,27 @@ def _write_pointer(pointer: Path, md5: str, size: int) -> None:
     content = {"outs": [{"md5": md5, "size": size, "hash": "md5", "path": name}]}
     with atomic_path(pointer) as temporary:
         temporary.write_text(yaml.safe_dump(content, sort_keys=False))
+
+
+def repair_rwlock(lock_dir: Path) -> None:
+    """Empties DVC's rwlock file if it is not valid JSON.
+
+    DVC rewrites the file in place (truncate, then write) under its `rwlock.lock` guard, so a
+    file that is unreadable while this process holds the guard was left by a writer that died
+    mid-write. Its entries are lost either way; DVC's repository lock, which every command here
+    also takes, still keeps commands apart, and entries of dead processes are dropped by DVC.
+    """
+    path = lock_dir / RWLOCK_FILE
+    with make_lock(str(lock_dir / RWLOCK_LOCK), tmp_dir=str(lock_dir), wait=True):
+        try:
+            json.loads(path.read_text(encoding="utf-8"))  # valid: another process repaired it
+        except FileNotFoundError:
+            pass
+        except json.JSONDecodeError:
+            with atomic_path(path) as temporary:
+                temporary.write_text("{}", encoding="utf-8")
+            logger.warning("repaired DVC's rwlock file %s, left truncated by a killed process",
+                           path)
 
 
 def data_dvc_hash(path: Path = PROJECT_ROOT / "data.dvc") -> str:
@@ -166,7 +191,12 @@ class ArtifactStore:
         return repo
 
     def _with_repo(self, action: Callable[[Repo], object]) -> object:
-        """Runs `action` on a fresh Repo under the store's lock, retrying a busy DVC lock."""
+        """Runs `action` on a fresh Repo under the store's lock, retrying a busy DVC lock.
+
+        A process killed while DVC rewrote its rwlock file leaves it truncated, and DVC then
+        refuses every later command; such a file is repaired once and the action retried.
+        """
+        repaired = False
         for attempt in range(20):
             try:
                 with _LOCK:
@@ -177,6 +207,11 @@ class ArtifactStore:
                         repo.close()
             except LockError:
                 time.sleep(0.25 * (attempt + 1))
+            except RWLockFileCorruptedError:
+                if repaired:
+                    raise
+                repair_rwlock(self.root / ".dvc" / "tmp")
+                repaired = True
         raise RuntimeError(f"the DVC repository {self.root} stayed locked by another process")
 
     def write(self, relpath: str, writer: Callable[[Path], None]) -> ArtifactRef:

@@ -1,5 +1,6 @@
 """The DVC adapter against a real DVC repository and a real local remote."""
 
+import json
 import shutil
 
 import pytest
@@ -35,6 +36,16 @@ def test_failed_write_leaves_nothing_behind(store):
     with pytest.raises(RuntimeError):
         store.write("runs/c.bin", crash)
     assert list((store.root / "runs").iterdir()) == []
+
+
+def test_rwlock_truncated_by_a_killed_process_is_repaired(store, caplog):
+    store.write("runs/f.bin", lambda p: p.write_bytes(b"f"))
+    rwlock = store.root / ".dvc" / "tmp" / "rwlock"
+    rwlock.write_text("")  # what DVC leaves when killed between truncate and write
+    ref = store.write("runs/g.bin", lambda p: p.write_bytes(b"g"))
+    assert store.path_of(ref).read_bytes() == b"g"
+    assert not any(json.loads(rwlock.read_text()).values())  # valid JSON, no lock held
+    assert "repaired DVC's rwlock file" in caplog.text
 
 
 def test_unknown_hash_is_a_clear_error(store):
