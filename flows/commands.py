@@ -6,6 +6,7 @@ import sys
 
 from tasks.config import DistillConfig, PBTConfig, TrainConfig
 from tasks.data import install_fashion_mnist
+from tasks.features import FeaturesConfig
 from tasks.prediction import PredictConfig, predict_images
 from tasks.reporting import ui_commands
 from tasks.versioning import project_data_status, track_project_data
@@ -53,25 +54,70 @@ def run_pbt(config: PBTConfig) -> None:
 
     summary = _exit_on_data_error(lambda: pbt(config))
     population = summary.population
-    print(f"\ntest accuracy {summary.test_accuracy:.4f} (best member {population.best.member} "
+    print(f"\ntest accuracy {summary.test_accuracy:.4f}, {config.knn_k}-NN on its embeddings "
+          f"{summary.knn_accuracy:.4f} (best member {population.best.member} "
           f"after {population.stages} stages: " + ", ".join(
               f"{k}={v:.4g}" for k, v in population.hyperparameters.items()) + ")")
     _print_registration(summary)
 
 
-def run_predict(config: PredictConfig) -> None:
-    """Print the label and confidence a registered model gives each image of a file or folder."""
+def _exit_on_model_error(config, call):
+    """Runs `call()`; a model version that does not load, like bad input, exits with code 2."""
     from mlflow.exceptions import MlflowException
 
     try:
-        table, skipped = _exit_on_data_error(lambda: predict_images(config))
+        return _exit_on_data_error(call)
     except MlflowException as error:
         print(f"error: cannot load {config.model_uri()}: {error.message}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def run_predict(config: PredictConfig) -> None:
+    """Print the label and confidence a registered model gives each image of a file or folder."""
+    table, skipped = _exit_on_model_error(config, lambda: predict_images(config))
     print(table.to_string(index=False, formatters={"confidence": "{:.4f}".format}))
     if skipped:
         print(f"skipped {len(skipped)} unreadable images: {', '.join(map(str, skipped[:5]))}",
               file=sys.stderr)
+
+
+def run_features(config: FeaturesConfig) -> None:
+    """Embed images with a registered model (Parquet); recognize them by nearest neighbours.
+
+    With --gallery, --images are recognized against labelled embeddings; --evaluate reports
+    the k-NN accuracy on the test split of --data.
+    """
+    from pathlib import Path
+
+    from tasks import features
+
+    embedder = _exit_on_model_error(config, lambda: features.load_embedder(config.model_uri()))
+    if config.images is not None:
+        def embed_and_recognize():
+            table = features.embed_images(embedder, config.images, config.skip_bad_images)
+            accuracy = None
+            if config.gallery is not None:
+                table, accuracy = features.recognize(
+                    table, *features.read_gallery(Path(config.gallery)), config.k)
+            return table, accuracy
+
+        table, accuracy = _exit_on_data_error(embed_and_recognize)
+        out = features.write_table(table, Path(config.out))
+        print(f"{len(table)} embeddings of {len(table.embedding.iloc[0])} values -> {out}")
+        if config.gallery is not None:
+            shown = table[["path", "label", "recognized_label", "similarity"]]
+            print(shown.to_string(index=False, max_rows=20,
+                                  formatters={"similarity": "{:.4f}".format}))
+            if accuracy is not None:
+                print(f"recognition accuracy ({config.k}-NN against {config.gallery}): "
+                      f"{accuracy:.4f}")
+    if config.evaluate:
+        result = _exit_on_data_error(lambda: features.recognition_accuracy(
+            embedder, config, config.k))
+        print(f"test split of {config.data}: {config.k}-NN recognition accuracy "
+              f"{result['knn_accuracy']:.4f} against {int(result['gallery_images'])} training "
+              f"embeddings ({int(result['test_images'])} test images; the classifier's own "
+              f"accuracy {result['classifier_accuracy']:.4f})")
 
 
 def prepare_data() -> None:
@@ -88,5 +134,6 @@ COMMANDS = [
     ("distill", DistillConfig, run_distill),
     ("pbt", PBTConfig, run_pbt),
     ("predict", PredictConfig, run_predict),
+    ("features", FeaturesConfig, run_features),
     ("prepare-data", None, prepare_data),
 ]

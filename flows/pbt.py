@@ -25,6 +25,7 @@ from flows.train import prepare
 from tasks import tracking
 from tasks.config import PBTConfig
 from tasks.data import DatasetRef
+from tasks.features import recognition_test
 from tasks.pbt import (
     HYPERPARAMETERS,
     MemberResult,
@@ -63,6 +64,7 @@ class PBTSummary(BaseModel):
     run_id: str
     population: PopulationResult
     test_accuracy: float
+    knn_accuracy: float
     registration: Registration
 
 
@@ -213,12 +215,17 @@ def pbt(config: PBTConfig) -> PBTSummary:
                                             "checkpoint.best": population.best.checkpoint,
                                             "lineage": population.lineage_log})
         registration = register_and_promote(run_id, name, dataset, test.program)
+        recognition = recognition_test(f"models:/{name}/{registration.version}", dataset,
+                                       config.knn_k)
+        tracking.log_metrics(run_id, {"test_knn_accuracy": recognition["knn_accuracy"]})
         summary = PBTSummary(run_id=run_id, population=population,
                              test_accuracy=test.metrics["test_accuracy"],
+                             knn_accuracy=recognition["knn_accuracy"],
                              registration=registration)
     markdown = publish_summary("pbt-summary", f"pbt: {config.members} x {config.model} on "
                                f"{config.data}", {
         "test accuracy": f"{summary.test_accuracy:.4f}",
+        f"test accuracy by {config.knn_k}-NN on embeddings": f"{summary.knn_accuracy:.4f}",
         "best member (validation)": f"{population.best.member} "
                                     f"({population.best.metrics['val_accuracy']:.4f})",
         "hyperparameters": ", ".join(f"{k}={v:.4g}" for k, v in

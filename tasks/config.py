@@ -305,6 +305,8 @@ class PBTConfig(ProfiledConfig, DataSection, ModelSection, StepSection, RunSecti
                                                  "is the best's times a factor in this range")
     explore_step: float = Field(0.25, gt=0.0, le=1.0, description="a linear-scale value moves "
                                 "by up to this fraction of its range from the best's")
+    knn_k: int = Field(5, ge=1, le=1000, description="neighbours that vote when the final "
+                       "model's embeddings recognize the test split against the training split")
 
     @field_validator("lr_range", "weight_decay_range", "momentum_range", "augment_range",
                      "explore_factors", mode="before")

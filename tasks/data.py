@@ -129,12 +129,19 @@ def _read_source(data: DataSection) -> tuple[ImageSet, Tensor, Tensor, Tensor]:
     return merged, train_idx[fit], train_idx[val], test_idx
 
 
+def split_source(data: DataSection) -> tuple[ImageSet, dict[str, Tensor]]:
+    """The source's images and the indices of its train / val / test splits, after the
+    train and test limits: the same splits every run (and every tool) of `data` sees."""
+    source, train, val, test = _read_source(data)
+    return source, {"train": limit(train, data.train_limit, data.split_seed + 2), "val": val,
+                    "test": limit(test, data.test_limit, data.split_seed + 3)}
+
+
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="prepare-dataset")
 def prepare_dataset(data: DataSection, version: str) -> DatasetRef:
     """Reads, splits and versions the data set of a run (cached on the source version)."""
-    source, train, val, test = _read_source(data)
-    train = limit(train, data.train_limit, data.split_seed + 2)
-    test = limit(test, data.test_limit, data.split_seed + 3)
+    source, parts = split_source(data)
+    train, val, test = parts["train"], parts["val"], parts["test"]
     used = torch.cat([train, val, test])
     positions = torch.arange(len(used))
     splits = {"train": positions[:len(train)],

@@ -13,24 +13,14 @@ from training.datasets import IMAGE_EXTENSIONS, DataError
 from training.preprocess import decode_image
 
 
-class PredictConfig(StrictConfig):
-    """Which images, and which registered model version."""
+class ModelVersionSection(StrictConfig):
+    """Which registered model version: a name, and an alias or a version number."""
 
-    images: str = Field(description="an image file, or a folder searched recursively")
     model_name: str = Field("distill", min_length=1, description="the registered model's name "
-                            "(train, distill, or a --model-name given to a flow)")
+                            "(train, distill, pbt, or a --model-name given to a flow)")
     alias: str | None = Field("champion", description="the version's alias; ignored when "
                               "--version is given")
     version: int | None = Field(None, ge=1, description="a version number; none: the alias")
-    skip_bad_images: bool = Field(False, description="skip unreadable images instead of "
-                                  "stopping with an error")
-
-    @field_validator("images")
-    @classmethod
-    def _exists(cls, value: str) -> str:
-        if not Path(value).expanduser().exists():
-            raise ValueError(f"no such image file or folder: {value}")
-        return value
 
     def model_uri(self) -> str:
         """`models:/name/version` or `models:/name@alias`."""
@@ -39,6 +29,26 @@ class PredictConfig(StrictConfig):
         if not self.alias:
             raise ValueError("give --version or --alias")
         return f"models:/{self.model_name}@{self.alias}"
+
+
+class PredictConfig(ModelVersionSection):
+    """Which images, and which registered model version."""
+
+    images: str = Field(description="an image file, or a folder searched recursively")
+    skip_bad_images: bool = Field(False, description="skip unreadable images instead of "
+                                  "stopping with an error")
+
+    @field_validator("images")
+    @classmethod
+    def _exists(cls, value: str) -> str:
+        return existing_path(value)
+
+
+def existing_path(value: str) -> str:
+    """`value` if it names an existing file or folder, else a ValueError naming it."""
+    if not Path(value).expanduser().exists():
+        raise ValueError(f"no such image file or folder: {value}")
+    return value
 
 
 def image_files(path: Path) -> list[Path]:
@@ -70,13 +80,22 @@ def read_images(files: list[Path], skip_bad: bool) -> tuple[list[Path], list[byt
     return kept, blobs, skipped
 
 
-def predict_images(config: PredictConfig) -> tuple[pd.DataFrame, list[Path]]:
-    """A table of `path`, `label`, `confidence` per image, and the skipped files."""
-    files = image_files(Path(config.images).expanduser())
+def readable_images(images: str, skip_bad: bool) -> tuple[list[Path], list[bytes], list[Path]]:
+    """The image files under `images` that decode, their bytes, and the skipped ones.
+
+    Raises:
+        DataError: no image files there, or one does not decode (and `skip_bad` is off).
+    """
+    files = image_files(Path(images).expanduser())
     if not files:
         raise DataError(f"no image files ({', '.join(sorted(IMAGE_EXTENSIONS)[:6])}, ...) "
-                        f"under {config.images}")
-    kept, blobs, skipped = read_images(files, config.skip_bad_images)
+                        f"under {images}")
+    return read_images(files, skip_bad)
+
+
+def predict_images(config: PredictConfig) -> tuple[pd.DataFrame, list[Path]]:
+    """A table of `path`, `label`, `confidence` per image, and the skipped files."""
+    kept, blobs, skipped = readable_images(config.images, config.skip_bad_images)
     model = tracking.load_pyfunc(config.model_uri())
     out = model.predict(pd.DataFrame({"image": blobs}))
     out.insert(0, "path", [str(p) for p in kept])

@@ -7,6 +7,8 @@ server sends them:
   base64 text (as JSON requests to `mlflow models serve` carry them);
 - a numpy uint8 array N x H x W (gray) or N x H x W x C.
 The output is a DataFrame with `label` (class name) and `confidence` (softmax probability).
+The program also returns the network's embedding (`training.features.WithEmbedding`), which
+`embed()` gives beside the same table (`python -m flows features`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pandas as pd
 import torch
 
 from training.batches import Normalize
+from training.datasets import DataError
 from training.preprocess import array_to_image, decode_image, images_to_batch
 
 IMAGE_COLUMN = "image"
@@ -73,14 +76,38 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
         self.normalize = Normalize(meta["mean"], meta["std"])
         self.program = torch.export.load(context.artifacts["program"]).module()
 
-    def predict(self, context, model_input, params=None):  # noqa: ANN001 (see load_context)
+    def _outputs(self, model_input: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Softmax probabilities and embeddings (None for programs exported without them)."""
         images = input_images(model_input)
-        labels, confidences = [], []
+        probs, embeddings = [], []
         with torch.no_grad():
             for start in range(0, len(images), CHUNK):
                 batch = images_to_batch(images[start:start + CHUNK], self.size, self.channels)
-                probs = torch.softmax(self.program(self.normalize(batch)).float(), dim=1)
-                confidence, index = probs.max(dim=1)
-                labels += [self.classes[i] for i in index.tolist()]
-                confidences += confidence.tolist()
-        return pd.DataFrame({"label": labels, "confidence": confidences})
+                out = self.program(self.normalize(batch))
+                logits, embedding = out if isinstance(out, tuple | list) else (out, None)
+                probs.append(torch.softmax(logits.float(), dim=1))
+                embeddings.append(embedding)
+        has_embedding = all(e is not None for e in embeddings)
+        return torch.cat(probs), (torch.cat(embeddings).float() if has_embedding else None)
+
+    @staticmethod
+    def _labelled(probs: torch.Tensor, classes: list[str]) -> pd.DataFrame:
+        confidence, index = probs.max(dim=1)
+        return pd.DataFrame({"label": [classes[i] for i in index.tolist()],
+                             "confidence": confidence.tolist()})
+
+    def predict(self, context, model_input, params=None):  # noqa: ANN001 (see load_context)
+        probs, _ = self._outputs(model_input)
+        return self._labelled(probs, self.classes)
+
+    def embed(self, model_input: Any) -> tuple[pd.DataFrame, np.ndarray]:
+        """`predict`'s table and the N x D float32 embeddings of the same images.
+
+        Raises:
+            DataError: the model was exported before programs carried an embedding.
+        """
+        probs, embeddings = self._outputs(model_input)
+        if embeddings is None:
+            raise DataError("this model version's program returns no embedding (it was "
+                             "exported by an older version); train it again to embed images")
+        return self._labelled(probs, self.classes), embeddings.numpy()

@@ -29,6 +29,7 @@ from tasks.data import DatasetRef, LoadedDataset, load_dataset
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.batches import Batches, Normalize
 from training.device import place_model, resolve_device
+from training.features import WithEmbedding
 from training.loops import classification_step, cosine_lr, evaluate, train_epoch
 
 
@@ -184,11 +185,13 @@ def train_classifier_epoch(config: ClassifierConfig, dataset: DatasetRef, epoch:
 
 
 def export_program(model: nn.Module, channels: int, size: int, path: Path) -> None:
-    """Exports an eval-mode copy of `model` on the CPU, with a dynamic batch dimension."""
+    """Exports an eval-mode copy of `model` on the CPU, with a dynamic batch dimension; the
+    program returns the logits and the embedding (`WithEmbedding`)."""
     model = model.to("cpu").eval()
     example = torch.zeros(2, channels, size, size)
     batch = torch.export.Dim("batch", min=1, max=1 << 20)
-    program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
+    program = torch.export.export(WithEmbedding(model).eval(), (example,),
+                                  dynamic_shapes=({0: batch},))
     torch.export.save(program, str(path))
 
 

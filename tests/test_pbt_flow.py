@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import shutil
 
+import pandas as pd
 import pytest
 from mlflow import MlflowClient
 from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
 
+from flows.cli import main
+from flows.commands import COMMANDS
 from flows.pbt import pbt
 from tasks.config import PBTConfig
 from tasks.versioning import ArtifactStore
@@ -57,6 +61,52 @@ def test_lineage_records_copies_and_draws_and_the_best_is_registered(first_pbt):
     assert run.data.tags["dvc.lineage"] == population.lineage_log.md5
     assert [json.loads(line) for line in logged.read_text().splitlines()] == \
         population.lineage
+
+
+def _copy_images(source, target, picks):
+    """An ImageFolder under `target` with the images of `source` that `picks(n)` selects."""
+    for folder in sorted(p for p in source.iterdir() if p.is_dir()):
+        for n, image in enumerate(sorted(folder.iterdir())):
+            if picks(n):
+                (target / folder.name).mkdir(parents=True, exist_ok=True)
+                shutil.copy(image, target / folder.name / image.name)
+    return target
+
+
+def test_features_embed_to_parquet_and_recognize_by_nearest_neighbours(
+        first_pbt, fashion_folder, tmp_path, capsys):
+    gallery_images = _copy_images(fashion_folder, tmp_path / "gallery", lambda n: n % 2 == 0)
+    queries = _copy_images(fashion_folder, tmp_path / "queries", lambda n: n % 2 == 1)
+    gallery = tmp_path / "gallery.parquet"
+    main(COMMANDS, ["features", "--model-name", NAME, "--images", str(gallery_images),
+                    "--out", str(gallery)])
+    table = pd.read_parquet(gallery)
+    assert list(table.columns) == ["path", "label", "predicted_label", "confidence",
+                                   "embedding"]
+    assert len(table) == 60 and set(table.label) == {p.name for p in gallery_images.iterdir()}
+    assert len(table.embedding.iloc[0]) == 32  # cnn2's pooled width at the smoke profile
+    out = tmp_path / "queries.parquet"
+    main(COMMANDS, ["features", "--model-name", NAME, "--images", str(queries), "--out",
+                    str(out), "--gallery", str(gallery), "--k", "3"])
+    printed = capsys.readouterr().out
+    recognized = pd.read_parquet(out)
+    accuracy = float((recognized.label == recognized.recognized_label).mean())
+    assert f"recognition accuracy (3-NN against {gallery}): {accuracy:.4f}" in printed
+    assert accuracy >= 0.6  # three easy classes (T-shirt, Trouser, Sneaker); chance is 1/3
+    # the flow's k-NN test accuracy, recomputed from the same splits by the command
+    main(COMMANDS, ["features", "--model-name", NAME, "--evaluate", "--train-limit", "512",
+                    "--test-limit", "256"])
+    printed = capsys.readouterr().out
+    assert f"5-NN recognition accuracy {first_pbt.knn_accuracy:.4f} against 512 training " \
+        "embeddings (256 test images" in printed
+    run = MlflowClient().get_run(first_pbt.run_id)
+    assert run.data.metrics["test_knn_accuracy"] == first_pbt.knn_accuracy
+    table.drop(columns="label").to_parquet(tmp_path / "unlabelled.parquet")
+    with pytest.raises(SystemExit) as exit_info:
+        main(COMMANDS, ["features", "--model-name", NAME, "--images", str(queries),
+                        "--out", str(out), "--gallery", str(tmp_path / "unlabelled.parquet")])
+    assert exit_info.value.code == 2 and "lacks the column(s) ['label']" in \
+        capsys.readouterr().err
 
 
 def test_same_seed_gives_the_same_lineage_on_a_dask_cluster(first_pbt, monkeypatch):

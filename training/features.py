@@ -45,3 +45,27 @@ class FeatureHooks:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+def embedding_layer(model: nn.Module) -> str:
+    """The layer whose output is the model's embedding: its last (deepest) feature layer."""
+    layers = getattr(model, "feature_layers", ())
+    if not layers:
+        raise ValueError(f"{type(model).__name__} names no feature_layers to embed with")
+    return layers[-1]
+
+
+class WithEmbedding(nn.Module):
+    """`model` whose forward returns `(logits, embedding)`: the embedding is the output of
+    `layer` (default: `embedding_layer(model)`), flattened to N x D. Exported programs keep
+    both, so one registered model both classifies and embeds."""
+
+    def __init__(self, model: nn.Module, layer: str | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.layer = layer or embedding_layer(model)
+        self._hooks = FeatureHooks(model, [self.layer])
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        logits = self.model(x)
+        return logits, self._hooks[self.layer].flatten(1)
