@@ -173,7 +173,8 @@ class RunnerSection(StrictConfig):
     runner: Literal["process", "dask"] = Field("process", description="process: tasks run in "
                                                "turn in this process; dask: on a Dask cluster")
     dask_workers: int = Field(2, ge=1, le=512, description="worker processes of the local Dask "
-                              "cluster (with --runner dask and no --dask-address)")
+                              "cluster (with --runner dask and no --dask-address); where "
+                              "GPUs exist, one worker per GPU instead")
     dask_address: str | None = Field(None, min_length=1, description="address of a running Dask "
                                      "scheduler (tcp://host:8786); none: start a local cluster")
 

@@ -4,7 +4,7 @@ Tasks that run on Dask workers report to the Prefect API. Without a configured s
 worker process would start a temporary server of its own (about 20 s each, and the flow's UI
 would not see their task runs), so before a local cluster starts, the API the flow itself uses
 (a configured server, or the flow's own temporary one) is put in the environment the workers
-inherit.
+inherit. Where GPUs exist, the local cluster has one worker per GPU (`local_gpus`).
 """
 
 from __future__ import annotations
@@ -42,9 +42,40 @@ def task_runner(config: RunnerSection) -> TaskRunner:
         return DaskTaskRunner(address=config.dask_address)
     os.environ["PREFECT_API_URL"] = shared_api_url()  # the workers inherit it
     use_this_process_threads_on_workers()
+    devices = local_gpus(getattr(config, "device", "auto"))
+    if devices:
+        return DaskTaskRunner(cluster_class=one_gpu_per_worker_cluster,
+                              cluster_kwargs={"devices": devices})
     return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs={
         "n_workers": config.dask_workers, "threads_per_worker": 1, "processes": True,
         "dashboard_address": None})
+
+
+def local_gpus(device: str) -> list[str]:
+    """The CUDA devices local workers get, one each: none unless `device` allows CUDA and
+    PyTorch sees GPUs (ids as CUDA_VISIBLE_DEVICES names them, if it is set)."""
+    import torch
+
+    if device not in ("auto", "cuda") or not torch.cuda.is_available():
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = [d.strip() for d in visible.split(",") if d.strip()] if visible else []
+    count = torch.cuda.device_count()
+    return names[:count] if names else [str(i) for i in range(count)]
+
+
+def one_gpu_per_worker_cluster(devices: list[str], asynchronous: bool = False, **kwargs: Any):
+    """A local Dask cluster of one single-threaded worker process per GPU, each seeing only its
+    own device (CUDA_VISIBLE_DEVICES) and offering the resource `GPU: 1`, as dask-cuda's
+    LocalCUDACluster does (dask-cuda itself pins another Dask than this project's)."""
+    from distributed import Nanny, Scheduler, SpecCluster
+
+    workers = {f"gpu-{device}": {"cls": Nanny, "options": {
+        "nthreads": 1, "resources": {"GPU": 1}, "env": {"CUDA_VISIBLE_DEVICES": device}}}
+        for device in devices}
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": None}}
+    return SpecCluster(workers=workers, scheduler=scheduler, asynchronous=asynchronous,
+                       name="compactml-gpus", **kwargs)
 
 
 def use_this_process_threads_on_workers() -> None:
