@@ -23,13 +23,15 @@ from tasks.distill import (
     DistillPlan,
     StageResult,
     bank_snapshot,
+    pretrain_config,
     student_stage,
     teacher_stage,
 )
 from tasks.registration import Registration, register_and_promote
 from tasks.reporting import publish_summary
 from tasks.runners import submitter, task_runner, worker_threads
-from tasks.training import classifier_config, test_and_export
+from tasks.training import classifier_config, test_and_export, train_classifier_epoch
+from tasks.versioning import ArtifactRef
 
 FLOW_NAME = "distill"
 
@@ -58,7 +60,7 @@ class DistillSummary(BaseModel):
 
 
 def _stage_loop(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef,
-                on_stage) -> list[StageRecord]:
+                on_stage, pretrained: ArtifactRef | None = None) -> list[StageRecord]:
     """Submits the stages so that the teacher's stage s+1 runs beside the student's stage s.
 
     In `single` bank mode there is one bank file, so snapshot s+1 waits for the student's
@@ -74,14 +76,14 @@ def _stage_loop(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef,
         on_stage(records[-1])
         return records[-1].student
 
-    teacher_future = submit(teacher_stage, plan.teacher, dataset, 1, None)
+    teacher_future = submit(teacher_stage, plan.teacher, dataset, 1, pretrained)
     bank, student, running = None, None, None
     for stage in range(1, config.stages + 1):
         teacher = teacher_future.result()
         if plan.bank.mode == "single" and running:  # snapshot s+1 rewrites the bank s reads
             student, running = finish(running), None
         bank = submit(bank_snapshot, plan.teacher, plan.bank, dataset, stage, teacher.checkpoint,
-                      bank.bank if bank else None).result()
+                      bank.bank if bank else None, pretrained).result()
         if stage < config.stages:  # the teacher's next stage runs beside this student stage
             teacher_future = submit(teacher_stage, plan.teacher, dataset, stage + 1,
                                     teacher.checkpoint)
@@ -125,7 +127,23 @@ def distill_stages(config: DistillConfig, dataset: DatasetRef, run_id: str,
 
     threads = worker_threads(config, config.threads)
     plan = DistillPlan.of(config.model_copy(update={"threads": threads}))
-    return _stage_loop(config, plan, dataset, on_stage)
+    return _stage_loop(config, plan, dataset, on_stage,
+                       pretrain_teacher(plan, dataset, teacher_run_id))
+
+
+def pretrain_teacher(plan: DistillPlan, dataset: DatasetRef, teacher_run_id: str
+                     ) -> ArtifactRef | None:
+    """The teacher's warm start (`--teacher-pretrain-epochs`): its last checkpoint, or None."""
+    previous = None
+    if plan.teacher.pretrain_epochs == 0:
+        return previous
+    config = pretrain_config(plan.teacher)
+    for epoch in range(config.epochs):
+        result = train_classifier_epoch(config, dataset, epoch, previous, "distill-pretrain")
+        tracking.log_metrics(teacher_run_id, {f"pretrain_{k}": v
+                                              for k, v in result.metrics.items()}, step=epoch + 1)
+        previous = result.checkpoint
+    return previous
 
 
 @flow(name=FLOW_NAME, description="Distil a deeper teacher, trained in stages, into a student "

@@ -206,6 +206,10 @@ class DistillConfig(ProfiledConfig, DataSection, StepSection, RunSection, Runner
     student_width: int | None = Field(None, ge=1, le=1024, description="the student's width; "
                                       "none: the model's default")
     stages: int = Field(10, ge=2, le=10000, description="S: teacher and student stages")
+    teacher_pretrain_epochs: int = Field(0, ge=0, le=1000, description="epochs the teacher "
+                                         "trains on all training images before stage 1 (a warm "
+                                         "start: its state 0, which --initial-bank teacher "
+                                         "fills the bank from); 0: from the seeded weights")
     teacher_fraction: float = Field(0.8, gt=0.0, lt=1.0, description="N/M: the share of the M "
                                     "training images the teacher draws per stage")
     student_fraction: float = Field(0.8, gt=0.0, lt=1.0, description="P/M: the share of the "

@@ -56,6 +56,7 @@ class RoleConfig(ClassifierConfig):
     """
 
     role: Role
+    pretrain_epochs: int = Field(0, ge=0)
     fraction: float = Field(gt=0.0, lt=1.0)
     front_weight: float = Field(gt=0.0)
     back_weight: float = Field(gt=0.0)
@@ -99,6 +100,7 @@ class DistillPlan(BaseModel):
             "model", "width", "epochs", "patience"})
         teacher = RoleConfig(**shared, role="teacher", model=config.teacher_model,
                              width=config.teacher_width, epochs=config.stages,
+                             pretrain_epochs=config.teacher_pretrain_epochs,
                              fraction=config.teacher_fraction, front_weight=config.front_weight,
                              back_weight=config.back_weight, queue="recency")
         student = StudentConfig(
@@ -183,6 +185,13 @@ def _train_stage(role: RoleConfig, dataset: DatasetRef, stage: int, model: nn.Mo
                                                                            * role.batch_size)}
 
 
+def pretrain_config(teacher: RoleConfig) -> ClassifierConfig:
+    """The teacher's warm start as a plain classifier run of `pretrain_epochs` epochs over all
+    training images (trained by the `train` flow's epoch task)."""
+    return ClassifierConfig(**teacher.model_dump(include=set(ClassifierConfig.model_fields))
+                            | {"epochs": teacher.pretrain_epochs})
+
+
 def _stage_name(prefix: str):
     return lambda: f"{prefix}-{task_run.parameters['stage']}"
 
@@ -249,15 +258,20 @@ class BankKey(BaseModel):
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name=_stage_name("bank"))
 def bank_snapshot(teacher: RoleConfig, bank: BankConfig, dataset: DatasetRef, stage: int,
-                  teacher_checkpoint: ArtifactRef, previous: ArtifactRef | None) -> BankSnapshot:
+                  teacher_checkpoint: ArtifactRef, previous: ArtifactRef | None,
+                  initial_teacher: ArtifactRef | None = None) -> BankSnapshot:
     """Bank `stage`: bank `stage - 1` (or the initial bank) with the entries of the images the
-    teacher trained on at `stage` replaced by its features for them, marked with `stage`."""
+    teacher trained on at `stage` replaced by its features for them, marked with `stage`.
+
+    The initial bank's teacher (state 0) is `initial_teacher` (a warm start) or the seeded one.
+    """
     device = _setup(teacher)
     store = ArtifactStore()
     data = load_dataset(dataset)
     checkpoint = load_checkpoint(store, teacher_checkpoint)
     model = new_model(teacher, dataset)
-    initial_state = {k: v.clone() for k, v in model.state_dict().items()}
+    initial_state = {k: v.clone() for k, v in model.state_dict().items()} \
+        if initial_teacher is None else load_checkpoint(store, initial_teacher)["model"]
     restore(model, None, checkpoint)
     model = place_model(model, device)
     if previous is not None:  # a memory-mapped bank is mapped privately: updates stay in RAM

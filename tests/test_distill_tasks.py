@@ -10,14 +10,18 @@ import torch
 from flows.train import data_section
 from tasks.config import DistillConfig
 from tasks.data import load_dataset, prepare_dataset, source_version
+from tasks.checkpoints import load_checkpoint
 from tasks.distill import (
     DistillPlan,
     bank_snapshot,
     load_bank,
+    pretrain_config,
     stage_ids,
     student_stage,
+    teacher_features,
     teacher_stage,
 )
+from tasks.training import new_model, train_classifier_epoch
 from tasks.versioning import ArtifactStore
 from training.feature_bank import UNFILLED
 
@@ -92,3 +96,31 @@ def test_initial_bank_from_the_untrained_teacher_is_state_zero(setup):
     t1 = teacher_stage.fn(plan.teacher, dataset, 1, None)
     bank = bank_snapshot.fn(plan.teacher, plan.bank, dataset, 1, t1.checkpoint, None)
     assert bank.state_histogram == {0: 80, 1: 320} and bank.fill_fraction == 1.0
+
+
+def test_a_warm_started_teacher_is_state_zero_of_the_bank_and_of_stage_one(setup):
+    config, _, dataset = setup
+    plan = DistillPlan.of(config.model_copy(update={"initial_bank": "teacher",
+                                                    "teacher_pretrain_epochs": 1}))
+    pretrain = pretrain_config(plan.teacher)
+    assert pretrain.epochs == 1 and pretrain.model == plan.teacher.model
+    warm = train_classifier_epoch.fn(pretrain, dataset, 0, None, "distill-pretrain")
+    t1 = teacher_stage.fn(plan.teacher, dataset, 1, warm.checkpoint)
+    cold = bank_snapshot.fn(plan.teacher, plan.bank, dataset, 1, t1.checkpoint, None)
+    bank = bank_snapshot.fn(plan.teacher, plan.bank, dataset, 1, t1.checkpoint, None,
+                            warm.checkpoint)
+    store = ArtifactStore()
+    entries, cold_entries = load_bank(store, bank.bank), load_bank(store, cold.bank)
+    state_zero = entries.state == 0
+    assert int(state_zero.sum()) == 80 and bank.state_histogram == cold.state_histogram
+    # state 0 holds the warm teacher's features, computed here from its checkpoint
+    model = new_model(plan.teacher, dataset)
+    model.load_state_dict(load_checkpoint(store, warm.checkpoint)["model"])
+    ids = entries.ids[state_zero]
+    expected = teacher_features(model, plan.bank.layer, dataset, load_dataset(dataset), ids,
+                                torch.device("cpu"))
+    assert torch.allclose(entries.lookup(ids)[0], expected, atol=1e-2, rtol=1e-2)
+    assert not torch.allclose(cold_entries.lookup(ids)[0], expected, atol=1e-2, rtol=1e-2)
+    # stage 1 continued from the warm start: its loss starts where the warm-up's ended
+    t1_cold = teacher_stage.fn(plan.teacher, dataset, 1, None)
+    assert t1.metrics["loss"] < t1_cold.metrics["loss"]
