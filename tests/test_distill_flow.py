@@ -94,16 +94,21 @@ def test_teacher_not_deeper_than_the_student_is_refused(capsys):
 
 
 def test_killed_run_resumes_from_the_last_finished_stage():
+    # with a warm-started teacher (one epoch) whose state 0 fills the initial bank
     args = ["--profile", "smoke", "--model-name", "distill-resume", "--stages", "3",
-            "--train-limit", "2048", "--seed", "6", "--threads", "1"]
+            "--train-limit", "2048", "--seed", "6", "--threads", "1",
+            "--teacher-pretrain-epochs", "1", "--initial-bank", "teacher"]
     # teacher 2 runs before student 1 in-process: student 1's checkpoint appearing means
-    # teacher 1, bank 1 and teacher 2 have returned and their results are stored
+    # the warm start, teacher 1, bank 1 and teacher 2 have returned and their results are stored
     kill_when_written(["distill", *args], Path(os.environ["COMPACTML_ARTIFACTS"]),
                       "student-001.pt.dvc")
-    config = distill_smoke(model_name="distill-resume", train_limit=2048, seed=6)
+    config = distill_smoke(model_name="distill-resume", train_limit=2048, seed=6,
+                           teacher_pretrain_epochs=1, initial_bank="teacher")
     state = distill(config, return_state=True)
     states = all_task_states(state)
+    assert states["epoch-1"] == "Cached"
     assert states["teacher-1"] == states["bank-1"] == states["teacher-2"] == "Cached"
+    assert state.result().stages[0].bank.state_histogram[0] > 0  # the warm teacher's entries
     assert states["student-3"] == "Completed"
     # a write interrupted by the kill leaves only its hidden temporary file, never a bank or
     # checkpoint under its real name; the rerun replaced whatever was half done
