@@ -280,7 +280,7 @@ class PBTConfig(ProfiledConfig, DataSection, ModelSection, StepSection, RunSecti
         "smoke": {"model": "cnn2", "members": 2, "warmup_epochs": 1, "round_epochs": 1,
                   "stages": 2, "train_limit": 512, "test_limit": 256, "batch_size": 64,
                   "progress": False},
-        "quick": {},
+        "quick": {"model": "cnn3"},  # N members: a network that trains in a minute each
         "full": {"train_limit": None, "members": 8, "warmup_epochs": 5, "round_epochs": 5,
                  "stages": 11, "width": 32, "batch_size": 256},
     }

@@ -1,0 +1,174 @@
+"""PBT against the default hyperparameters and random search, at the same member-epochs.
+
+For each seed, N members (the `pbt` config's `members`) each train E = warmup_epochs + stages x
+round_epochs epochs, so every method spends N x E member-epochs:
+
+(a) default: N members with the default hyperparameters (different seeds), the best on the
+    validation split kept;
+(b) random search: N independent members, each with its own hyperparameters drawn from the
+    `pbt` config's search space (stratified, as PBT's stage 1 draws them), the best kept;
+(c) PBT: the `pbt` flow itself.
+
+(a) and (b) train through the flow's own member task (`train_member`: the same data, batches,
+augmentation, cosine schedule over E epochs, gradient clipping and divergence check) and are
+tested by the flow's `test_and_export`; a member that diverges is reported as failed.
+
+Also measured, in one run: the wall time of one PBT stage of 2 members on a Dask LocalCluster
+of 2 worker processes against 1 worker, 1 thread per member in both (a worker holds one core,
+as it would hold one GPU), after a first stage that warms each cluster up (imports, data).
+
+    python -m bench.pbt                      # quick profile (cnn3), seeds 0-2: about 35 min
+    python -m bench.pbt --no-timing --set train_limit=10000     # the README's table: 20 min
+    python -m bench.pbt --no-accuracy        # the stage timing only: 3 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+
+from prefect import flow
+from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
+
+from bench.common import mean_std, print_json, print_table
+from flows.pbt import pbt
+from flows.train import prepare
+from tasks import tracking
+from tasks.config import PBTConfig
+from tasks.data import DatasetRef
+from tasks.pbt import HYPERPARAMETERS, member_config, search_spaces, train_member
+from tasks.runners import task_runner, worker_threads
+from tasks.training import classifier_config, run_key, test_and_export
+from training.pbt import best_member, initial_hyperparameters
+
+METHODS = ("a: default", "b: random search", "c: PBT")
+
+
+@flow(name="bench-pbt-search")
+def independent_members(config: PBTConfig, method: str) -> tuple[float | str, dict]:
+    """(a) or (b): N members trained E epochs each with fixed hyperparameters; the best on
+    validation is tested. Returns its test accuracy (or why all failed) and its values."""
+    base = classifier_config(config)
+    with tracking.tracked_run("bench-pbt", f"{method}-seed{config.seed}", config, {}) as run_id:
+        dataset = prepare(config, run_id)
+    defaults = {name: getattr(base, name) for name in HYPERPARAMETERS}
+    if method == METHODS[0]:
+        drawn = [defaults] * config.members
+    else:
+        drawn = [defaults | values for values in initial_hyperparameters(
+            search_spaces(config), config.members, random.Random(config.seed))]
+    epochs = config.warmup_epochs + config.stages * config.round_epochs
+    population = f"{run_key(config, dataset)}-{method[0]}"
+    results = []
+    for member, values in enumerate(drawn):
+        try:
+            results.append(train_member(member_config(base, member, values), dataset,
+                                        population, member, "search", 1, 0, epochs, epochs,
+                                        None))
+        except Exception as error:  # a diverged member: reported, the others go on
+            print(f"{method} seed {config.seed} member {member} failed: {error}", flush=True)
+            results.append(None)
+    scores = [r.metrics["val_accuracy"] if r else None for r in results]
+    if all(s is None for s in scores):
+        return "FAILED", {}
+    best = best_member(scores)
+    test = test_and_export(member_config(base, best, drawn[best]), dataset,
+                           results[best].checkpoint)
+    return test.metrics["test_accuracy"], drawn[best]
+
+
+@flow(name="bench-pbt-stage")
+def timed_stages(config: PBTConfig, dataset: DatasetRef, rounds: int) -> list[float]:
+    """Wall time of `rounds` stages of all members submitted together to the flow's runner."""
+    base = classifier_config(config.model_copy(update={"threads": 1}))
+    population = f"timing-{config.dask_workers}"
+    values = {name: getattr(base, name) for name in HYPERPARAMETERS}
+    seconds, previous = [], [None] * config.members
+    for index in range(rounds):
+        started = time.perf_counter()
+        futures = [train_member.submit(member_config(base, m, values), dataset, population, m,
+                                       "timing", index, index, 1, rounds, previous[m])
+                   for m in range(config.members)]
+        previous = [f.result().checkpoint for f in futures]
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+def stage_speedup(config: PBTConfig) -> dict:
+    """One stage of 2 members on 2 Dask workers against 1 worker (second stage of each)."""
+    config = config.model_copy(update={"members": 2, "runner": "dask", "threads": 1})
+    with tracking.tracked_run("bench-pbt", "timing", config, {}) as run_id:
+        dataset = prepare(config, run_id)
+    seconds = {}
+    with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: True}):
+        for workers in (1, 2):
+            cluster = config.model_copy(update={"dask_workers": workers})
+            assert worker_threads(cluster, 1) == 1
+            stages = timed_stages.with_options(task_runner=task_runner(cluster))(
+                cluster, dataset, 2)
+            seconds[workers] = stages[-1]
+    return {"one_worker_s": seconds[1], "two_workers_s": seconds[2],
+            "speedup": seconds[1] / seconds[2]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", default="quick", choices=["smoke", "quick", "full"])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--accuracy", action=argparse.BooleanOptionalAction, default=True,
+                        help="compare the three methods (the long part)")
+    parser.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True,
+                        help="time a 2-member stage on 2 Dask workers against 1")
+    parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                        help="pbt config overrides for every run, e.g. members=8")
+    args = parser.parse_args()
+    overrides = dict(item.split("=", 1) for item in args.set)
+
+    def config_for(seed: int) -> PBTConfig:
+        return PBTConfig(**{"profile": args.profile, "seed": seed, "progress": False,
+                            "model_name": "bench-pbt", **overrides})
+
+    accuracy: dict[str, list] = {method: [] for method in METHODS}
+    chosen: dict[str, list] = {method: [] for method in METHODS}
+    config = config_for(args.seeds[0])
+    for seed in args.seeds if args.accuracy else []:
+        config = config_for(seed)
+        for method in METHODS[:2]:
+            score, values = independent_members(config, method)
+            accuracy[method].append(score)
+            chosen[method].append(values)
+        summary = pbt(config)
+        accuracy[METHODS[2]].append(summary.test_accuracy)
+        chosen[METHODS[2]].append(summary.population.hyperparameters)
+        print(f"seed {seed}: " + ", ".join(f"{k} {v[-1]}" for k, v in accuracy.items()),
+              flush=True)
+    rows, results = [], []
+    for method, values in accuracy.items() if args.accuracy else []:
+        ok = [v for v in values if isinstance(v, float)]
+        mean, std = mean_std(ok) if ok else (float("nan"), 0.0)
+        rows.append([method, f"{mean:.4f} ± {std:.4f}", " / ".join(
+            f"{v:.4f}" if isinstance(v, float) else "FAILED" for v in values),
+            len(values) - len(ok)])
+        results.append({"method": method, "test_accuracy": values, "mean": mean, "std": std,
+                        "hyperparameters": chosen[method]})
+    epochs = config.warmup_epochs + config.stages * config.round_epochs
+    if rows:
+        print(f"\n{config.members} members x {epochs} epochs of {config.model} on "
+              f"{config.train_limit or 'all'} training images, per method and seed")
+        print_table(["method", "test accuracy (mean ± std)", "per seed", "failed"], rows)
+    timing = None
+    if args.timing:
+        timing = stage_speedup(config)
+        print(f"\none stage, 2 members x {config.round_epochs} epoch, 1 thread each: "
+              f"1 Dask worker {timing['one_worker_s']:.1f} s, 2 workers "
+              f"{timing['two_workers_s']:.1f} s: speed-up {timing['speedup']:.2f}x "
+              f"({os.cpu_count()} cores)")
+    print_json({"benchmark": "pbt", "profile": args.profile, "seeds": args.seeds,
+                "overrides": overrides, "members": config.members, "epochs_per_member": epochs,
+                "results": results, "timing": timing})
+
+
+if __name__ == "__main__":
+    main()
