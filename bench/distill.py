@@ -121,6 +121,8 @@ def main() -> None:
     parser.add_argument("--kd-weight", type=float, default=0.5,
                         help="weight of the KD term (CE gets 1 - weight)")
     parser.add_argument("--hint-weight", type=float, default=1.0, help="FitNets hint weight")
+    parser.add_argument("--accuracy", action=argparse.BooleanOptionalAction, default=True,
+                        help="compare the methods over the seeds (the long part)")
     parser.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the overlapped schedule against the sequential one")
     parser.add_argument("--modes", nargs="+", default=["single", "per-state"],
@@ -135,7 +137,7 @@ def main() -> None:
     overrides = dict(item.split("=", 1) for item in args.set)
     accuracy: dict[str, list] = {}
     teachers, banks = [], []
-    for seed in args.seeds:
+    for seed in args.seeds if args.accuracy else []:
         config = DistillConfig(**{"profile": args.profile, "seed": seed, "progress": False,
                                   "model_name": "bench-distill", **overrides})
         single, seconds = timed_distill(config)
@@ -156,30 +158,32 @@ def main() -> None:
                       "seconds_single_run": seconds})
         print(f"seed {seed}: " + ", ".join(f"{k} {v[-1]}" for k, v in accuracy.items()),
               flush=True)
-    teacher_mean, teacher_std = mean_std(teachers)
-    alone = [a for a in accuracy["a: student alone"] if isinstance(a, float)]
-    alone_mean = mean_std(alone)[0] if alone else float("nan")
-    rows, results = [], []
-    for method, values in accuracy.items():
-        ok = [v for v in values if isinstance(v, float)]
-        mean, std = mean_std(ok) if ok else (float("nan"), 0.0)
-        gap = (mean - alone_mean) / (teacher_mean - alone_mean) if ok else float("nan")
-        failures = [v for v in values if not isinstance(v, float)]
-        rows.append([method, f"{mean:.4f} ± {std:.4f}",
-                     " / ".join(f"{v:.4f}" if isinstance(v, float) else "FAILED" for v in values),
-                     f"{gap:+.2f}", len(failures)])
-        results.append({"method": method, "test_accuracy": values, "mean": mean, "std": std,
-                        "gap_closed": gap, "failures": failures})
-    print(f"\nteacher {config.teacher_model}: {teacher_mean:.4f} ± {teacher_std:.4f} "
-          f"({' / '.join(f'{t:.4f}' for t in teachers)})")
-    print_table(["method", "test accuracy (mean ± std)", "per seed", "gap closed", "failed"],
-                rows)
-    bytes_per_value = torch.finfo(getattr(torch, config.bank_dtype)).bits // 8
-    bank = banks[-1]
-    ideal = bank["entries"] * bank["values"] * bytes_per_value
-    print(f"\nbank: {bank['entries']} entries x {bank['values']} values x {bytes_per_value} B = "
-          f"{ideal} B; tensors {bank['bytes']} B ({bank['bytes'] / ideal:.3f}x), file "
-          f"{bank['file_bytes']} B ({bank['file_bytes'] / ideal:.3f}x)")
+    rows, results, bank, ideal = [], [], None, None
+    if args.accuracy:
+        teacher_mean, teacher_std = mean_std(teachers)
+        alone = [a for a in accuracy["a: student alone"] if isinstance(a, float)]
+        alone_mean = mean_std(alone)[0] if alone else float("nan")
+        for method, values in accuracy.items():
+            ok = [v for v in values if isinstance(v, float)]
+            mean, std = mean_std(ok) if ok else (float("nan"), 0.0)
+            gap = (mean - alone_mean) / (teacher_mean - alone_mean) if ok else float("nan")
+            failures = [v for v in values if not isinstance(v, float)]
+            rows.append([method, f"{mean:.4f} ± {std:.4f}", " / ".join(
+                f"{v:.4f}" if isinstance(v, float) else "FAILED" for v in values),
+                f"{gap:+.2f}", len(failures)])
+            results.append({"method": method, "test_accuracy": values, "mean": mean, "std": std,
+                            "gap_closed": gap, "failures": failures})
+        print(f"\nteacher {config.teacher_model}: {teacher_mean:.4f} ± {teacher_std:.4f} "
+              f"({' / '.join(f'{t:.4f}' for t in teachers)})")
+        print_table(["method", "test accuracy (mean ± std)", "per seed", "gap closed", "failed"],
+                    rows)
+        bytes_per_value = torch.finfo(getattr(torch, config.bank_dtype)).bits // 8
+        bank = banks[-1]
+        ideal = bank["entries"] * bank["values"] * bytes_per_value
+        print(f"\nbank: {bank['entries']} entries x {bank['values']} values x "
+              f"{bytes_per_value} B = {ideal} B; tensors {bank['bytes']} B "
+              f"({bank['bytes'] / ideal:.3f}x), file {bank['file_bytes']} B "
+              f"({bank['file_bytes'] / ideal:.3f}x)")
     timing = None
     if args.timing:
         config = DistillConfig(**{"profile": args.profile, "seed": args.seeds[0],
@@ -197,7 +201,7 @@ def main() -> None:
               f" speed-up {sequential / overlapped:.2f}x ({os.cpu_count()} cores)")
     print_json({"benchmark": "distill", "profile": args.profile, "seeds": args.seeds,
                 "overrides": overrides, "teacher": teachers, "results": results,
-                "bank": bank | {"ideal_bytes": ideal}, "timing": timing,
+                "bank": bank and bank | {"ideal_bytes": ideal}, "timing": timing,
                 "device": str(resolve_device("auto"))})
 
 
