@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from flows.train import data_section
+from tasks.checkpoints import load_checkpoint
 from tasks.config import DistillConfig
 from tasks.data import load_dataset, prepare_dataset, source_version
-from tasks.checkpoints import load_checkpoint
 from tasks.distill import (
     DistillPlan,
     bank_snapshot,
