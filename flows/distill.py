@@ -11,10 +11,9 @@ After stage S the student is tested, registered, and promoted if it beats the ch
 from __future__ import annotations
 
 from prefect import flow, get_run_logger
-from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict
 
-from flows.train import prepare
+from flows.train import prepare, run_tags
 from tasks import tracking
 from tasks.config import DistillConfig
 from tasks.data import DatasetRef
@@ -152,9 +151,8 @@ def distill(config: DistillConfig) -> DistillSummary:
     """Runs the stages, then tests, registers and promotes the student."""
     name = config.registered_name(FLOW_NAME)
     run_name = f"{FLOW_NAME}-{config.teacher_model}-to-{config.student_model}-seed{config.seed}"
-    tags = {"prefect.flow_run_id": str(flow_run.get_id() or "none"), "profile": config.profile}
     plan = DistillPlan.of(config)
-    with tracking.tracked_run(FLOW_NAME, run_name, config, tags) as run_id:
+    with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
         dataset = prepare(config, run_id)
         with tracking.tracked_run(FLOW_NAME, "teacher", plan.teacher, parent_run_id=run_id) \
                 as teacher_run_id, \

@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict
 
-from flows.train import prepare
+from flows.train import prepare, run_tags
 from tasks import tracking
 from tasks.config import PBTConfig
 from tasks.data import DatasetRef
@@ -186,8 +185,7 @@ def pbt(config: PBTConfig) -> PBTSummary:
     """Runs the population, then tests, registers and promotes its best member."""
     name = config.registered_name(FLOW_NAME)
     run_name = f"{FLOW_NAME}-{config.model}-x{config.members}-seed{config.seed}"
-    tags = {"prefect.flow_run_id": str(flow_run.get_id() or "none"), "profile": config.profile}
-    with tracking.tracked_run(FLOW_NAME, run_name, config, tags) as run_id:
+    with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
         dataset = prepare(config, run_id)
         member_runs = [tracking.start_run(FLOW_NAME, f"member-{m}", parent_run_id=run_id)
                        for m in range(config.members)]

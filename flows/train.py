@@ -33,6 +33,12 @@ def data_section(config: BaseModel) -> DataSection:
     return DataSection(**config.model_dump(include=set(DataSection.model_fields)))
 
 
+def run_tags(config: BaseModel) -> dict[str, str]:
+    """The tags every flow's MLflow run gets: its Prefect flow run, and the config's profile."""
+    return {"prefect.flow_run_id": str(flow_run.get_id() or "none"),
+            "profile": config.profile}
+
+
 def prepare(config: BaseModel, run_id: str) -> DatasetRef:
     """Prepares the run's data set and records its version on the run."""
     data = data_section(config)
@@ -73,8 +79,7 @@ def train(config: TrainConfig) -> TrainSummary:
     """Trains `config.model` on `config.data`; registers it as `config.model_name`."""
     name = config.registered_name(FLOW_NAME)
     run_name = f"{FLOW_NAME}-{config.model}-seed{config.seed}"
-    tags = {"prefect.flow_run_id": str(flow_run.get_id() or "none"), "profile": config.profile}
-    with tracking.tracked_run(FLOW_NAME, run_name, config, tags) as run_id:
+    with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
         dataset = prepare(config, run_id)
         best = train_epochs(config, dataset, run_id)
         tracking.log_artifact_refs(run_id, {"checkpoint.best": best.checkpoint})

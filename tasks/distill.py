@@ -28,6 +28,7 @@ from tasks.training import (
     new_model,
     optimizer_to,
     restore,
+    resume,
     run_key,
     split_batches,
 )
@@ -203,12 +204,7 @@ def teacher_stage(teacher: RoleConfig, dataset: DatasetRef, stage: int,
     device = _setup(teacher)
     store = ArtifactStore()
     data = load_dataset(dataset)
-    model = new_model(teacher, dataset)
-    optimizer = make_optimizer(model, teacher)
-    if previous is not None:
-        restore(model, optimizer, load_checkpoint(store, previous), teacher)
-    model = place_model(model, device)
-    optimizer_to(optimizer, device)
+    model, optimizer = resume(teacher, dataset, store, previous, device)
     ids = stage_ids(teacher, data.splits["train"], stage)
     batches = stage_batches(teacher, dataset, data, ids, stage, device)
     metrics = _train_stage(teacher, dataset, stage, model, optimizer, batches,

@@ -28,7 +28,7 @@ from tasks.data import DatasetRef, load_dataset, split_source
 from tasks.prediction import ModelVersionSection, existing_path, readable_images
 from tasks.versioning import atomic_path
 from training.datasets import DataError
-from training.recognition import knn_classify
+from training.recognition import knn_accuracy, knn_classify
 
 EMBEDDING_COLUMN = "embedding"
 LABEL_COLUMN = "label"
@@ -164,9 +164,9 @@ def split_recognition(embedder: Any, images: torch.Tensor, labels: torch.Tensor,
         embedded[split] = (torch.from_numpy(vectors), labels[index], table)
     gallery, gallery_labels, _ = embedded["train"]
     queries, query_labels, table = embedded["test"]
-    predicted, _ = knn_classify(gallery, gallery_labels, queries, min(k, len(gallery)))
     truth = [classes[i] for i in query_labels.tolist()]
-    return {"knn_accuracy": float((predicted == query_labels).float().mean()),
+    return {"knn_accuracy": knn_accuracy(gallery, gallery_labels, queries, query_labels,
+                                         min(k, len(gallery))),
             "classifier_accuracy": float(np.mean(table["label"].to_numpy() == np.array(truth))),
             "gallery_images": float(len(gallery)), "test_images": float(len(queries))}
 

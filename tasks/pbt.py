@@ -19,19 +19,15 @@ from prefect.runtime import task_run
 from pydantic import BaseModel, ConfigDict
 
 from tasks.caching import computation_key
-from tasks.checkpoints import load_checkpoint, save_checkpoint
+from tasks.checkpoints import save_checkpoint
 from tasks.data import DatasetRef, load_dataset
 from tasks.training import (
     ClassifierConfig,
     _setup,
-    make_optimizer,
-    new_model,
-    optimizer_to,
-    restore,
+    resume,
     split_batches,
 )
 from tasks.versioning import ArtifactRef, ArtifactStore
-from training.device import place_model
 from training.loops import classification_step, cosine_lr, evaluate, train_epoch
 from training.pbt import SearchSpace
 
@@ -81,12 +77,7 @@ def train_member(config: ClassifierConfig, dataset: DatasetRef, population: str,
     device = _setup(config)
     store = ArtifactStore()
     data = load_dataset(dataset)
-    model = new_model(config, dataset)
-    optimizer = make_optimizer(model, config)
-    if previous is not None:
-        restore(model, optimizer, load_checkpoint(store, previous), config)  # own values
-    model = place_model(model, device)
-    optimizer_to(optimizer, device)
+    model, optimizer = resume(config, dataset, store, previous, device)  # the member's values
     started = time.perf_counter()
     metrics: dict[str, float] = {}
     for epoch in range(first_epoch, first_epoch + epochs):

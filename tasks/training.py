@@ -105,6 +105,20 @@ def optimizer_to(optimizer: torch.optim.Optimizer, device: torch.device) -> None
                 state[name] = value.to(device)
 
 
+def resume(config: ClassifierConfig, dataset: DatasetRef, store: ArtifactStore,
+           previous: ArtifactRef | None, device: torch.device
+           ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The seeded network and its optimizer on `device`, continuing from the checkpoint
+    `previous` when given, with `config`'s own momentum and weight decay (see `restore`)."""
+    model = new_model(config, dataset)
+    optimizer = make_optimizer(model, config)
+    if previous is not None:
+        restore(model, optimizer, load_checkpoint(store, previous), config)
+    model = place_model(model, device)
+    optimizer_to(optimizer, device)
+    return model, optimizer
+
+
 def _setup(config: ClassifierConfig) -> torch.device:
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -148,12 +162,7 @@ def train_classifier_epoch(config: ClassifierConfig, dataset: DatasetRef, epoch:
     key = run_key(config, dataset)
     model, optimizer = _take_warm(previous, key)
     if model is None:
-        model = new_model(config, dataset)
-        optimizer = make_optimizer(model, config)
-        if previous is not None:
-            restore(model, optimizer, load_checkpoint(store, previous), config)
-        model = place_model(model, device)
-        optimizer_to(optimizer, device)
+        model, optimizer = resume(config, dataset, store, previous, device)
     batches = split_batches(data, dataset, "train", config.batch_size, device, shuffle=True,
                             seed=config.seed * 1000 + epoch, augment=config.augment)
     per_epoch = len(batches)
