@@ -10,8 +10,9 @@ round_epochs epochs, so every method spends N x E member-epochs:
 (c) PBT: the `pbt` flow itself.
 
 (a) and (b) train through the flow's own member task (`train_member`: the same data, batches,
-augmentation, cosine schedule over E epochs, gradient clipping and divergence check) and are
-tested by the flow's `test_and_export`; a member that diverges is reported as failed.
+augmentation, cosine schedule over E epochs, gradient clipping, divergence check and weight
+average) and are tested by the flow's `test_and_export`, on the same weights PBT exports (the
+average, unless `average_decay` is none); a member that diverges is reported as failed.
 
 Also measured, in one run: the wall time of one PBT stage of 2 members on a Dask LocalCluster
 of 2 worker processes against 1 worker, 1 thread per member in both (a worker holds one core,
@@ -19,6 +20,7 @@ as it would hold one GPU), after a first stage that warms each cluster up (impor
 
     python -m bench.pbt                      # quick profile (cnn3), seeds 0-2: about 35 min
     python -m bench.pbt --no-timing --set train_limit=10000     # the README's table: 20 min
+    python -m bench.pbt --no-timing --methods c --seeds 0          # one PBT run
     python -m bench.pbt --no-accuracy        # the stage timing only: 3 min
 """
 
@@ -65,8 +67,8 @@ def independent_members(config: PBTConfig, method: str) -> tuple[float | str, di
     for member, values in enumerate(drawn):
         try:
             results.append(train_member(member_config(base, member, values), dataset,
-                                        population, member, "search", 1, 0, epochs, epochs,
-                                        None))
+                                        population, member, "search", 1, 0, epochs, (0, epochs),
+                                        None, config.average_decay))
         except Exception as error:  # a diverged member: reported, the others go on
             print(f"{method} seed {config.seed} member {member} failed: {error}", flush=True)
             results.append(None)
@@ -75,7 +77,10 @@ def independent_members(config: PBTConfig, method: str) -> tuple[float | str, di
         return "FAILED", {}
     best = best_member(scores)
     test = test_and_export(member_config(base, best, drawn[best]), dataset,
-                           results[best].checkpoint)
+                           results[best].checkpoint,
+                           "model" if config.average_decay is None else "averaged")
+    print(f"{method} seed {config.seed}: best member {best}, validation {scores[best]:.4f}, "
+          f"test {test.metrics['test_accuracy']:.4f}", flush=True)
     return test.metrics["test_accuracy"], drawn[best]
 
 
@@ -89,7 +94,8 @@ def timed_stages(config: PBTConfig, dataset: DatasetRef, rounds: int) -> list[fl
     for index in range(rounds):
         started = time.perf_counter()
         futures = [train_member.submit(member_config(base, m, values), dataset, population, m,
-                                       "timing", index, index, 1, rounds, previous[m])
+                                       "timing", index, index, 1, (0, rounds), previous[m],
+                                       config.average_decay)
                    for m in range(config.members)]
         previous = [f.result().checkpoint for f in futures]
         seconds.append(time.perf_counter() - started)
@@ -116,6 +122,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default="quick", choices=["smoke", "quick", "full"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--methods", nargs="+", default=["a", "b", "c"], choices=["a", "b", "c"],
+                        help="which of the three methods to run")
     parser.add_argument("--accuracy", action=argparse.BooleanOptionalAction, default=True,
                         help="compare the three methods (the long part)")
     parser.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True,
@@ -134,17 +142,20 @@ def main() -> None:
     config = config_for(args.seeds[0])
     for seed in args.seeds if args.accuracy else []:
         config = config_for(seed)
-        for method in METHODS[:2]:
+        for method in [m for m in METHODS[:2] if m[0] in args.methods]:
             score, values = independent_members(config, method)
             accuracy[method].append(score)
             chosen[method].append(values)
-        summary = pbt(config)
-        accuracy[METHODS[2]].append(summary.test_accuracy)
-        chosen[METHODS[2]].append(summary.population.hyperparameters)
-        print(f"seed {seed}: " + ", ".join(f"{k} {v[-1]}" for k, v in accuracy.items()),
+        if "c" in args.methods:
+            summary = pbt(config)
+            accuracy[METHODS[2]].append(summary.test_accuracy)
+            chosen[METHODS[2]].append(summary.population.hyperparameters)
+        print(f"seed {seed}: " + ", ".join(f"{k} {v[-1]}" for k, v in accuracy.items() if v),
               flush=True)
     rows, results = [], []
     for method, values in accuracy.items() if args.accuracy else []:
+        if not values:
+            continue
         ok = [v for v in values if isinstance(v, float)]
         mean, std = mean_std(ok) if ok else (float("nan"), 0.0)
         rows.append([method, f"{mean:.4f} ± {std:.4f}", " / ".join(
@@ -160,7 +171,7 @@ def main() -> None:
     timing = None
     if args.timing:
         timing = stage_speedup(config)
-        print(f"\none stage, 2 members x {config.round_epochs} epoch, 1 thread each: "
+        print("\none stage, 2 members x 1 epoch, 1 thread each: "
               f"1 Dask worker {timing['one_worker_s']:.1f} s, 2 workers "
               f"{timing['two_workers_s']:.1f} s: speed-up {timing['speedup']:.2f}x "
               f"({os.cpu_count()} cores)")

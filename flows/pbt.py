@@ -113,9 +113,13 @@ def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str
 
     def run_round(phase: str, index: int, first_epoch: int, epochs: int
                   ) -> list[MemberResult | None]:
+        # the warm-up follows one cosine over the whole run at the preset learning rate; the
+        # stages start a new one at each member's own rate, decaying to zero at the last stage
+        cycle = ((0, total_epochs) if phase == "warmup" else
+                 (stages_from, stages_from + config.stages * config.round_epochs))
         futures = [submit(train_member, member_config(base, m, hyperparameters[m]), dataset,
-                          population, m, phase, index, first_epoch, epochs, total_epochs,
-                          checkpoints[m]) for m in range(members)]
+                          population, m, phase, index, first_epoch, epochs, cycle,
+                          checkpoints[m], config.average_decay) for m in range(members)]
         results: list[MemberResult | None] = []
         for m, future in enumerate(futures):
             try:
@@ -148,6 +152,7 @@ def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str
             logger.info("warm-up stops after epoch %d: no better validation accuracy", epoch)
             break
     first_epoch, best_score, stale = epoch, -1.0, 0
+    stages_from = epoch  # the epoch the stages start at
     hyperparameters = [hyperparameters[0] | drawn for drawn in initial_hyperparameters(
         spaces, members, rng)]  # stage 1: every member starts from different values
     best_result, best_hyperparameters, stage = None, hyperparameters[0], 0
@@ -204,7 +209,8 @@ def pbt(config: PBTConfig) -> PBTSummary:
         tracking.log_figure(run_id, lineage_figure(lineage), "pbt/lineage.png")
         best_config = member_config(classifier_config(config), population.best.member,
                                     population.hyperparameters)
-        test = test_and_export(best_config, dataset, population.best.checkpoint)
+        test = test_and_export(best_config, dataset, population.best.checkpoint,
+                               "model" if config.average_decay is None else "averaged")
         tracking.log_metrics(run_id, test.metrics | {
             "val_accuracy": population.best.metrics["val_accuracy"],
             "stages_run": population.stages} | {

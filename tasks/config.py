@@ -286,18 +286,23 @@ class PBTConfig(ProfiledConfig, DataSection, ModelSection, StepSection, RunSecti
     }
 
     members: int = Field(4, ge=2, le=256, description="N: networks in the population")
-    warmup_epochs: int = Field(2, ge=1, le=1000, description="epochs of the warm-up, with the "
+    warmup_epochs: int = Field(1, ge=1, le=1000, description="epochs of the warm-up, with the "
                                "same hyperparameters for every member")
     warmup_patience: int | None = Field(None, ge=1, description="end the warm-up early after "
                                         "this many epochs without a better validation "
                                         "accuracy; none: all warm-up epochs")
-    round_epochs: int = Field(1, ge=1, le=1000, description="epochs each member trains per "
+    round_epochs: int = Field(2, ge=1, le=1000, description="epochs each member trains per "
                               "stage")
-    stages: int = Field(6, ge=1, le=10000, description="stop after this many stages")
+    stages: int = Field(4, ge=1, le=10000, description="stop after this many stages")
     target_accuracy: float | None = Field(None, gt=0.0, le=1.0, description="stop once the "
                                           "best validation accuracy reaches this")
     stage_patience: int | None = Field(None, ge=1, description="stop after this many stages "
                                        "without a better best validation accuracy")
+    average_decay: float | None = Field(
+        0.98, gt=0.0, lt=1.0, description="members are scored (and the final model exported) "
+        "as an exponential moving average of their weights with this decay per step, so a "
+        "member with a large learning rate is not ranked on its noisiest weights; none: the "
+        "last step's weights")
     lr_range: tuple[float, float] = Field((0.005, 0.3), description="bounds of the learning "
                                           "rate (log scale)")
     weight_decay_range: tuple[float, float] = Field((1e-5, 5e-3), description="bounds of the "

@@ -19,7 +19,7 @@ from prefect.runtime import task_run
 from pydantic import BaseModel, ConfigDict
 
 from tasks.caching import computation_key
-from tasks.checkpoints import save_checkpoint
+from tasks.checkpoints import load_checkpoint, save_checkpoint
 from tasks.data import DatasetRef, load_dataset
 from tasks.training import (
     ClassifierConfig,
@@ -28,7 +28,13 @@ from tasks.training import (
     split_batches,
 )
 from tasks.versioning import ArtifactRef, ArtifactStore
-from training.loops import classification_step, cosine_lr, evaluate, train_epoch
+from training.loops import (
+    classification_step,
+    cosine_lr,
+    evaluate,
+    train_epoch,
+    weight_average,
+)
 from training.pbt import SearchSpace
 
 HYPERPARAMETERS = ("lr", "weight_decay", "momentum", "augment")
@@ -67,33 +73,52 @@ def _member_run_name() -> str:
 @task(cache_key_fn=computation_key, persist_result=True, retries=1,
       task_run_name=_member_run_name)
 def train_member(config: ClassifierConfig, dataset: DatasetRef, population: str, member: int,
-                 phase: str, index: int, first_epoch: int, epochs: int, total_epochs: int,
-                 previous: ArtifactRef | None) -> MemberResult:
+                 phase: str, index: int, first_epoch: int, epochs: int,
+                 cycle: tuple[int, int], previous: ArtifactRef | None,
+                 average_decay: float | None = None) -> MemberResult:
     """Trains `epochs` epochs of one member from `previous` with `config`'s hyperparameters.
 
-    The learning rate follows the member's `lr` times a cosine decay over `total_epochs`, from
-    epoch `first_epoch` on, so every member shares one schedule shape.
+    The learning rate is the member's `lr` times a cosine decay from epoch `cycle[0]` (the
+    peak) to epoch `cycle[1]` (zero), so members of a stage share one schedule shape.
+
+    With `average_decay`, an exponential moving average of the weights (and batch-norm
+    statistics) follows every step, carried in the checkpoint under `averaged`; the average,
+    not the last step's weights, is scored, so a member with a large learning rate is not
+    ranked on its noisiest point. Training itself always continues from the last weights.
     """
+    cycle_start, cycle_end = cycle
     device = _setup(config)
     store = ArtifactStore()
     data = load_dataset(dataset)
-    model, optimizer = resume(config, dataset, store, previous, device)  # the member's values
+    before = load_checkpoint(store, previous) if previous is not None else {}
+    model, optimizer = resume(config, dataset, store, previous, device, before)  # own values
+    averaged = None
+    if average_decay is not None:
+        averaged = weight_average(model, average_decay, before.get("averaged"),
+                                  before.get("averaged_count", 0))
     started = time.perf_counter()
     metrics: dict[str, float] = {}
     for epoch in range(first_epoch, first_epoch + epochs):
         batches = split_batches(data, dataset, "train", config.batch_size, device, shuffle=True,
                                 seed=config.seed * 1000 + epoch, augment=config.augment)
-        total = total_epochs * len(batches)
+        start, total = cycle_start * len(batches), (cycle_end - cycle_start) * len(batches)
         metrics = train_epoch(model, optimizer, batches,
                               classification_step(config.label_smoothing), device,
-                              lr_at=lambda n, total=total: cosine_lr(config.lr, n, total),
-                              first_step=epoch * len(batches), grad_clip=config.grad_clip)
-    val = evaluate(model, split_batches(data, dataset, "val", 1024, device), device)
+                              lr_at=lambda n, start=start, total=total: cosine_lr(
+                                  config.lr, n - start, total),
+                              first_step=epoch * len(batches), grad_clip=config.grad_clip,
+                              after_step=None if averaged is None else (
+                                  lambda: averaged.update_parameters(model)))
+    scored = model if averaged is None else averaged.module
+    val = evaluate(scored, split_batches(data, dataset, "val", 1024, device), device)
     metrics |= {"val_accuracy": val["accuracy"], "val_loss": val["loss"],
                 "train_seconds": time.perf_counter() - started}
     payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                "member": member, "phase": phase, "index": index,
                "hyperparameters": {name: getattr(config, name) for name in HYPERPARAMETERS}}
+    if averaged is not None:
+        payload |= {"averaged": averaged.module.state_dict(),
+                    "averaged_count": int(averaged.n_averaged)}
     relpath = f"checkpoints/pbt/{population}/member-{member:02d}-{phase}-{index:03d}.pt"
     return MemberResult(member=member, checkpoint=save_checkpoint(store, relpath, payload),
                         metrics=metrics)

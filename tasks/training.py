@@ -106,14 +106,15 @@ def optimizer_to(optimizer: torch.optim.Optimizer, device: torch.device) -> None
 
 
 def resume(config: ClassifierConfig, dataset: DatasetRef, store: ArtifactStore,
-           previous: ArtifactRef | None, device: torch.device
+           previous: ArtifactRef | None, device: torch.device, payload: dict | None = None
            ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The seeded network and its optimizer on `device`, continuing from the checkpoint
-    `previous` when given, with `config`'s own momentum and weight decay (see `restore`)."""
+    `previous` when given, with `config`'s own momentum and weight decay (see `restore`).
+    `payload` is that checkpoint's content when the caller has loaded it already."""
     model = new_model(config, dataset)
     optimizer = make_optimizer(model, config)
     if previous is not None:
-        restore(model, optimizer, load_checkpoint(store, previous), config)
+        restore(model, optimizer, payload or load_checkpoint(store, previous), config)
     model = place_model(model, device)
     optimizer_to(optimizer, device)
     return model, optimizer
@@ -215,12 +216,18 @@ class TestResult(BaseModel):
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="test-and-export")
 def test_and_export(config: ClassifierConfig, dataset: DatasetRef,
-                    checkpoint: ArtifactRef) -> TestResult:
-    """Scores a checkpoint on the test split and exports it as a torch.export program."""
+                    checkpoint: ArtifactRef, weights: str = "model") -> TestResult:
+    """Scores a checkpoint on the test split and exports it as a torch.export program.
+
+    `weights` names the checkpoint's entry to use: `model`, or `averaged` (a weight average).
+    """
     device = _setup(config)
     store = ArtifactStore()
     model = new_model(config, dataset)
-    restore(model, None, load_checkpoint(store, checkpoint))
+    payload = load_checkpoint(store, checkpoint)
+    if weights not in payload:
+        raise ValueError(f"checkpoint {checkpoint.path} has no {weights!r} weights")
+    model.load_state_dict(payload[weights])
     model = place_model(model, device)
     data = load_dataset(dataset)
     metrics = evaluate(model, split_batches(data, dataset, "test", 1024, device), device)

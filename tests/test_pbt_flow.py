@@ -7,12 +7,14 @@ import shutil
 
 import pandas as pd
 import pytest
+import torch
 from mlflow import MlflowClient
 from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
 
 from flows.cli import main
 from flows.commands import COMMANDS
 from flows.pbt import pbt
+from tasks.checkpoints import load_checkpoint
 from tasks.config import PBTConfig
 from tasks.versioning import ArtifactStore
 
@@ -61,6 +63,19 @@ def test_lineage_records_copies_and_draws_and_the_best_is_registered(first_pbt):
     assert run.data.tags["dvc.lineage"] == population.lineage_log.md5
     assert [json.loads(line) for line in logged.read_text().splitlines()] == \
         population.lineage
+
+
+def test_the_best_is_scored_and_exported_as_its_weight_average(first_pbt):
+    store = ArtifactStore()
+    best = first_pbt.population.best
+    payload = load_checkpoint(store, best.checkpoint)
+    averaged, last = payload["averaged"], payload["model"]
+    assert set(averaged) == set(last)
+    assert any(not torch.equal(averaged[k], last[k]) for k in last)  # an average, not a copy
+    program = torch.export.load(str(store.path_of(best.checkpoint).with_suffix(".pt2")))
+    exported = {key.removeprefix("model."): value for key, value in program.state_dict.items()}
+    assert exported.keys() == averaged.keys()
+    assert all(torch.equal(exported[key], averaged[key]) for key in averaged)
 
 
 def _copy_images(source, target, picks):

@@ -13,6 +13,7 @@ from training.loops import (
     cosine_lr,
     evaluate,
     train_epoch,
+    weight_average,
 )
 
 CPU = torch.device("cpu")
@@ -84,3 +85,30 @@ def test_non_finite_loss_stops_training():
     with pytest.raises(NonFiniteLossError, match="loss is"):
         for _ in range(3):
             train_epoch(model, opt, batches, classification_step(), CPU)
+
+
+def test_weight_average_blends_weights_and_buffers_by_hand():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+
+    def set_all(value):  # a "step": every weight and statistic set to `value`
+        with torch.no_grad():
+            for tensor in [*model.parameters(), model[1].running_mean]:
+                tensor.fill_(value)
+
+    start = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    averaged = weight_average(model, 0.75, start, count=100)  # past its warm-up: decay 0.75
+    for value in (4.0, 8.0):
+        set_all(value)
+        averaged.update_parameters(model)
+    expected = 0.75 * (0.25 * 4.0) + 0.25 * 8.0  # 0.75 * (0.75 * 0 + 0.25 * 4) + 0.25 * 8
+    assert torch.allclose(averaged.module[0].weight, torch.full((2, 2), expected))
+    assert torch.allclose(averaged.module[1].running_mean, torch.full((2,), expected))
+    assert averaged.module[1].num_batches_tracked == model[1].num_batches_tracked
+    fresh = weight_average(model, 0.75)  # no state: the first update copies the model,
+    fresh.update_parameters(model)       # the second keeps min(0.75, 2 / 11) of the average
+    assert torch.equal(fresh.module[0].weight, model[0].weight)
+    set_all(19.0)
+    fresh.update_parameters(model)
+    assert torch.allclose(fresh.module[0].weight, torch.full((2, 2), 8.0 * 2 / 11 + 19.0 * 9 / 11))
+    with pytest.raises(ValueError, match="average decay"):
+        weight_average(model, 1.0)

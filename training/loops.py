@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.optim.swa_utils import AveragedModel
 from tqdm import tqdm
 
 from training.device import autocast
@@ -58,6 +59,7 @@ def train_epoch(
     first_step: int = 0,
     grad_clip: float | None = None,
     progress: str | None = None,
+    after_step: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """One pass over `batches`; returns each loss key's mean over the images seen (by every
     process, under data-parallel training).
@@ -67,6 +69,7 @@ def train_epoch(
         first_step: global step number of this epoch's first batch.
         grad_clip: clip the gradients' total norm to this value.
         progress: a label for a progress bar (batches, running loss); `None` hides it.
+        after_step: called after every optimizer step (e.g. to update a weight average).
 
     Raises:
         NonFiniteLossError: the loss is NaN or infinite at some batch.
@@ -93,6 +96,8 @@ def train_epoch(
         if grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
+        if after_step is not None:
+            after_step()
         n = len(y)
         seen += n
         for key, value in losses.items():
@@ -103,6 +108,35 @@ def train_epoch(
     totals = sum_over_processes(torch.stack([*(sums[k] for k in keys),
                                              torch.tensor(float(seen), device=device)]))
     return {key: (totals[i] / max(totals[-1].item(), 1)).item() for i, key in enumerate(keys)}
+
+
+def weight_average(model: nn.Module, decay: float, state: dict | None = None,
+                   count: int = 0) -> AveragedModel:
+    """An exponential moving average of `model`'s weights and buffers (PyTorch's
+    `AveragedModel`); call `update_parameters(model)` after every step.
+
+    The decay after `n` updates is `min(decay, (1 + n) / (10 + n))` (TensorFlow's
+    `ExponentialMovingAverage` with `num_updates`): the average follows the first steps closely
+    instead of clinging to the initial weights. `state` and `count` (an averaged module's state
+    dict and its number of updates, as stored in a checkpoint) continue an earlier average.
+    """
+    if not 0.0 < decay < 1.0:
+        raise ValueError(f"average decay must be in (0, 1), got {decay}")
+
+    @torch.no_grad()
+    def blend(averaged: list[Tensor], current: list[Tensor], updates: Tensor) -> None:
+        n = float(updates)
+        weight = 1.0 - min(decay, (1.0 + n) / (10.0 + n))  # of the current weights
+        if torch.is_floating_point(averaged[0]):
+            torch._foreach_lerp_(averaged, current, weight)
+        else:  # integer buffers (batch norm's batch count): the latest value
+            torch._foreach_copy_(averaged, current)
+
+    averaged = AveragedModel(model, multi_avg_fn=blend, use_buffers=True)
+    if state is not None:
+        averaged.module.load_state_dict(state)
+        averaged.n_averaged.fill_(max(count, 1))  # blend into `state`, not over it
+    return averaged
 
 
 @torch.no_grad()
