@@ -94,8 +94,7 @@ def train_member(config: ClassifierConfig, dataset: DatasetRef, population: str,
     model, optimizer = resume(config, dataset, store, previous, device, before)  # own values
     averaged = None
     if average_decay is not None:
-        averaged = weight_average(model, average_decay, before.get("averaged"),
-                                  before.get("averaged_count", 0))
+        averaged = weight_average(model, average_decay, before.get("averaged"))
     started = time.perf_counter()
     metrics: dict[str, float] = {}
     for epoch in range(first_epoch, first_epoch + epochs):
@@ -117,8 +116,7 @@ def train_member(config: ClassifierConfig, dataset: DatasetRef, population: str,
                "member": member, "phase": phase, "index": index,
                "hyperparameters": {name: getattr(config, name) for name in HYPERPARAMETERS}}
     if averaged is not None:
-        payload |= {"averaged": averaged.module.state_dict(),
-                    "averaged_count": int(averaged.n_averaged)}
+        payload["averaged"] = averaged.module.state_dict()
     relpath = f"checkpoints/pbt/{population}/member-{member:02d}-{phase}-{index:03d}.pt"
     return MemberResult(member=member, checkpoint=save_checkpoint(store, relpath, payload),
                         metrics=metrics)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.optim.swa_utils import AveragedModel
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from tqdm import tqdm
 
 from training.device import autocast
@@ -110,32 +110,19 @@ def train_epoch(
     return {key: (totals[i] / max(totals[-1].item(), 1)).item() for i, key in enumerate(keys)}
 
 
-def weight_average(model: nn.Module, decay: float, state: dict | None = None,
-                   count: int = 0) -> AveragedModel:
+def weight_average(model: nn.Module, decay: float, state: dict | None = None
+                   ) -> AveragedModel:
     """An exponential moving average of `model`'s weights and buffers (PyTorch's
-    `AveragedModel`); call `update_parameters(model)` after every step.
-
-    The decay after `n` updates is `min(decay, (1 + n) / (10 + n))` (TensorFlow's
-    `ExponentialMovingAverage` with `num_updates`): the average follows the first steps closely
-    instead of clinging to the initial weights. `state` and `count` (an averaged module's state
-    dict and its number of updates, as stored in a checkpoint) continue an earlier average.
-    """
+    `AveragedModel` with its EMA rule: `average = decay * average + (1 - decay) * weights`);
+    call `update_parameters(model)` after every step. `state` (an averaged module's state
+    dict, as stored in a checkpoint) continues an earlier average; without it the first update
+    copies the model."""
     if not 0.0 < decay < 1.0:
         raise ValueError(f"average decay must be in (0, 1), got {decay}")
-
-    @torch.no_grad()
-    def blend(averaged: list[Tensor], current: list[Tensor], updates: Tensor) -> None:
-        n = float(updates)
-        weight = 1.0 - min(decay, (1.0 + n) / (10.0 + n))  # of the current weights
-        if torch.is_floating_point(averaged[0]):
-            torch._foreach_lerp_(averaged, current, weight)
-        else:  # integer buffers (batch norm's batch count): the latest value
-            torch._foreach_copy_(averaged, current)
-
-    averaged = AveragedModel(model, multi_avg_fn=blend, use_buffers=True)
+    averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
     if state is not None:
         averaged.module.load_state_dict(state)
-        averaged.n_averaged.fill_(max(count, 1))  # blend into `state`, not over it
+        averaged.n_averaged.fill_(1)  # the next update blends into `state`, not over it
     return averaged
 
 
