@@ -40,7 +40,13 @@ from flows.train import prepare
 from tasks import tracking
 from tasks.config import PBTConfig
 from tasks.data import DatasetRef
-from tasks.pbt import HYPERPARAMETERS, member_config, search_spaces, train_member
+from tasks.pbt import (
+    HYPERPARAMETERS,
+    member_config,
+    scored_weights,
+    search_spaces,
+    train_member,
+)
 from tasks.runners import task_runner
 from tasks.training import classifier_config, run_key, test_and_export
 from training.pbt import best_member, initial_hyperparameters
@@ -78,7 +84,7 @@ def independent_members(config: PBTConfig, method: str) -> tuple[float | str, di
     best = best_member(scores)
     test = test_and_export(member_config(base, best, drawn[best]), dataset,
                            results[best].checkpoint,
-                           "model" if config.average_decay is None else "averaged")
+                           scored_weights(config.average_decay))
     print(f"{method} seed {config.seed}: best member {best}, validation {scores[best]:.4f}, "
           f"test {test.metrics['test_accuracy']:.4f}", flush=True)
     return test.metrics["test_accuracy"], drawn[best]

@@ -29,6 +29,7 @@ from tasks.pbt import (
     HYPERPARAMETERS,
     MemberResult,
     member_config,
+    scored_weights,
     search_spaces,
     train_member,
     write_lineage,
@@ -210,7 +211,7 @@ def pbt(config: PBTConfig) -> PBTSummary:
         best_config = member_config(classifier_config(config), population.best.member,
                                     population.hyperparameters)
         test = test_and_export(best_config, dataset, population.best.checkpoint,
-                               "model" if config.average_decay is None else "averaged")
+                               scored_weights(config.average_decay))
         tracking.log_metrics(run_id, test.metrics | {
             "val_accuracy": population.best.metrics["val_accuracy"],
             "stages_run": population.stages} | {

@@ -58,6 +58,11 @@ def search_spaces(config: Any) -> list[SearchSpace]:
             SearchSpace("augment", *config.augment_range, "linear")]
 
 
+def scored_weights(average_decay: float | None) -> str:
+    """The checkpoint entry that `train_member` scored and that gets tested and exported."""
+    return "model" if average_decay is None else "averaged"
+
+
 def member_config(base: ClassifierConfig, member: int, hyperparameters: dict[str, float]
                   ) -> ClassifierConfig:
     """A member's classifier config: the base with its seed and hyperparameters."""
