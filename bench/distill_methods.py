@@ -1,10 +1,18 @@
 """The distillation methods on the pure training code alone (no Prefect, MLflow or DVC).
 
-For machines that have an accelerator but not the pipeline's packages (the GPU check): the same
-teacher stages, recency queues, feature banks, losses and loops as the `distill` flow, called
-directly, with bf16 autocast and channels_last where the device gains from them. Per seed it
-trains the teacher in S stages, filling one bank of pooled features and one of logits, then
-the student with each method on the same stage images. Every method's test accuracy, per seed.
+For machines that have an accelerator but not the pipeline's packages (the GPU check): the
+`distill` flow's method, called from `training/` directly (`training.distill_stages`: the
+stages' recency queues replayed from the seed, the teacher's features for the bank, one stage
+of training on the cosine schedule spanning all stages), with bf16 autocast and channels_last
+where the device gains from them. Per seed it trains the teacher in S stages, filling one bank
+of features per bank layer (bank s kept for student stage s), then the student with each
+method on the same stage images. Every method's test accuracy, per seed.
+
+The defaults are the flow's (`DistillConfig`): teacher resnet18, student lenet, 10 stages
+drawing 80% of the training images each, batch 128, learning rate 0.05, and each role's batch
+and passes per stage fitted to the data set by `training.budget.fit_budget` (at least 1,000
+optimizer steps, at most 400 passes). On the default 20,000 images that is batch 128 and one
+pass per stage.
 
     python bench/distill_methods.py --data data/fashion-mnist --device cuda
 """
@@ -16,17 +24,21 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models import build_model  # noqa: E402
 from training.batches import Batches, Normalize  # noqa: E402
-from training.data_queue import RecencyQueue  # noqa: E402
+from training.budget import Budget, fit_budget  # noqa: E402
 from training.datasets import channel_stats, limit, load_fashion_mnist, stratified_split  # noqa: E402
-from training.device import autocast, place_model, resolve_device  # noqa: E402
+from training.device import place_model, resolve_device  # noqa: E402
+from training.distill_stages import Role, draw_stage_ids, layer_features, train_stage  # noqa: E402
 from training.distillation import (  # noqa: E402
     FeatureAdapter,
     FeatureLoss,
@@ -37,7 +49,7 @@ from training.distillation import (  # noqa: E402
 )
 from training.feature_bank import FeatureBank  # noqa: E402
 from training.features import FeatureHooks  # noqa: E402
-from training.loops import classification_step, cosine_lr, evaluate, train_epoch  # noqa: E402
+from training.loops import Step, classification_step, evaluate  # noqa: E402
 
 # method -> (target source, teacher layer, student layer, loss, feature weight, CE weight)
 METHODS = {
@@ -54,40 +66,115 @@ METHODS = {
     "d: bank stage3 map, cosine": ("bank", "stage3", "block2", "cosine", 1.0, 1.0),
 }
 
+# The flow's defaults (`DistillConfig`) for what this benchmark does not vary.
+FRONT_WEIGHT, BACK_WEIGHT = 2.0, 1.0
+MOMENTUM, WEIGHT_DECAY = 0.9, 5e-4
+AUGMENT, GRAD_CLIP, WARMUP_EPOCHS = 0.5, 5.0, 0.0
+EVAL_BATCH = 2048
 
-def stage_draws(ids: torch.Tensor, fraction: float, stages: int, seed: int) -> list[torch.Tensor]:
-    queue = RecencyQueue(ids, 2.0, 1.0)
-    generator = torch.Generator().manual_seed(seed)
-    count = round(fraction * len(ids))
-    return [queue.draw(count, generator) for _ in range(stages)]
-
-
-def run_stages(model, extra, step, draws, data, args, device, seed) -> None:
-    params = list(model.parameters()) + (list(extra.parameters()) if extra else [])
-    optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=5e-4,
-                                nesterov=True)
-    images, labels, normalize = data
-    for stage, ids in enumerate(draws):
-        batches = Batches(images, labels, ids, args.batch_size, normalize, shuffle=True,
-                          seed=seed * 1000 + stage + 1, augment=0.5, drop_last=True,
-                          device=device)
-        total = len(draws) * len(batches)
-        train_epoch(model, optimizer, batches, step, device,
-                    lr_at=lambda n, total=total: cosine_lr(args.lr, n, total),
-                    first_step=stage * len(batches), grad_clip=5.0)
+Data = tuple[Tensor, Tensor, Normalize]
 
 
-@torch.no_grad()
-def features_of(model, layer, ids, data, device) -> torch.Tensor:
-    images, labels, normalize = data
-    model.eval()
-    out = []
-    with FeatureHooks(model, [layer], detach=True) as hooks:
-        for _, x, _ in Batches(images, labels, ids, 2048, normalize, device=device):
-            with autocast(device):
-                model(x)
-            out.append(hooks[layer].float())
-    return torch.cat(out)
+@dataclass(frozen=True)
+class Seeded:
+    """What one seed's teacher and students share: the data, each role's budget and stage
+    draws, the validation batches scored after every stage."""
+
+    data: Data
+    train_ids: Tensor
+    val: Batches
+    budgets: dict[Role, Budget]
+    draws: dict[Role, list[Tensor]]
+    lr: float
+    seed: int
+    device: torch.device
+
+
+def optional_int(value: str) -> int | None:
+    """An integer, or `none`."""
+    return None if value.lower() == "none" else int(value)
+
+
+def sgd(modules: list[nn.Module], lr: float) -> torch.optim.SGD:
+    """The flow's optimizer (`make_optimizer`): SGD with Nesterov momentum over `modules`."""
+    params = [p for module in modules for p in module.parameters()]
+    return torch.optim.SGD(params, lr=lr, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY,
+                           nesterov=True)
+
+
+def stage_batches(run: Seeded, role: Role, stage: int) -> Batches:
+    """Shuffled, augmented batches over `role`'s images at `stage` (1-based), seeded as the
+    flow's (`seed * 1000 + stage`); a short last batch is dropped."""
+    images, labels, normalize = run.data
+    return Batches(images, labels, run.draws[role][stage - 1], run.budgets[role].batch_size,
+                   normalize, shuffle=True, seed=run.seed * 1000 + stage, augment=AUGMENT,
+                   drop_last=True, device=run.device)
+
+
+def run_stages(run: Seeded, role: Role, model: nn.Module, optimizer: torch.optim.Optimizer,
+               step_at: Callable[[int], Step],
+               after_stage: Callable[[int], None] | None = None) -> None:
+    """`role`'s stages in turn (`train_stage`), stage s with the loss `step_at(s)`;
+    `after_stage(s)` runs after stage s (the teacher fills its banks there)."""
+    stages = len(run.draws[role])
+    for stage in range(1, stages + 1):
+        train_stage(model, optimizer, stage_batches(run, role, stage), run.val, step_at(stage),
+                    run.device, stage, stages, run.budgets[role].repeats, run.lr,
+                    WARMUP_EPOCHS, GRAD_CLIP)
+        if after_stage is not None:
+            after_stage(stage)
+
+
+def train_teacher(run: Seeded, name: str, bank_layers: list[str], example: Tensor
+                  ) -> tuple[nn.Module, list[dict[str, FeatureBank]]]:
+    """The teacher trained in stages with CE, and the banks after each stage: entry `s - 1`
+    holds, per layer, the bank as teacher stage s left it (its images' features rewritten)."""
+    torch.manual_seed(run.seed)
+    teacher = place_model(build_model(name, 1, 10), run.device)
+    banks = {layer: FeatureBank(run.train_ids,
+                                layer_shape(teacher, layer, example)).to(run.device)
+             for layer in bank_layers}
+    snapshots: list[dict[str, FeatureBank]] = []
+
+    def fill_banks(stage: int) -> None:
+        images, labels, normalize = run.data
+        ids = run.draws["teacher"][stage - 1]
+        for layer, bank in banks.items():
+            bank.update(ids, layer_features(teacher, layer, Batches(
+                images, labels, ids, EVAL_BATCH, normalize, device=run.device), run.device),
+                stage)
+        snapshots.append({layer: FeatureBank.from_state_dict(
+            {k: v.clone() for k, v in bank.state_dict().items()})
+            for layer, bank in banks.items()})
+
+    run_stages(run, "teacher", teacher, sgd([teacher], run.lr), lambda _: classification_step(),
+               fill_banks)
+    return teacher, snapshots
+
+
+def train_student(run: Seeded, name: str, spec: tuple | None, teacher: nn.Module,
+                  snapshots: list[dict[str, FeatureBank]], example: Tensor) -> nn.Module:
+    """The student trained in stages with `spec`'s method: CE alone (`None`), or CE plus a
+    feature loss against the final teacher (`teacher`) or, at stage s, bank s (`bank`)."""
+    torch.manual_seed(run.seed)
+    student = place_model(build_model(name, 1, 10), run.device)
+    if spec is None:
+        run_stages(run, "student", student, sgd([student], run.lr),
+                   lambda _: classification_step())
+        return student
+    source, t_layer, s_layer, kind, weight, ce = spec
+    adapter = FeatureAdapter(layer_shape(student, s_layer, example),
+                             layer_shape(teacher, t_layer, example)).to(run.device)
+    loss = FeatureLoss(kind)
+    final = teacher_targets(teacher, t_layer) if source == "teacher" else None  # hooked once
+    with FeatureHooks(student, [s_layer]) as hooks:
+        def step_at(stage: int) -> Step:
+            targets = final if final is not None else bank_targets(
+                snapshots[stage - 1][t_layer], run.device)
+            return distillation_step(hooks, s_layer, adapter, targets, loss, ce, weight)
+
+        run_stages(run, "student", student, sgd([student, adapter], run.lr), step_at)
+    return student
 
 
 def main() -> None:
@@ -96,100 +183,65 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--train-limit", type=int, default=20000)
+    parser.add_argument("--val-limit", type=optional_int, default=None,
+                        help="validation images scored after every stage (default: all 6,000)")
+    parser.add_argument("--test-limit", type=optional_int, default=None,
+                        help="test images (default: all 10,000)")
     parser.add_argument("--stages", type=int, default=10)
-    parser.add_argument("--fraction", type=float, default=0.8)
+    parser.add_argument("--fraction", type=float, default=0.8,
+                        help="share of the training images each role draws per stage")
     parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--min-steps", type=optional_int, default=1000,
+                        help="fit_budget's min_steps per role; none: the batch and one pass")
+    parser.add_argument("--max-epochs", type=int, default=400)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--teacher", default="resnet18")
-    parser.add_argument("--student", default="cnn3")
+    parser.add_argument("--student", default="lenet")
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     args = parser.parse_args()
     device = resolve_device(args.device)
     train, test = load_fashion_mnist(args.data, True), load_fashion_mnist(args.data, False)
     images = torch.cat([train.images, test.images])
     labels = torch.cat([train.labels, test.labels])
-    rest, _val = stratified_split(train.labels, 0.1, 0)
+    rest, val_ids = stratified_split(train.labels, 0.1, 0)
     train_ids = limit(rest, args.train_limit, 0)
-    test_ids = torch.arange(len(train.labels), len(labels))
+    val_ids = limit(val_ids, args.val_limit, 1)
+    test_ids = limit(torch.arange(len(train.labels), len(labels)), args.test_limit, 2)
     normalize = Normalize(*channel_stats(images[train_ids]))
     data = (images.to(device), labels.to(device), normalize)
-    test_batches = Batches(images, labels, test_ids, 2048, normalize, device=device)
+    val_batches = Batches(data[0], data[1], val_ids, EVAL_BATCH, normalize, device=device)
+    test_batches = Batches(data[0], data[1], test_ids, EVAL_BATCH, normalize, device=device)
+    roles: tuple[Role, ...] = ("teacher", "student")
+    budgets = {role: fit_budget(len(train_ids), args.batch_size, args.stages, args.min_steps,
+                                args.max_epochs, round(args.fraction * len(train_ids)))
+               for role in roles}
+    example = data[0][train_ids[:1]].float()
+    bank_layers = sorted({METHODS[m][1] for m in args.methods
+                          if METHODS[m] and METHODS[m][0] == "bank"})
     results: dict[str, list[float]] = {m: [] for m in ["teacher", *args.methods]}
     seconds: dict[str, float] = {}
     for seed in args.seeds:
+        draws = {role: [draw_stage_ids(train_ids, stage, role, seed, args.fraction,
+                                       FRONT_WEIGHT, BACK_WEIGHT)
+                        for stage in range(1, args.stages + 1)] for role in roles}
+        run = Seeded(data, train_ids, val_batches, budgets, draws, args.lr, seed, device)
         started = time.perf_counter()
-        torch.manual_seed(seed)
-        teacher = place_model(build_model(args.teacher, 1, 10), device)
-        banks = {layer: FeatureBank(train_ids, layer_shape(
-            teacher, layer, data[0][train_ids[:1]].float())).to(device)
-            for layer in sorted({METHODS[m][1] for m in args.methods
-                                 if METHODS[m] and METHODS[m][0] == "bank"})}
-        teacher_draws = stage_draws(train_ids, args.fraction, args.stages, seed * 7 + 1)
-        snapshots: list[dict[str, FeatureBank]] = []
-        params = list(teacher.parameters())
-        optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=5e-4,
-                                    nesterov=True)
-        for stage, ids in enumerate(teacher_draws):
-            batches = Batches(data[0], data[1], ids, args.batch_size, normalize, shuffle=True,
-                              seed=seed * 1000 + stage + 1, augment=0.5, drop_last=True,
-                              device=device)
-            total = args.stages * len(batches)
-            train_epoch(teacher, optimizer, batches, classification_step(), device,
-                        lr_at=lambda n, total=total: cosine_lr(args.lr, n, total),
-                        first_step=stage * len(batches), grad_clip=5.0)
-            for layer, bank in banks.items():
-                bank.update(ids, features_of(teacher, layer, ids, data, device), stage + 1)
-            snapshots.append({layer: FeatureBank.from_state_dict(
-                {k: v.clone() for k, v in bank.state_dict().items()})
-                for layer, bank in banks.items()})
+        teacher, snapshots = train_teacher(run, args.teacher, bank_layers, example)
         seconds["teacher"] = time.perf_counter() - started
         results["teacher"].append(evaluate(teacher, test_batches, device)["accuracy"])
-        student_draws = stage_draws(train_ids, args.fraction, args.stages, seed * 7 + 2)
         for method in args.methods:
             started = time.perf_counter()
-            torch.manual_seed(seed)
-            student = place_model(build_model(args.student, 1, 10), device)
-            spec = METHODS[method]
-            if spec is None:
-                run_stages(student, None, classification_step(), student_draws, data, args,
-                           device, seed)
-            else:
-                source, t_layer, s_layer, kind, weight, ce = spec
-                example = data[0][train_ids[:1]].float()
-                adapter = FeatureAdapter(layer_shape(student, s_layer, example),
-                                         layer_shape(teacher, t_layer, example)).to(device)
-                with FeatureHooks(student, [s_layer]) as hooks:
-                    if source == "teacher":
-                        step = distillation_step(hooks, s_layer, adapter,
-                                                 teacher_targets(teacher, t_layer),
-                                                 FeatureLoss(kind), ce, weight)
-                        run_stages(student, adapter, step, student_draws, data, args, device,
-                                   seed)
-                    else:  # stage s reads bank s: one stage at a time with its snapshot
-                        params = list(student.parameters()) + list(adapter.parameters())
-                        optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9,
-                                                    weight_decay=5e-4, nesterov=True)
-                        for stage, ids in enumerate(student_draws):
-                            step = distillation_step(
-                                hooks, s_layer, adapter,
-                                bank_targets(snapshots[stage][t_layer], device),
-                                FeatureLoss(kind), ce, weight)
-                            batches = Batches(data[0], data[1], ids, args.batch_size,
-                                              normalize, shuffle=True,
-                                              seed=seed * 1000 + stage + 1, augment=0.5,
-                                              drop_last=True, device=device)
-                            total = args.stages * len(batches)
-                            train_epoch(student, optimizer, batches, step, device,
-                                        lr_at=lambda n, total=total: cosine_lr(args.lr, n,
-                                                                               total),
-                                        first_step=stage * len(batches), grad_clip=5.0)
+            student = train_student(run, args.student, METHODS[method], teacher, snapshots,
+                                    example)
             results[method].append(evaluate(student, test_batches, device)["accuracy"])
             seconds[method] = time.perf_counter() - started
         print(f"seed {seed}: " + ", ".join(f"{k} {v[-1]:.4f}" for k, v in results.items()),
               flush=True)
     alone = statistics.fmean(results.get("a: alone", [float("nan")]))
     teacher_mean = statistics.fmean(results["teacher"])
-    print(f"\ndevice {device}, {len(train_ids)} training images, {args.stages} stages")
+    print(f"\ndevice {device}, {len(train_ids)} training images, {args.stages} stages, "
+          + ", ".join(f"{role} batch {b.batch_size} x {b.repeats} passes/stage"
+                      for role, b in budgets.items()))
     for method, values in results.items():
         mean = statistics.fmean(values)
         std = statistics.stdev(values) if len(values) > 1 else 0.0
@@ -197,8 +249,9 @@ def main() -> None:
         print(f"{method:40s} {mean:.4f} ± {std:.4f}  gap closed {gap:+.2f}  "
               f"{' / '.join(f'{v:.4f}' for v in values)}  {seconds.get(method, 0):.0f} s/seed")
     print(json.dumps({"benchmark": "distill_methods", "device": str(device), "results": results,
-                      "seconds_last_seed": seconds, "args": {k: str(v) for k, v in
-                                                             vars(args).items()}}))
+                      "seconds_last_seed": seconds,
+                      "budgets": {role: asdict(b) for role, b in budgets.items()},
+                      "args": {k: str(v) for k, v in vars(args).items()}}))
 
 
 if __name__ == "__main__":
