@@ -32,14 +32,14 @@ import torch
 from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
 
 from bench.common import mean_std, print_json, print_table
-from flows.distill import distill
+from flows.distill import distill, role_budgets
 from tasks.checkpoints import load_checkpoint
 from tasks.config import DistillConfig
 from tasks.data import load_dataset
 from tasks.distill import (
     DistillPlan,
     StudentConfig,
-    _train_stage,
+    run_stage,
     stage_batches,
     stage_ids,
     student_network,
@@ -97,7 +97,7 @@ def baseline(method: str, plan: DistillPlan, config: DistillConfig, dataset,
         for stage in range(1, config.stages + 1):
             ids = stage_ids(student, data.splits["train"], stage)
             batches = stage_batches(student, dataset, data, ids, stage, device)
-            _train_stage(student, dataset, stage, model, optimizer, batches, step, device, data)
+            run_stage(student, dataset, stage, model, optimizer, batches, step, device, data)
     except NonFiniteLossError as error:
         return f"diverged: {error}"
     finally:
@@ -146,7 +146,8 @@ def main() -> None:
         if "per-state" in args.modes:
             per_state = distill(config.model_copy(update={"bank_mode": "per-state"}))
             accuracy.setdefault("d: bank, per-state", []).append(per_state.test_accuracy)
-        plan = DistillPlan.of(config)
+        budgets = role_budgets(config, single.dataset)
+        plan = DistillPlan.of(config, budgets["teacher"], budgets["student"])
         dataset = single.dataset
         for method in BASELINES:
             accuracy.setdefault(method, []).append(baseline(

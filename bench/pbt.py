@@ -1,6 +1,6 @@
 """PBT against the default hyperparameters and random search, at the same member-epochs.
 
-For each seed, N members (the `pbt` config's `members`) each train E = warmup_epochs + stages x
+For each seed, N members (the `pbt` config's `members`) each train E = burn_in_epochs + stages x
 round_epochs epochs, so every method spends N x E member-epochs:
 
 (a) default: N members with the default hyperparameters (different seeds), the best on the
@@ -11,14 +11,15 @@ round_epochs epochs, so every method spends N x E member-epochs:
 
 (a) and (b) train through the flow's own member task (`train_member`: the same data, batches,
 augmentation, cosine schedule over E epochs, gradient clipping, divergence check and weight
-average) and are tested by the flow's `test_and_export`, on the same weights PBT exports (the
-average, unless `average_decay` is none); a member that diverges is reported as failed.
+average, the budget fitted to the data) and are tested by the flow's `test_and_export`, on the
+weights PBT exports (the better of the last weights and the average on validation); a member
+that diverges is reported as failed.
 
 Also measured, in one run: the wall time of one PBT stage of 2 members on a Dask LocalCluster
 of 2 worker processes against 1 worker, 1 thread per member in both (a worker holds one core,
 as it would hold one GPU), after a first stage that warms each cluster up (imports, data).
 
-    python -m bench.pbt                      # quick profile (cnn3), seeds 0-2: about 35 min
+    python -m bench.pbt                      # quick profile (lenet), seeds 0-2: about 35 min
     python -m bench.pbt --no-timing --set train_limit=10000     # the README's table: 20 min
     python -m bench.pbt --no-timing --methods c --seeds 0          # one PBT run
     python -m bench.pbt --no-accuracy        # the stage timing only: 3 min
@@ -36,19 +37,19 @@ from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
 
 from bench.common import mean_std, print_json, print_table
 from flows.pbt import pbt
-from flows.train import prepare
+from flows.skeleton import prepare
 from tasks import tracking
 from tasks.config import PBTConfig
 from tasks.data import DatasetRef
 from tasks.pbt import (
     HYPERPARAMETERS,
+    SCORED_WEIGHTS,
     member_config,
-    scored_weights,
     search_spaces,
     train_member,
 )
 from tasks.runners import task_runner
-from tasks.training import classifier_config, run_key, test_and_export
+from tasks.training import classifier_config, fit_to_data, run_key, test_and_export
 from training.pbt import best_member, initial_hyperparameters
 
 METHODS = ("a: default", "b: random search", "c: PBT")
@@ -58,16 +59,18 @@ METHODS = ("a: default", "b: random search", "c: PBT")
 def independent_members(config: PBTConfig, method: str) -> tuple[float | str, dict]:
     """(a) or (b): N members trained E epochs each with fixed hyperparameters; the best on
     validation is tested. Returns its test accuracy (or why all failed) and its values."""
-    base = classifier_config(config)
     with tracking.tracked_run("bench-pbt", f"{method}-seed{config.seed}", config, {}) as run_id:
-        dataset = prepare(config, run_id)
+        dataset = prepare(config, run_id).dataset
+    epochs = config.burn_in_epochs + config.stages * config.round_epochs
+    budget = fit_to_data(config, dataset, epochs)  # the flow's budget: same batch and passes
+    base = classifier_config(config).model_copy(update={"batch_size": budget.batch_size})
+    epochs *= budget.repeats
     defaults = {name: getattr(base, name) for name in HYPERPARAMETERS}
     if method == METHODS[0]:
         drawn = [defaults] * config.members
     else:
         drawn = [defaults | values for values in initial_hyperparameters(
             search_spaces(config), config.members, random.Random(config.seed))]
-    epochs = config.warmup_epochs + config.stages * config.round_epochs
     population = f"{run_key(config, dataset)}-{method[0]}"
     results = []
     for member, values in enumerate(drawn):
@@ -83,8 +86,7 @@ def independent_members(config: PBTConfig, method: str) -> tuple[float | str, di
         return "FAILED", {}
     best = best_member(scores)
     test = test_and_export(member_config(base, best, drawn[best]), dataset,
-                           results[best].checkpoint,
-                           scored_weights(config.average_decay))
+                           results[best].checkpoint, SCORED_WEIGHTS)
     print(f"{method} seed {config.seed}: best member {best}, validation {scores[best]:.4f}, "
           f"test {test.metrics['test_accuracy']:.4f}", flush=True)
     return test.metrics["test_accuracy"], drawn[best]
@@ -112,7 +114,7 @@ def stage_speedup(config: PBTConfig) -> dict:
     """One stage of 2 members on 2 Dask workers against 1 worker (second stage of each)."""
     config = config.model_copy(update={"members": 2, "runner": "dask", "threads": 1})
     with tracking.tracked_run("bench-pbt", "timing", config, {}) as run_id:
-        dataset = prepare(config, run_id)
+        dataset = prepare(config, run_id).dataset
     seconds = {}
     with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: True}):
         for workers in (1, 2):
@@ -169,7 +171,7 @@ def main() -> None:
             len(values) - len(ok)])
         results.append({"method": method, "test_accuracy": values, "mean": mean, "std": std,
                         "hyperparameters": chosen[method]})
-    epochs = config.warmup_epochs + config.stages * config.round_epochs
+    epochs = config.burn_in_epochs + config.stages * config.round_epochs
     if rows:
         print(f"\n{config.members} members x {epochs} epochs of {config.model} on "
               f"{config.train_limit or 'all'} training images, per method and seed")

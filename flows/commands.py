@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from tasks.config import DistillConfig, PBTConfig, TrainConfig
@@ -12,14 +13,30 @@ from tasks.reporting import ui_commands
 from tasks.versioning import project_data_status, track_project_data
 from training.datasets import DataError
 
+SERVER_TIMEOUT = "Timed out while attempting to connect to ephemeral Prefect API server"
+
 
 def _exit_on_data_error(call):
-    """Runs `call()`; bad input ends with one clear `error:` line and exit code 2."""
+    """Runs `call()`; bad input ends with one clear `error:` line and exit code 2; a Prefect
+    server that does not answer, or a population that failed whole, with one such line and
+    exit code 1 (tracebacks are kept for bugs)."""
     try:
         return call()
     except DataError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except RuntimeError as error:
+        if str(error).startswith(SERVER_TIMEOUT):
+            limit = os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "20")
+            print(f"error: Prefect's temporary API server did not answer within {limit} s (the "
+                  "machine may be busy): raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS "
+                  "(project.env or the environment), or start a server (`make ui`) and set "
+                  "PREFECT_API_URL=http://127.0.0.1:4200/api", file=sys.stderr)
+            raise SystemExit(1) from None
+        if type(error).__name__ == "PopulationFailed":
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(1) from None
+        raise
 
 
 def _print_registration(summary) -> None:

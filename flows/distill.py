@@ -13,7 +13,7 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
-from flows.train import prepare, run_tags
+from flows.skeleton import finish, log_budget, prepare, publish, run_tags
 from tasks import tracking
 from tasks.config import DistillConfig
 from tasks.data import DatasetRef
@@ -26,11 +26,16 @@ from tasks.distill import (
     student_stage,
     teacher_stage,
 )
-from tasks.registration import Registration, register_and_promote
-from tasks.reporting import publish_summary
+from tasks.registration import Registration
 from tasks.runners import submitter, task_runner, worker_threads
-from tasks.training import classifier_config, test_and_export, train_classifier_epoch
+from tasks.training import (
+    classifier_config,
+    fit_to_data,
+    test_and_export,
+    train_classifier_epoch,
+)
 from tasks.versioning import ArtifactRef
+from training.budget import Budget
 
 FLOW_NAME = "distill"
 
@@ -95,7 +100,7 @@ def _stage_loop(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef,
 
 
 @flow(name="distill-stages", description="The teacher, bank and student stages of `distill`.")
-def distill_stages(config: DistillConfig, dataset: DatasetRef, run_id: str,
+def distill_stages(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef, run_id: str,
                    teacher_run_id: str, student_run_id: str) -> list[StageRecord]:
     """Runs the S stages and logs each one as it finishes (see `_stage_loop`)."""
     logger = get_run_logger()
@@ -124,8 +129,6 @@ def distill_stages(config: DistillConfig, dataset: DatasetRef, run_id: str,
                     record.student.metrics["val_accuracy"], record.student.metrics["loss_ce"],
                     record.student.metrics["loss_feat"])
 
-    threads = worker_threads(config, config.threads)
-    plan = DistillPlan.of(config.model_copy(update={"threads": threads}))
     return _stage_loop(config, plan, dataset, on_stage,
                        pretrain_teacher(plan, dataset, teacher_run_id))
 
@@ -138,53 +141,70 @@ def pretrain_teacher(plan: DistillPlan, dataset: DatasetRef, teacher_run_id: str
         return previous
     config = pretrain_config(plan.teacher)
     for epoch in range(config.epochs):
-        result = train_classifier_epoch(config, dataset, epoch, previous, "distill-pretrain")
+        result = train_classifier_epoch(config, dataset, epoch, previous, "distill-pretrain",
+                                        plan.teacher.repeats)
         tracking.log_metrics(teacher_run_id, {f"pretrain_{k}": v
                                               for k, v in result.metrics.items()}, step=epoch + 1)
         previous = result.checkpoint
     return previous
 
 
+def role_budgets(config: DistillConfig, dataset: DatasetRef) -> dict[str, Budget]:
+    """The teacher's and the student's budgets: `stages` rounds over the images each draws
+    per stage (`training.budget`)."""
+    return {role: fit_to_data(config, dataset, config.stages, round(
+        fraction * dataset.sizes["train"])) for role, fraction in (
+        ("teacher", config.teacher_fraction), ("student", config.student_fraction))}
+
+
+def fitted_plan(config: DistillConfig, dataset: DatasetRef, run_id: str) -> DistillPlan:
+    """The plan with each role's budget fitted to the data set (logged as `teacher_budget_*`
+    and `student_budget_*`) and the worker threads of the runner."""
+    budgets = role_budgets(config, dataset)
+    for role, budget in budgets.items():
+        log_budget(run_id, budget, f"{role}_")
+    threads = worker_threads(config, config.threads)
+    return DistillPlan.of(config.model_copy(update={"threads": threads}), budgets["teacher"],
+                          budgets["student"])
+
+
 @flow(name=FLOW_NAME, description="Distil a deeper teacher, trained in stages, into a student "
-      "through a multi-state feature bank; register the student and promote it if it wins.")
+      "through a multi-state feature bank; register the student and promote it if it beats "
+      "the champion and the raw-pixel baselines.")
 def distill(config: DistillConfig) -> DistillSummary:
     """Runs the stages, then tests, registers and promotes the student."""
     name = config.registered_name(FLOW_NAME)
     run_name = f"{FLOW_NAME}-{config.teacher_model}-to-{config.student_model}-seed{config.seed}"
-    plan = DistillPlan.of(config)
     with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
-        dataset = prepare(config, run_id)
+        prepared = prepare(config, run_id)
+        dataset = prepared.dataset
+        plan = fitted_plan(config, dataset, run_id)
         with tracking.tracked_run(FLOW_NAME, "teacher", plan.teacher, parent_run_id=run_id) \
                 as teacher_run_id, \
                 tracking.tracked_run(FLOW_NAME, "student", plan.student, parent_run_id=run_id) \
                 as student_run_id:
             stages = distill_stages.with_options(task_runner=task_runner(config))(
-                config, dataset, run_id, teacher_run_id, student_run_id)
+                config, plan, dataset, run_id, teacher_run_id, student_run_id)
             teacher_test = test_and_export(classifier_config(plan.teacher), dataset,
                                            stages[-1].teacher.checkpoint)
             tracking.log_metrics(teacher_run_id, teacher_test.metrics)
-            test = test_and_export(classifier_config(plan.student), dataset,
-                                   stages[-1].student.checkpoint)
-            tracking.log_metrics(student_run_id, test.metrics)
-        tracking.log_metrics(run_id, test.metrics | {
-            "teacher_test_accuracy": teacher_test.metrics["test_accuracy"]})
-        tracking.log_artifact_refs(run_id, {"program": test.program,
-                                            "checkpoint.final": stages[-1].student.checkpoint})
-        registration = register_and_promote(run_id, name, dataset, test.program)
+            tracking.log_metrics(run_id, {
+                "teacher_test_accuracy": teacher_test.metrics["test_accuracy"]})
+            finished = finish(run_id, name, classifier_config(plan.student), prepared,
+                              stages[-1].student.checkpoint,
+                              stages[-1].student.metrics["val_accuracy"],
+                              gate=config.baseline_gate)
+            tracking.log_metrics(student_run_id, finished.test.metrics)
         summary = DistillSummary(run_id=run_id, dataset=dataset, stages=stages,
                                  teacher_test_accuracy=teacher_test.metrics["test_accuracy"],
-                                 test_accuracy=test.metrics["test_accuracy"],
-                                 registration=registration)
-    markdown = publish_summary("distill-summary", f"distill: {config.teacher_model} -> "
-                               f"{config.student_model} on {config.data}", {
-        "student test accuracy": f"{summary.test_accuracy:.4f}",
-        "teacher test accuracy": f"{summary.teacher_test_accuracy:.4f}",
-        "stages": str(config.stages),
-        "bank": f"{config.bank_mode}, layer {config.teacher_layer}, {config.bank_dtype}, "
-                f"filled {stages[-1].bank.fill_fraction:.3f}",
-        "model": f"{name} version {registration.version}, alias `{registration.alias}`",
-        "decision": registration.decision,
-        "MLflow run": run_id,
-    })
-    get_run_logger().info("summary\n%s", markdown)
+                                 test_accuracy=finished.test_accuracy,
+                                 registration=finished.registration)
+    publish("distill-summary", f"distill: {config.teacher_model} -> {config.student_model} on "
+            f"{config.data}", run_id, finished, {
+                "teacher test accuracy": f"{summary.teacher_test_accuracy:.4f}",
+                "stages": f"{config.stages}, {plan.student.repeats} passes each (student), "
+                          f"{plan.teacher.repeats} (teacher)",
+                "bank": f"{config.bank_mode}, layer {config.teacher_layer}, {config.bank_dtype}, "
+                        f"filled {stages[-1].bank.fill_fraction:.3f}",
+            })
     return summary

@@ -12,7 +12,6 @@ is the last stage's best member: tested, registered and promoted as in `train`.
 from __future__ import annotations
 
 import json
-import random
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -20,26 +19,25 @@ from typing import Any
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
-from flows.train import prepare, run_tags
+from flows.skeleton import finish, log_budget, prepare, publish, run_tags
 from tasks import tracking
 from tasks.config import PBTConfig
 from tasks.data import DatasetRef
 from tasks.features import recognition_test
 from tasks.pbt import (
     HYPERPARAMETERS,
+    SCORED_WEIGHTS,
     MemberResult,
     member_config,
-    scored_weights,
     search_spaces,
     train_member,
     write_lineage,
 )
-from tasks.registration import Registration, register_and_promote
-from tasks.reporting import publish_summary
+from tasks.registration import Registration
 from tasks.runners import submitter, task_runner, worker_threads
-from tasks.training import classifier_config, run_key, test_and_export
+from tasks.training import classifier_config, fit_to_data, run_key
 from tasks.versioning import ArtifactRef
-from training.pbt import best_member, explore, initial_hyperparameters
+from training.pbt import PBTScheduler
 
 FLOW_NAME = "pbt"
 
@@ -94,78 +92,93 @@ def lineage_figure(lineage: list[dict[str, Any]]):
     return figure
 
 
-@flow(name="pbt-population", description="The warm-up and the stages of `pbt`.")
-def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str]
-                   ) -> PopulationResult:
-    """Warm-up, then stages of train / evaluate / copy / explore; see the module docstring."""
+class PopulationFailed(RuntimeError):
+    """Every member of a round failed: there is nothing to go on from."""
+
+
+@flow(name="pbt-population", description="The burn-in and the stages of `pbt`.")
+def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str],
+                   batch_size: int, repeats: int) -> PopulationResult:
+    """Burn-in, then stages of train / evaluate / copy / explore; see the module docstring.
+
+    Every epoch of the config is `repeats` passes at `batch_size` images (the budget fitted to
+    the data set, `training.budget`)."""
     logger = get_run_logger()
     submit = submitter(config)
     threads = worker_threads(config, config.threads)
-    base = classifier_config(config.model_copy(update={"threads": threads}))
+    base = classifier_config(config.model_copy(update={"threads": threads,
+                                                       "batch_size": batch_size}))
     population = run_key(config, dataset)
     members = config.members
-    total_epochs = config.warmup_epochs + config.stages * config.round_epochs
-    rng = random.Random(config.seed)
-    spaces = search_spaces(config)
-    hyperparameters = [{name: getattr(base, name) for name in HYPERPARAMETERS}] * members
+    burn_in = config.burn_in_epochs * repeats
+    total = burn_in + config.stages * config.round_epochs * repeats  # passes
+    burn_in_values = {name: getattr(base, name) for name in HYPERPARAMETERS}
+    hyperparameters = [burn_in_values] * members
     checkpoints: list[Any] = [None] * members
     parents: list[int | None] = [None] * members
     lineage: list[dict[str, Any]] = []
 
-    def run_round(phase: str, index: int, first_epoch: int, epochs: int
-                  ) -> list[MemberResult | None]:
-        # the warm-up follows one cosine over the whole run at the preset learning rate; the
-        # stages start a new one at each member's own rate, decaying to zero at the last stage
-        cycle = ((0, total_epochs) if phase == "warmup" else
-                 (stages_from, stages_from + config.stages * config.round_epochs))
+    def run_round(phase: str, index: int, first: int, passes: int, cycle: tuple[int, int],
+                  average_decay: float | None) -> list[MemberResult | None]:
         futures = [submit(train_member, member_config(base, m, hyperparameters[m]), dataset,
-                          population, m, phase, index, first_epoch, epochs, cycle,
-                          checkpoints[m], config.average_decay) for m in range(members)]
+                          population, m, phase, index, first, passes, cycle,
+                          checkpoints[m], average_decay) for m in range(members)]
         results: list[MemberResult | None] = []
+        errors = []
         for m, future in enumerate(futures):
+            record = {"phase": phase, "stage": index, "member": m, "parent": parents[m],
+                      "hyperparameters": hyperparameters[m]}
             try:
-                results.append(future.result())
+                result = future.result()
             except Exception as error:  # retried once already: record it, go on without it
                 logger.warning("member %d failed in %s %d: %s", m, phase, index, error)
+                errors.append(f"member {m}: {type(error).__name__}: {error}")
                 results.append(None)
-                lineage.append({"phase": phase, "stage": index, "member": m,
-                                "parent": parents[m], "hyperparameters": hyperparameters[m],
-                                "score": None, "error": f"{type(error).__name__}: {error}"})
-        for m, result in enumerate(results):
-            if result is None:
+                lineage.append(record | {"score": None, "error": errors[-1]})
                 continue
-            lineage.append({"phase": phase, "stage": index, "member": m, "parent": parents[m],
-                            "hyperparameters": hyperparameters[m],
-                            "score": result.metrics["val_accuracy"]})
-            step = index if phase == "stage" else index - config.warmup_epochs
+            results.append(result)
+            lineage.append(record | {"score": result.metrics["val_accuracy"],
+                                     "kept": result.kept})
+            step = index if phase == "stage" else index - config.burn_in_epochs
             tracking.log_metrics(member_runs[m], result.metrics | {
                 f"hp_{k}": v for k, v in hyperparameters[m].items()}, step=step)
+        if not any(results):
+            raise PopulationFailed(f"every member failed in {phase} {index}; "
+                                   + "; ".join(errors))
         return results
 
+    # burn-in: one cosine over the whole run at the burn-in values, no weight average
     best_val, stale, epoch = -1.0, 0, 0
-    for epoch in range(1, config.warmup_epochs + 1):
-        results = run_round("warmup", epoch, epoch - 1, 1)
+    for epoch in range(1, config.burn_in_epochs + 1):
+        results = run_round("burn-in", epoch, (epoch - 1) * repeats, repeats, (0, total), None)
         checkpoints = [r.checkpoint if r else c for r, c in zip(results, checkpoints,
                                                                  strict=True)]
         val = max(r.metrics["val_accuracy"] for r in results if r)
         best_val, stale = (val, 0) if val > best_val else (best_val, stale + 1)
-        if config.warmup_patience is not None and stale >= config.warmup_patience:
-            logger.info("warm-up stops after epoch %d: no better validation accuracy", epoch)
+        if config.burn_in_patience is not None and stale >= config.burn_in_patience:
+            logger.info("burn-in stops after epoch %d: no better validation accuracy", epoch)
             break
-    first_epoch, best_score, stale = epoch, -1.0, 0
-    stages_from = epoch  # the epoch the stages start at
-    hyperparameters = [hyperparameters[0] | drawn for drawn in initial_hyperparameters(
-        spaces, members, rng)]  # stage 1: every member starts from different values
-    best_result, best_hyperparameters, stage = None, hyperparameters[0], 0
+    # stages: a new cosine at each member's own rate, decaying to zero at the last stage
+    stages_from = epoch * repeats
+    cycle = (stages_from, stages_from + config.stages * config.round_epochs * repeats)
+    scheduler = PBTScheduler(search_spaces(config), members, burn_in_values, config.seed,
+                             *config.explore_factors, linear_step=config.explore_step)
+    hyperparameters = scheduler.hyperparameters  # every member starts from different values
+    first, best_score, stale, stage = stages_from, -1.0, 0, 0
+    best_result, best_hyperparameters = None, hyperparameters[0]
     for stage in range(1, config.stages + 1):
-        results = run_round("stage", stage, first_epoch, config.round_epochs)
-        first_epoch += config.round_epochs
-        best = best_member([r.metrics["val_accuracy"] if r else None for r in results])
-        best_result, best_hyperparameters = results[best], hyperparameters[best]
-        score = best_result.metrics["val_accuracy"]
-        logger.info("stage %d: best member %d, validation %.4f, %s", stage, best, score,
+        passes = config.round_epochs * repeats
+        results = run_round("stage", stage, first, passes, cycle, config.average_decay)
+        first += passes
+        decision = scheduler.decide([r.metrics["val_accuracy"] if r else None
+                                     for r in results])
+        best_result = results[decision.best]
+        best_hyperparameters = hyperparameters[decision.best]
+        score = decision.score
+        logger.info("stage %d: best member %d (%s weights), validation %.4f, %s", stage,
+                    decision.best, best_result.kept, score,
                     ", ".join(f"{k}={v:.4g}" for k, v in best_hyperparameters.items()))
-        tracking.log_dict(member_runs[best], {"stage": stage, **best_hyperparameters},
+        tracking.log_dict(member_runs[decision.best], {"stage": stage, **best_hyperparameters},
                           f"best/stage-{stage:03d}.json")
         lineage_log = write_lineage(population, lineage)
         best_score, stale = (score, 0) if score > best_score else (best_score, stale + 1)
@@ -173,31 +186,33 @@ def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str
                 (config.stage_patience is not None and stale >= config.stage_patience):
             logger.info("stop after stage %d (validation %.4f)", stage, score)
             break
-        # exploit: every member starts the next stage from the best's checkpoint
+        # exploit: every member starts the next stage from the best's checkpoint; explore:
+        # the best keeps its values, the others draw around them (the scheduler's decision)
         checkpoints = [best_result.checkpoint] * members
-        parents = [best] * members
-        # explore: the best keeps its values, the others draw around them
-        hyperparameters = [best_hyperparameters if m == best else
-                           explore(best_hyperparameters, spaces, rng, *config.explore_factors,
-                                   linear_step=config.explore_step) for m in range(members)]
+        parents = [decision.best] * members
+        hyperparameters = list(decision.hyperparameters)
     return PopulationResult(best=best_result, hyperparameters=best_hyperparameters,
                             stages=stage, lineage=lineage, lineage_log=lineage_log)
 
 
 @flow(name=FLOW_NAME, description="Population-based training: members train in stages, the "
       "best's weights are copied to all and the others explore hyperparameters around its; "
-      "the final best is registered and promoted if it beats the champion.")
+      "the final best is registered and promoted if it beats the champion and the raw-pixel "
+      "baselines.")
 def pbt(config: PBTConfig) -> PBTSummary:
     """Runs the population, then tests, registers and promotes its best member."""
     name = config.registered_name(FLOW_NAME)
     run_name = f"{FLOW_NAME}-{config.model}-x{config.members}-seed{config.seed}"
     with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
-        dataset = prepare(config, run_id)
+        prepared = prepare(config, run_id)
+        budget = fit_to_data(config, prepared.dataset,
+                             config.burn_in_epochs + config.stages * config.round_epochs)
+        log_budget(run_id, budget)
         member_runs = [tracking.start_run(FLOW_NAME, f"member-{m}", parent_run_id=run_id)
                        for m in range(config.members)]
         try:
             population = pbt_population.with_options(task_runner=task_runner(config))(
-                config, dataset, member_runs)
+                config, prepared.dataset, member_runs, budget.batch_size, budget.repeats)
         finally:
             for member_run in member_runs:
                 tracking.end_run(member_run)
@@ -207,38 +222,34 @@ def pbt(config: PBTConfig) -> PBTSummary:
             path = Path(folder) / "lineage.jsonl"
             path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in lineage))
             tracking.log_file(run_id, path, "pbt")
+        tracking.log_artifact_refs(run_id, {"lineage": population.lineage_log})
         tracking.log_figure(run_id, lineage_figure(lineage), "pbt/lineage.png")
-        best_config = member_config(classifier_config(config), population.best.member,
-                                    population.hyperparameters)
-        test = test_and_export(best_config, dataset, population.best.checkpoint,
-                               scored_weights(config.average_decay))
-        tracking.log_metrics(run_id, test.metrics | {
-            "val_accuracy": population.best.metrics["val_accuracy"],
-            "stages_run": population.stages} | {
+        best_config = member_config(classifier_config(config).model_copy(update={
+            "batch_size": budget.batch_size}), population.best.member,
+            population.hyperparameters)
+        tracking.log_metrics(run_id, {"stages_run": population.stages} | {
             f"best_{k}": v for k, v in population.hyperparameters.items()})
-        tracking.log_artifact_refs(run_id, {"program": test.program,
-                                            "checkpoint.best": population.best.checkpoint,
-                                            "lineage": population.lineage_log})
-        registration = register_and_promote(run_id, name, dataset, test.program)
-        recognition = recognition_test(f"models:/{name}/{registration.version}", dataset,
-                                       config.knn_k)
+        finished = finish(run_id, name, best_config, prepared, population.best.checkpoint,
+                          population.best.metrics["val_accuracy"], SCORED_WEIGHTS,
+                          config.baseline_gate)
+        registration = finished.registration
+        recognition = recognition_test(f"models:/{name}/{registration.version}",
+                                       prepared.dataset, config.knn_k)
         tracking.log_metrics(run_id, {"test_knn_accuracy": recognition["knn_accuracy"]})
         summary = PBTSummary(run_id=run_id, population=population,
-                             test_accuracy=test.metrics["test_accuracy"],
+                             test_accuracy=finished.test_accuracy,
                              knn_accuracy=recognition["knn_accuracy"],
                              registration=registration)
-    markdown = publish_summary("pbt-summary", f"pbt: {config.members} x {config.model} on "
-                               f"{config.data}", {
-        "test accuracy": f"{summary.test_accuracy:.4f}",
-        f"test accuracy by {config.knn_k}-NN on embeddings": f"{summary.knn_accuracy:.4f}",
-        "best member (validation)": f"{population.best.member} "
-                                    f"({population.best.metrics['val_accuracy']:.4f})",
-        "hyperparameters": ", ".join(f"{k}={v:.4g}" for k, v in
-                                     population.hyperparameters.items()),
-        "stages": str(population.stages),
-        "model": f"{name} version {registration.version}, alias `{registration.alias}`",
-        "decision": registration.decision,
-        "MLflow run": run_id,
-    })
-    get_run_logger().info("summary\n%s", markdown)
+    publish("pbt-summary", f"pbt: {config.members} x {config.model} on {config.data}", run_id,
+            finished, {
+                f"test accuracy by {config.knn_k}-NN on embeddings":
+                    f"{summary.knn_accuracy:.4f}",
+                "best member (validation)": f"{population.best.member} "
+                                            f"({population.best.metrics['val_accuracy']:.4f}, "
+                                            f"{population.best.kept} weights)",
+                "hyperparameters": ", ".join(f"{k}={v:.4g}" for k, v in
+                                             population.hyperparameters.items()),
+                "stages": str(population.stages),
+                "budget": f"{budget.repeats} passes per epoch, batch {budget.batch_size}",
+            })
     return summary

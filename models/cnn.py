@@ -49,3 +49,35 @@ def _plain_cnn(blocks: int):
 register_model("cnn2", family="cnn", default_width=16)(_plain_cnn(2))
 register_model("cnn3", family="cnn", default_width=16)(_plain_cnn(3))
 register_model("cnn4", family="cnn", default_width=16)(_plain_cnn(4))
+
+
+class LeNetStyle(ImageClassifier):
+    """Two conv-ReLU-max-pool blocks (3x3 convolutions of `width` and `2 * width` channels, no
+    BatchNorm) and a linear classifier on the flattened map, pooled to 7 x 7 (the map of a
+    28-pixel image; other sizes are pooled to the same grid).
+
+    At width 16 on 28-pixel gray images it has 20,490 parameters: 160 + 4,640 in the
+    convolutions and 15,690 in the classifier on 32 x 7 x 7 values. Features `block1`,
+    `block2` and `pool` (the flattened map, the embedding).
+    """
+
+    GRID = 7
+
+    def __init__(self, in_channels: int, num_classes: int, width: int) -> None:
+        super().__init__()
+        self.block1 = nn.Sequential(nn.Conv2d(in_channels, width, 3, padding=1),
+                                    nn.ReLU(inplace=True), nn.MaxPool2d(2, ceil_mode=True))
+        self.block2 = nn.Sequential(nn.Conv2d(width, 2 * width, 3, padding=1),
+                                    nn.ReLU(inplace=True), nn.MaxPool2d(2, ceil_mode=True))
+        self.pool = nn.Sequential(nn.AdaptiveAvgPool2d(self.GRID), nn.Flatten())
+        self.fc = nn.Linear(2 * width * self.GRID**2, num_classes)
+        self.feature_layers = ("block1", "block2", "pool")
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(self.pool(self.block2(self.block1(x))))
+
+
+@register_model("lenet", family="lenet", default_width=16)
+def lenet(in_channels: int, num_classes: int, width: int) -> LeNetStyle:
+    """The LeNet-style student: conv-pool, conv-pool, linear (see `LeNetStyle`)."""
+    return LeNetStyle(in_channels, num_classes, width)

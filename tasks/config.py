@@ -106,12 +106,29 @@ class StepSection(StrictConfig):
                                     "none: no clipping")
 
 
-class OptimSection(StepSection):
-    """How long it learns: epochs, and early stopping."""
+class BudgetSection(StrictConfig):
+    """How the budget fits the data (`training/budget.py`): a small data set gets a smaller
+    batch and more passes, so that it trains for enough optimizer steps."""
 
-    epochs: int = Field(8, ge=1, le=1000, description="passes over the training images")
-    patience: int | None = Field(None, ge=1, description="stop after this many epochs without a "
-                                 "better validation accuracy; none: run every epoch")
+    min_steps: int | None = Field(1000, ge=1, le=10_000_000, description="train at least this "
+                                  "many optimizer steps: on a small data set the batch shrinks "
+                                  "(to 8 steps an epoch, not below 16 images) and every epoch "
+                                  "(PBT epoch, distillation stage) is repeated to reach them; "
+                                  "none: the configured batch and epochs exactly")
+    max_epochs: int = Field(400, ge=1, le=100_000, description="never more passes over the "
+                            "training images than this, however small the data set")
+
+
+class OptimSection(StepSection, BudgetSection):
+    """How long it learns: epochs, the budget that fits them to the data, and early stopping."""
+
+    epochs: int = Field(8, ge=1, le=1000, description="rounds of training: passes over the "
+                        "training images, each repeated on a small data set (see min_steps); "
+                        "validation is checked after every round")
+    patience: int | None = Field(4, ge=1, description="stop after this many rounds in a row "
+                                 "below the best validation accuracy; the latest round within "
+                                 "one standard error of the best is kept; none: run every "
+                                 "round")
 
 
 class RunSection(StrictConfig):
@@ -124,6 +141,9 @@ class RunSection(StrictConfig):
     model_name: str | None = Field(None, min_length=1, max_length=100, description="registered "
                                    "model name in MLflow; none: the flow's name")
     progress: bool = Field(True, description="show progress bars")
+    baseline_gate: bool = Field(True, description="never make a model champion that does not "
+                                "beat the raw-pixel baselines (k-NN, linear) on validation; "
+                                "they are logged either way")
 
     @field_validator("model_name")
     @classmethod
@@ -160,7 +180,8 @@ class TrainConfig(ProfiledConfig, DataSection, ModelSection, OptimSection, RunSe
 
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
         "smoke": {"model": "cnn2", "epochs": 1, "train_limit": 512, "test_limit": 256,
-                  "batch_size": 64, "progress": False},
+                  "batch_size": 64, "progress": False, "min_steps": None,
+                  "baseline_gate": False},
         "quick": {},
         "full": {"train_limit": None, "epochs": 60, "width": 32, "batch_size": 256, "lr": 0.1,
                  "warmup_epochs": 1.0},
@@ -185,14 +206,16 @@ def _layers_of(model: str) -> tuple[tuple[str, ...], int]:
     return (*network.feature_layers, "fc"), network.depth
 
 
-class DistillConfig(ProfiledConfig, DataSection, StepSection, RunSection, RunnerSection):
+class DistillConfig(ProfiledConfig, DataSection, StepSection, BudgetSection, RunSection,
+                    RunnerSection):
     """The `distill` flow: a deeper teacher trained in stages fills a feature bank; a shallower
     student learns stage by stage from the bank and the labels."""
 
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
         "smoke": {"teacher_model": "resnet8", "student_model": "cnn2", "stages": 2,
                   "train_limit": 512, "test_limit": 256, "batch_size": 64, "lr": 0.1,
-                  "progress": False},
+                  "progress": False, "min_steps": None,
+                  "baseline_gate": False},
         "quick": {},
         "full": {"train_limit": None, "stages": 60, "teacher_width": 32, "batch_size": 256,
                  "lr": 0.1, "warmup_epochs": 1.0},
@@ -202,7 +225,7 @@ class DistillConfig(ProfiledConfig, DataSection, StepSection, RunSection, Runner
                                "student)")
     teacher_width: int | None = Field(None, ge=1, le=1024, description="the teacher's width; "
                                       "none: the model's default")
-    student_model: str = Field("cnn3", description="the student network, the final model")
+    student_model: str = Field("lenet", description="the student network, the final model")
     student_width: int | None = Field(None, ge=1, le=1024, description="the student's width; "
                                       "none: the model's default")
     stages: int = Field(10, ge=2, le=10000, description="S: teacher and student stages")
@@ -267,30 +290,32 @@ class DistillConfig(ProfiledConfig, DataSection, StepSection, RunSection, Runner
         return self
 
 
-class PBTConfig(ProfiledConfig, DataSection, ModelSection, StepSection, RunSection,
-                RunnerSection):
+class PBTConfig(ProfiledConfig, DataSection, ModelSection, StepSection, BudgetSection,
+                RunSection, RunnerSection):
     """The `pbt` flow: a population trained in stages; the best member's weights are copied to
     the others, which then explore hyperparameters around the best's.
 
-    `lr`, `weight_decay`, `momentum` and `augment` are the warm-up values (the same for every
+    `lr`, `weight_decay`, `momentum` and `augment` are the burn-in values (the same for every
     member); the stages search them within the `*_range` bounds.
     """
 
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
-        "smoke": {"model": "cnn2", "members": 2, "warmup_epochs": 1, "round_epochs": 1,
+        "smoke": {"model": "cnn2", "members": 2, "burn_in_epochs": 1, "round_epochs": 1,
                   "stages": 2, "train_limit": 512, "test_limit": 256, "batch_size": 64,
-                  "progress": False},
-        "quick": {"model": "cnn3"},  # N members: a network that trains in a minute each
-        "full": {"train_limit": None, "members": 8, "warmup_epochs": 5, "round_epochs": 5,
+                  "progress": False, "min_steps": None,
+                  "baseline_gate": False},
+        "quick": {"model": "lenet"},  # N members: a network that trains in a minute each
+        "full": {"train_limit": None, "members": 8, "burn_in_epochs": 5, "round_epochs": 5,
                  "stages": 11, "width": 32, "batch_size": 256},
     }
 
     members: int = Field(4, ge=2, le=256, description="N: networks in the population")
-    warmup_epochs: int = Field(1, ge=1, le=1000, description="epochs of the warm-up, with the "
-                               "same hyperparameters for every member")
-    warmup_patience: int | None = Field(None, ge=1, description="end the warm-up early after "
-                                        "this many epochs without a better validation "
-                                        "accuracy; none: all warm-up epochs")
+    burn_in_epochs: int = Field(1, ge=1, le=1000, description="epochs every member trains with "
+                                "the same hyperparameters before the stages (Ray Tune's "
+                                "burn-in period)")
+    burn_in_patience: int | None = Field(None, ge=1, description="end the burn-in early after "
+                                         "this many epochs without a better validation "
+                                         "accuracy; none: all burn-in epochs")
     round_epochs: int = Field(2, ge=1, le=1000, description="epochs each member trains per "
                               "stage")
     stages: int = Field(4, ge=1, le=10000, description="stop after this many stages")
@@ -299,10 +324,11 @@ class PBTConfig(ProfiledConfig, DataSection, ModelSection, StepSection, RunSecti
     stage_patience: int | None = Field(None, ge=1, description="stop after this many stages "
                                        "without a better best validation accuracy")
     average_decay: float | None = Field(
-        0.98, gt=0.0, lt=1.0, description="members are scored (and the final model exported) "
-        "as an exponential moving average of their weights with this decay per step, so a "
-        "member with a large learning rate is not ranked on its noisiest weights; none: the "
-        "last step's weights")
+        0.98, gt=0.0, lt=1.0, description="from the first stage on, members keep an exponential "
+        "moving average of their weights with this decay per step; each round scores both the "
+        "last weights and the average (its BatchNorm statistics re-estimated) and keeps the "
+        "better, so a member with a large learning rate is not ranked on its noisiest weights; "
+        "none: the last weights only")
     lr_range: tuple[float, float] = Field((0.005, 0.3), description="bounds of the learning "
                                           "rate (log scale)")
     weight_decay_range: tuple[float, float] = Field((1e-5, 5e-3), description="bounds of the "

@@ -25,6 +25,7 @@ from tasks.checkpoints import torch_save
 from tasks.config import FASHION_MNIST, DataSection
 from tasks.environment import PROJECT_ROOT, data_dir
 from tasks.versioning import ArtifactRef, ArtifactStore, atomic_path, data_dvc_hash
+from training.baselines import raw_pixel_baselines
 from training.datasets import (
     ImageSet,
     channel_stats,
@@ -168,3 +169,11 @@ def load_dataset(ref: DatasetRef) -> LoadedDataset:
 def _load_artifact(artifact: ArtifactRef) -> LoadedDataset:
     payload = torch.load(ArtifactStore().fetch(artifact), map_location="cpu", weights_only=True)
     return LoadedDataset(payload["images"], payload["labels"], payload["ids"], payload["splits"])
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name="raw-pixel-baselines")
+def pixel_baselines(dataset: DatasetRef) -> dict[str, float]:
+    """The k-NN and linear baselines on the raw pixels of the prepared splits
+    (`training.baselines`): what a model must beat on validation to be promoted."""
+    data = load_dataset(dataset)
+    return raw_pixel_baselines(data.images, data.labels, data.splits)

@@ -23,19 +23,20 @@ from tasks.config import DistillConfig, StrictConfig
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
 from tasks.training import (
     ClassifierConfig,
-    _setup,
     make_optimizer,
     new_model,
     optimizer_to,
     restore,
     resume,
     run_key,
+    setup_device,
     split_batches,
 )
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.batches import Batches, Normalize
-from training.data_queue import RecencyQueue
-from training.device import autocast, place_model
+from training.budget import Budget
+from training.device import place_model
+from training.distill_stages import draw_stage_ids, layer_features, train_stage
 from training.distillation import (
     FeatureAdapter,
     FeatureLoss,
@@ -45,7 +46,7 @@ from training.distillation import (
 )
 from training.feature_bank import DTYPES, FeatureBank
 from training.features import FeatureHooks
-from training.loops import classification_step, cosine_lr, evaluate, train_epoch
+from training.loops import classification_step
 
 Role = Literal["teacher", "student"]
 
@@ -57,6 +58,7 @@ class RoleConfig(ClassifierConfig):
     """
 
     role: Role
+    repeats: int = Field(1, ge=1, description="passes over the stage's images per stage")
     pretrain_epochs: int = Field(0, ge=0)
     fraction: float = Field(gt=0.0, lt=1.0)
     front_weight: float = Field(gt=0.0)
@@ -96,17 +98,26 @@ class DistillPlan(BaseModel):
     student: StudentConfig
 
     @classmethod
-    def of(cls, config: DistillConfig) -> DistillPlan:
+    def of(cls, config: DistillConfig, teacher_budget: Budget | None = None,
+           student_budget: Budget | None = None) -> DistillPlan:
+        """The plan of `config`; the budgets (fitted to the data set) set each role's batch
+        and passes per stage (default: the configured batch, one pass)."""
         shared = config.model_dump(include=set(ClassifierConfig.model_fields) - {
-            "model", "width", "epochs", "patience"})
-        teacher = RoleConfig(**shared, role="teacher", model=config.teacher_model,
-                             width=config.teacher_width, epochs=config.stages,
+            "model", "width", "epochs", "patience", "batch_size"})
+
+        def fitted(budget: Budget | None) -> dict:
+            return {"batch_size": budget.batch_size if budget else config.batch_size,
+                    "repeats": budget.repeats if budget else 1}
+
+        teacher = RoleConfig(**shared, **fitted(teacher_budget), role="teacher",
+                             model=config.teacher_model, width=config.teacher_width,
+                             epochs=config.stages,
                              pretrain_epochs=config.teacher_pretrain_epochs,
                              fraction=config.teacher_fraction, front_weight=config.front_weight,
                              back_weight=config.back_weight, queue="recency")
         student = StudentConfig(
-            **shared, role="student", model=config.student_model, width=config.student_width,
-            epochs=config.stages, fraction=config.student_fraction,
+            **shared, **fitted(student_budget), role="student", model=config.student_model,
+            width=config.student_width, epochs=config.stages, fraction=config.student_fraction,
             front_weight=config.front_weight, back_weight=config.back_weight,
             queue=config.student_queue, layer=config.student_layer,
             feature_loss=config.feature_loss, feature_weight=config.feature_weight,
@@ -144,20 +155,9 @@ class BankSnapshot(BaseModel):
 
 
 def stage_ids(role: RoleConfig, train_ids: Tensor, stage: int) -> Tensor:
-    """The dataset ids a role draws at `stage` (1-based): the queue replayed from the seed.
-
-    The teacher and the student have their own queue and generator, so one's draws never shift
-    the other's.
-    """
-    count = min(max(round(role.fraction * len(train_ids)), 1), len(train_ids) - 1)
-    queue = RecencyQueue(train_ids, role.front_weight, role.back_weight) \
-        if role.queue == "recency" else RecencyQueue.uniform(train_ids)
-    generator = torch.Generator().manual_seed(
-        role.seed * 1_000_003 + (1 if role.role == "teacher" else 2))
-    drawn = train_ids[:0]
-    for _ in range(stage):
-        drawn = queue.draw(count, generator)
-    return drawn
+    """The dataset ids `role` draws at `stage` (1-based): `draw_stage_ids` with its settings."""
+    return draw_stage_ids(train_ids, stage, role.role, role.seed, role.fraction,
+                          role.front_weight, role.back_weight, role.queue)
 
 
 def stage_batches(role: RoleConfig, dataset: DatasetRef, data: LoadedDataset, ids: Tensor,
@@ -169,21 +169,14 @@ def stage_batches(role: RoleConfig, dataset: DatasetRef, data: LoadedDataset, id
                    device=device)
 
 
-def _train_stage(role: RoleConfig, dataset: DatasetRef, stage: int, model: nn.Module,
-                 optimizer: torch.optim.Optimizer, batches: Batches, step, device: torch.device,
-                 data: LoadedDataset) -> dict[str, float]:
-    """One pass over a stage's batches on the cosine schedule spanning all stages."""
-    per_stage = len(batches)
-    total, warmup = role.epochs * per_stage, round(role.warmup_epochs * per_stage)
-    metrics = train_epoch(model, optimizer, batches, step, device,
-                          lr_at=lambda n: cosine_lr(role.lr, n, total, warmup),
-                          first_step=(stage - 1) * per_stage, grad_clip=role.grad_clip,
-                          progress=f"{role.role} stage {stage}/{role.epochs}"
-                          if role.progress else None)
-    val = evaluate(model, split_batches(data, dataset, "val", 1024, device), device)
-    return metrics | {"val_accuracy": val["accuracy"], "val_loss": val["loss"],
-                      "lr": optimizer.param_groups[0]["lr"], "images": float(len(batches)
-                                                                           * role.batch_size)}
+def run_stage(role: RoleConfig, dataset: DatasetRef, stage: int, model: nn.Module,
+              optimizer: torch.optim.Optimizer, batches: Batches, step, device: torch.device,
+              data: LoadedDataset) -> dict[str, float]:
+    """`training.distill_stages.train_stage` with `role`'s settings."""
+    return train_stage(model, optimizer, batches,
+                       split_batches(data, dataset, "val", 1024, device), step, device, stage,
+                       role.epochs, role.repeats, role.lr, role.warmup_epochs, role.grad_clip,
+                       f"{role.role} stage {stage}/{role.epochs}" if role.progress else None)
 
 
 def pretrain_config(teacher: RoleConfig) -> ClassifierConfig:
@@ -201,13 +194,13 @@ def _stage_name(prefix: str):
 def teacher_stage(teacher: RoleConfig, dataset: DatasetRef, stage: int,
                   previous: ArtifactRef | None) -> StageResult:
     """The teacher at state `stage` trains on its N queued images with CE: state `stage + 1`."""
-    device = _setup(teacher)
+    device = setup_device(teacher)
     store = ArtifactStore()
     data = load_dataset(dataset)
     model, optimizer = resume(teacher, dataset, store, previous, device)
     ids = stage_ids(teacher, data.splits["train"], stage)
     batches = stage_batches(teacher, dataset, data, ids, stage, device)
-    metrics = _train_stage(teacher, dataset, stage, model, optimizer, batches,
+    metrics = run_stage(teacher, dataset, stage, model, optimizer, batches,
                            classification_step(teacher.label_smoothing), device, data)
     payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                "stage": stage, "ids": ids, "metrics": metrics}
@@ -216,20 +209,11 @@ def teacher_stage(teacher: RoleConfig, dataset: DatasetRef, stage: int,
         store, relpath, payload), metrics=metrics)
 
 
-@torch.no_grad()
 def teacher_features(model: nn.Module, layer: str, dataset: DatasetRef, data: LoadedDataset,
                      ids: Tensor, device: torch.device) -> Tensor:
     """Features at `layer` of `ids`' images (no augmentation, eval mode), on the CPU."""
-    model.eval()
-    batches = Batches(data.images, data.labels, ids, 1024, Normalize(dataset.mean, dataset.std),
-                      device=device)
-    out = []
-    with FeatureHooks(model, [layer], detach=True) as hooks:
-        for _, x, _ in batches:
-            with autocast(device):
-                model(x)
-            out.append(hooks[layer].float().cpu())
-    return torch.cat(out)
+    return layer_features(model, layer, Batches(data.images, data.labels, ids, 1024, Normalize(
+        dataset.mean, dataset.std), device=device), device)
 
 
 def load_bank(store: ArtifactStore, ref: ArtifactRef, memmap: bool = False) -> FeatureBank:
@@ -261,7 +245,7 @@ def bank_snapshot(teacher: RoleConfig, bank: BankConfig, dataset: DatasetRef, st
 
     The initial bank's teacher (state 0) is `initial_teacher` (a warm start) or the seeded one.
     """
-    device = _setup(teacher)
+    device = setup_device(teacher)
     store = ArtifactStore()
     data = load_dataset(dataset)
     checkpoint = load_checkpoint(store, teacher_checkpoint)
@@ -317,7 +301,7 @@ def student_stage(student: StudentConfig, dataset: DatasetRef, stage: int,
                   previous: ArtifactRef | None, bank: ArtifactRef) -> StageResult:
     """The student at state `stage` learns from its P queued images with CE plus the feature
     loss against bank `stage`: state `stage + 1`."""
-    device = _setup(student)
+    device = setup_device(student)
     store = ArtifactStore()
     data = load_dataset(dataset)
     features = load_bank(store, bank, student.bank_memmap)
@@ -338,7 +322,7 @@ def student_stage(student: StudentConfig, dataset: DatasetRef, stage: int,
                                  FeatureLoss(student.feature_loss, student.temperature),
                                  student.ce_weight, student.feature_weight,
                                  student.label_smoothing)
-        metrics = _train_stage(student, dataset, stage, model, optimizer, batches, step, device,
+        metrics = run_stage(student, dataset, stage, model, optimizer, batches, step, device,
                                data)
     filled = features.lookup(ids)[1].float().mean().item()
     metrics |= {"bank_filled_fraction_drawn": filled}

@@ -23,31 +23,29 @@ from tasks.checkpoints import load_checkpoint, save_checkpoint
 from tasks.data import DatasetRef, load_dataset
 from tasks.training import (
     ClassifierConfig,
-    _setup,
     resume,
+    setup_device,
     split_batches,
 )
 from tasks.versioning import ArtifactRef, ArtifactStore
-from training.loops import (
-    classification_step,
-    cosine_lr,
-    evaluate,
-    train_epoch,
-    weight_average,
-)
+from training.batches import Batches
+from training.loops import classification_step, weight_average
 from training.pbt import SearchSpace
+from training.recipe import choose_weights, train_round
 
 HYPERPARAMETERS = ("lr", "weight_decay", "momentum", "augment")
 
 
 class MemberResult(BaseModel):
-    """What a member round returns: its checkpoint and metrics."""
+    """What a member round returns: its checkpoint, metrics, and which weights it kept
+    (`model`, the last weights, or `averaged`, the weight average)."""
 
     model_config = ConfigDict(frozen=True)
 
     member: int
     checkpoint: ArtifactRef
     metrics: dict[str, float]
+    kept: str = "model"
 
 
 def search_spaces(config: Any) -> list[SearchSpace]:
@@ -58,9 +56,8 @@ def search_spaces(config: Any) -> list[SearchSpace]:
             SearchSpace("augment", *config.augment_range, "linear")]
 
 
-def scored_weights(average_decay: float | None) -> str:
-    """The checkpoint entry that `train_member` scored and that gets tested and exported."""
-    return "model" if average_decay is None else "averaged"
+# The checkpoint entry a member round scored and that gets tested and exported.
+SCORED_WEIGHTS = "kept"
 
 
 def member_config(base: ClassifierConfig, member: int, hyperparameters: dict[str, float]
@@ -81,18 +78,21 @@ def train_member(config: ClassifierConfig, dataset: DatasetRef, population: str,
                  phase: str, index: int, first_epoch: int, epochs: int,
                  cycle: tuple[int, int], previous: ArtifactRef | None,
                  average_decay: float | None = None) -> MemberResult:
-    """Trains `epochs` epochs of one member from `previous` with `config`'s hyperparameters.
+    """Trains passes `first_epoch` .. `first_epoch + epochs - 1` of one member from `previous`
+    with `config`'s hyperparameters (`training.recipe.train_round`).
 
-    The learning rate is the member's `lr` times a cosine decay from epoch `cycle[0]` (the
-    peak) to epoch `cycle[1]` (zero), so members of a stage share one schedule shape.
+    The learning rate is the member's `lr` times a cosine decay from pass `cycle[0]` (the
+    peak) to pass `cycle[1]` (zero), so members of a stage share one schedule shape.
 
-    With `average_decay`, an exponential moving average of the weights (and batch-norm
-    statistics) follows every step, carried in the checkpoint under `averaged`; the average,
-    not the last step's weights, is scored, so a member with a large learning rate is not
-    ranked on its noisiest point. Training itself always continues from the last weights.
+    With `average_decay`, an exponential moving average of the weights follows every step,
+    carried in the checkpoint under `averaged` (it starts from the weights this round starts
+    from when `previous` has none). Both the last weights and the average are scored on the
+    validation split and the better one is kept (`training.recipe.choose_weights`) under
+    `kept`: a member with a large learning rate is not ranked on its noisiest weights, and an
+    average is never worse than the weights it follows. Training continues from the last
+    weights.
     """
-    cycle_start, cycle_end = cycle
-    device = _setup(config)
+    device = setup_device(config)
     store = ArtifactStore()
     data = load_dataset(dataset)
     before = load_checkpoint(store, previous) if previous is not None else {}
@@ -100,31 +100,30 @@ def train_member(config: ClassifierConfig, dataset: DatasetRef, population: str,
     averaged = None
     if average_decay is not None:
         averaged = weight_average(model, average_decay, before.get("averaged"))
+        if "averaged" not in before:
+            averaged.update_parameters(model)  # start from this round's starting weights
+
+    def batches_for(epoch: int) -> Batches:
+        return split_batches(data, dataset, "train", config.batch_size, device, shuffle=True,
+                             seed=config.seed * 1000 + epoch, augment=config.augment)
+
     started = time.perf_counter()
-    metrics: dict[str, float] = {}
-    for epoch in range(first_epoch, first_epoch + epochs):
-        batches = split_batches(data, dataset, "train", config.batch_size, device, shuffle=True,
-                                seed=config.seed * 1000 + epoch, augment=config.augment)
-        start, total = cycle_start * len(batches), (cycle_end - cycle_start) * len(batches)
-        metrics = train_epoch(model, optimizer, batches,
-                              classification_step(config.label_smoothing), device,
-                              lr_at=lambda n, start=start, total=total: cosine_lr(
-                                  config.lr, n - start, total),
-                              first_step=epoch * len(batches), grad_clip=config.grad_clip,
-                              after_step=None if averaged is None else (
-                                  lambda: averaged.update_parameters(model)))
-    scored = model if averaged is None else averaged.module
-    val = evaluate(scored, split_batches(data, dataset, "val", 1024, device), device)
-    metrics |= {"val_accuracy": val["accuracy"], "val_loss": val["loss"],
-                "train_seconds": time.perf_counter() - started}
+    metrics = train_round(model, optimizer, batches_for,
+                          classification_step(config.label_smoothing), device,
+                          range(first_epoch, first_epoch + epochs), config.lr, cycle,
+                          grad_clip=config.grad_clip, averaged=averaged)
+    choice = choose_weights(model, averaged, split_batches(data, dataset, "val", 1024, device),
+                            split_batches(data, dataset, "train", 256, device), device)
+    metrics |= choice.metrics | {"train_seconds": time.perf_counter() - started}
     payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+               SCORED_WEIGHTS: choice.module.state_dict(), "kept_source": choice.source,
                "member": member, "phase": phase, "index": index,
                "hyperparameters": {name: getattr(config, name) for name in HYPERPARAMETERS}}
     if averaged is not None:
         payload["averaged"] = averaged.module.state_dict()
     relpath = f"checkpoints/pbt/{population}/member-{member:02d}-{phase}-{index:03d}.pt"
     return MemberResult(member=member, checkpoint=save_checkpoint(store, relpath, payload),
-                        metrics=metrics)
+                        metrics=metrics, kept=choice.source)
 
 
 def write_lineage(population: str, records: list[dict[str, Any]]) -> ArtifactRef:

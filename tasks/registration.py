@@ -81,6 +81,26 @@ def _transient(state) -> bool:
     return False
 
 
+class Baseline(BaseModel):
+    """A reference a model must beat on validation to become champion: the stronger raw-pixel
+    baseline (`training.baselines`), and the model's own validation accuracy."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    val_accuracy: float
+    model_val_accuracy: float
+
+    @property
+    def beaten(self) -> bool:
+        return self.model_val_accuracy > self.val_accuracy
+
+    def refusal(self) -> str:
+        return (f"below the raw-pixel {self.name} baseline on validation "
+                f"({self.model_val_accuracy:.4f} <= {self.val_accuracy:.4f}): registered, "
+                "never champion; train longer (--min-steps) or pick another model")
+
+
 def decide(accuracy: float, champion_accuracy: float | None) -> tuple[str, str]:
     """Champion only when strictly better than the current one (or when there is none)."""
     if champion_accuracy is None:
@@ -93,8 +113,10 @@ def decide(accuracy: float, champion_accuracy: float | None) -> tuple[str, str]:
 @task(task_run_name="register-and-promote", retries=2, retry_delay_seconds=10,
       retry_condition_fn=lambda _task, _run, state: _transient(state))
 def register_and_promote(run_id: str, name: str, dataset: DatasetRef,
-                         program: ArtifactRef) -> Registration:
-    """Logs the pyfunc, scores it and the champion on the test split, registers, sets alias."""
+                         program: ArtifactRef, baseline: Baseline | None = None) -> Registration:
+    """Logs the pyfunc, scores it and the champion on the test split, registers, sets alias.
+
+    A model that does not beat `baseline` on validation is registered as a challenger."""
     store = ArtifactStore()
     meta = {"classes": dataset.classes, "image_size": dataset.image_size,
             "channels": dataset.channels, "mean": dataset.mean, "std": dataset.std}
@@ -122,6 +144,8 @@ def register_and_promote(run_id: str, name: str, dataset: DatasetRef,
             except Exception as error:  # an old champion that no longer loads or predicts
                 refusal = (f"the champion (version {champion_version}) could not be scored: "
                            f"{error}")
+    if baseline is not None and not baseline.beaten:
+        refusal = baseline.refusal()
     if refusal:  # never replace a champion on a comparison that did not happen
         alias, decision = CHALLENGER, refusal
     else:

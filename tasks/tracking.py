@@ -182,11 +182,13 @@ def _missing(error: MlflowException) -> bool:
 def alias_version(name: str, alias: str) -> str | None:
     """The version of `name` that holds `alias`; None only when there is none (or no model)."""
     try:
-        return str(client().get_model_version_by_alias(name, alias).version)
+        model = client().get_registered_model(name)
     except MlflowException as error:
         if _missing(error):
             return None
         raise
+    version = model.aliases.get(alias)  # a model may have no champion (the baseline gate)
+    return None if version is None else str(version)
 
 
 def version_tags(name: str, version: str) -> dict[str, str]:

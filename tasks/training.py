@@ -28,9 +28,11 @@ from tasks.config import ModelSection, OptimSection, RunSection
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.batches import Batches, Normalize
+from training.budget import Budget, fit_budget
 from training.device import place_model, resolve_device
 from training.features import WithEmbedding
-from training.loops import classification_step, cosine_lr, evaluate, train_epoch
+from training.loops import classification_step, evaluate
+from training.recipe import train_round
 
 
 class ClassifierConfig(ModelSection, OptimSection, RunSection):
@@ -120,10 +122,20 @@ def resume(config: ClassifierConfig, dataset: DatasetRef, store: ArtifactStore,
     return model, optimizer
 
 
-def _setup(config: ClassifierConfig) -> torch.device:
+def setup_device(config: ClassifierConfig) -> torch.device:
+    """Applies the config's thread count and resolves its device (every training task's
+    first line)."""
     if config.threads:
         torch.set_num_threads(config.threads)
     return resolve_device(config.device)
+
+
+def fit_to_data(config: BaseModel, dataset: DatasetRef, rounds: int,
+                images_per_round: int | None = None) -> Budget:
+    """The budget of a run of `rounds` configured epochs (or stages) of `config` on
+    `dataset`'s training split (`training.budget.fit_budget`)."""
+    return fit_budget(dataset.sizes["train"], config.batch_size, rounds, config.min_steps,
+                      config.max_epochs, images_per_round)
 
 
 # The live model and optimizer of the last epoch this process finished, keyed by the checkpoint
@@ -155,35 +167,35 @@ def _epoch_run_name() -> str:
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name=_epoch_run_name)
 def train_classifier_epoch(config: ClassifierConfig, dataset: DatasetRef, epoch: int,
-                           previous: ArtifactRef | None, run_name: str = "train") -> EpochResult:
-    """Trains epoch `epoch` (0-based) from `previous` and scores the validation split."""
-    device = _setup(config)
+                           previous: ArtifactRef | None, run_name: str = "train",
+                           repeats: int = 1) -> EpochResult:
+    """Trains round `epoch` (0-based) of `config.epochs` from `previous`: `repeats` passes
+    over the training images (`training.budget`; 1 on a large data set) on the cosine schedule
+    of the whole run, then scores the validation split."""
+    device = setup_device(config)
     store = ArtifactStore()
     data = load_dataset(dataset)
-    key = run_key(config, dataset)
+    key = run_key(config, dataset) + (f"-x{repeats}" if repeats > 1 else "")
     model, optimizer = _take_warm(previous, key)
     if model is None:
         model, optimizer = resume(config, dataset, store, previous, device)
-    batches = split_batches(data, dataset, "train", config.batch_size, device, shuffle=True,
-                            seed=config.seed * 1000 + epoch, augment=config.augment)
-    per_epoch = len(batches)
-    total, warmup = config.epochs * per_epoch, round(config.warmup_epochs * per_epoch)
 
-    def lr_at(step: int) -> float:
-        return cosine_lr(config.lr, step, total, warmup)
+    def batches_for(passes: int) -> Batches:
+        return split_batches(data, dataset, "train", config.batch_size, device, shuffle=True,
+                             seed=config.seed * 1000 + passes, augment=config.augment)
 
     started = time.perf_counter()
-    metrics = train_epoch(model, optimizer, batches, classification_step(config.label_smoothing),
-                          device, lr_at=lr_at, first_step=epoch * per_epoch,
-                          grad_clip=config.grad_clip,
-                          progress=f"epoch {epoch + 1}/{config.epochs}" if config.progress
-                          else None)
+    passes = range(epoch * repeats, (epoch + 1) * repeats)
+    metrics = train_round(model, optimizer, batches_for,
+                          classification_step(config.label_smoothing), device, passes,
+                          config.lr, (0, config.epochs * repeats), config.warmup_epochs * repeats,
+                          config.grad_clip, f"round {epoch + 1}/{config.epochs}"
+                          if config.progress else None)
     seconds = time.perf_counter() - started
     val = evaluate(model, split_batches(data, dataset, "val", 1024, device), device)
+    images = len(passes) * len(batches_for(0)) * config.batch_size
     metrics |= {"val_accuracy": val["accuracy"], "val_loss": val["loss"],
-                "lr": optimizer.param_groups[0]["lr"],
-                "images_per_second": len(batches) * config.batch_size / seconds,
-                "train_seconds": seconds,
+                "images_per_second": images / seconds, "train_seconds": seconds,
                 "val_seconds": time.perf_counter() - started - seconds}
     timings = {"images_per_second", "train_seconds", "val_seconds"}  # not part of the state
     payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
@@ -221,7 +233,7 @@ def test_and_export(config: ClassifierConfig, dataset: DatasetRef,
 
     `weights` names the checkpoint's entry to use: `model`, or `averaged` (a weight average).
     """
-    device = _setup(config)
+    device = setup_device(config)
     store = ArtifactStore()
     model = new_model(config, dataset)
     payload = load_checkpoint(store, checkpoint)

@@ -1,5 +1,6 @@
 """Configs and the command line: bad values stop before any work, naming the field."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -66,3 +67,16 @@ def test_cli_names_an_unreadable_image_and_exits_2(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert f"error: cannot read image {tmp_path / 'b' / 'broken.jpg'}" in done.stderr
+
+
+def test_a_prefect_server_that_does_not_start_in_time_ends_in_one_error_line(tmp_path):
+    # no API URL: the flow starts Prefect's temporary server, given 0 s to answer
+    env = {key: value for key, value in os.environ.items() if key != "PREFECT_API_URL"}
+    env |= {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "0",
+            "PREFECT_HOME": str(tmp_path / "prefect")}
+    done = subprocess.run([sys.executable, "-m", "flows", "train", "--profile", "smoke"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" in errors[0]
+    assert "Traceback" not in done.stderr

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from flows.train import data_section
+from flows.skeleton import data_section
 from tasks.checkpoints import load_checkpoint
 from tasks.config import DistillConfig
 from tasks.data import load_dataset, prepare_dataset, source_version

@@ -40,6 +40,15 @@ def test_teacher_family_is_deeper_than_student_family():
     assert max(depth[n] for n in depth if n.startswith("cnn")) < depth["resnet8"]
 
 
+def test_the_lenet_student_and_the_resnet20_teacher_have_their_reference_sizes():
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(models.build_model("lenet", 1, 10)) == 20_490  # 160 + 4,640 + 15,690
+    assert models.build_model("lenet", 1, 10).depth == 3
+    assert 270_000 < count(models.build_model("resnet20", 1, 10)) < 275_000  # CIFAR ResNet-20
+    tiny = models.build_model("lenet", 3, 4)(torch.zeros(2, 3, 8, 8))  # any size: a 7x7 grid
+    assert tiny.shape == (2, 4)
+
+
 def test_width_scales_channels():
     narrow = models.build_model("resnet20", 1, 10, width=8)
     wide = models.build_model("resnet20", 1, 10, width=16)

@@ -16,13 +16,15 @@ from flows.commands import COMMANDS
 from flows.pbt import pbt
 from tasks.checkpoints import load_checkpoint
 from tasks.config import PBTConfig
+from tasks.pbt import HYPERPARAMETERS, search_spaces
 from tasks.versioning import ArtifactStore
+from training.pbt import PBTScheduler, replay
 
 NAME = "pbt-smoke"
 
 
 def pbt_smoke(**overrides) -> PBTConfig:
-    """Seconds long: 2 cnn2 members, 1 warm-up epoch, 2 stages on 512 images, 1 thread."""
+    """Seconds long: 2 cnn2 members, 1 burn-in epoch, 2 stages on 512 images, 1 thread."""
     return PBTConfig(**{"profile": "smoke", "model_name": NAME, "threads": 1, **overrides})
 
 
@@ -58,24 +60,44 @@ def test_lineage_records_copies_and_draws_and_the_best_is_registered(first_pbt):
                                   f"tags.mlflow.parentRunId = '{first_pbt.run_id}'")
     assert sorted(c.info.run_name for c in children) == ["member-0", "member-1"]
     history = client.get_metric_history(children[0].info.run_id, "hp_lr")
-    assert [m.step for m in history] == [0, 1, 2]  # warm-up, then the stages
+    assert [m.step for m in history] == [0, 1, 2]  # burn-in, then the stages
     logged = ArtifactStore().fetch(population.lineage_log)
     assert run.data.tags["dvc.lineage"] == population.lineage_log.md5
     assert [json.loads(line) for line in logged.read_text().splitlines()] == \
         population.lineage
 
 
-def test_the_best_is_scored_and_exported_as_its_weight_average(first_pbt):
+def test_the_best_keeps_the_better_of_its_weights_and_its_average_and_exports_it(first_pbt):
     store = ArtifactStore()
     best = first_pbt.population.best
     payload = load_checkpoint(store, best.checkpoint)
-    averaged, last = payload["averaged"], payload["model"]
-    assert set(averaged) == set(last)
+    averaged, last, kept = payload["averaged"], payload["model"], payload["kept"]
+    assert set(averaged) == set(last) == set(kept)
     assert any(not torch.equal(averaged[k], last[k]) for k in last)  # an average, not a copy
+    assert payload["kept_source"] == best.kept
+    assert best.metrics["val_accuracy"] >= best.metrics["val_accuracy_last"]
+    if best.kept == "model":
+        assert all(torch.equal(kept[k], last[k]) for k in last)
     program = torch.export.load(str(store.path_of(best.checkpoint).with_suffix(".pt2")))
     exported = {key.removeprefix("model."): value for key, value in program.state_dict.items()}
-    assert exported.keys() == averaged.keys()
-    assert all(torch.equal(exported[key], averaged[key]) for key in averaged)
+    assert exported.keys() == kept.keys()
+    assert all(torch.equal(exported[key], kept[key]) for key in kept)
+
+
+def test_the_lineage_replays_through_the_scheduler(first_pbt):
+    config = pbt_smoke()
+    rows = stage_rows(first_pbt.population.lineage)
+    members = config.members
+    scores = [[r["score"] for r in rows[i:i + members]] for i in range(0, len(rows), members)]
+    burn_in = {name: getattr(config, name) for name in HYPERPARAMETERS}
+    replayed = replay(PBTScheduler(search_spaces(config), members, burn_in, config.seed,
+                                   *config.explore_factors, linear_step=config.explore_step),
+                      scores)
+    following = [rows[i:i + members] for i in range(members, len(rows), members)]
+    assert len(following) == len(replayed) - 1  # the last stage's decision has no stage after
+    for decision, next_rows in zip(replayed, following, strict=False):
+        assert [r["hyperparameters"] for r in next_rows] == list(decision.hyperparameters)
+        assert all(r["parent"] == decision.best for r in next_rows)
 
 
 def _copy_images(source, target, picks):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from flows.train import data_section
+from flows.skeleton import data_section
 from tasks.config import TrainConfig
 from tasks.data import load_dataset, prepare_dataset, source_version
 from tasks.training import classifier_config, run_key, train_classifier_epoch

@@ -34,7 +34,7 @@ def test_run_records_config_metrics_versions_and_champion(first_run):
     assert run.data.params["lr"] == "0.1" and run.data.params["model"] == "cnn2"
     tags = run.data.tags
     assert tags["data.dvc"] == data_dvc_hash() and len(tags["git.commit"]) >= 7
-    for artifact in ("dataset", "checkpoint.epoch-001", "checkpoint.best", "program"):
+    for artifact in ("dataset", "checkpoint.epoch-001", "checkpoint.final", "program"):
         assert len(tags[f"dvc.{artifact}"]) == 32, artifact
     history = MlflowClient().get_metric_history(first_run.run_id, "loss_ce")
     assert [m.step for m in history] == [1, 2]
@@ -55,6 +55,22 @@ def test_worse_model_is_only_a_challenger(first_run):
     assert tracking.alias_version(NAME, "champion") == first_run.registration.version
     tags = MlflowClient().get_run(worse.run_id).data.tags
     assert tags["registry.decision"].startswith("does not beat the champion")
+
+
+def test_a_model_below_the_raw_pixel_baselines_is_never_champion(first_run):
+    # a learning rate too small to learn in 2 epochs: below 3-NN and linear on the pixels
+    weak = train(smoke(lr=1e-5, seed=2, baseline_gate=True, model_name="gated-model"))
+    baselines = weak.baselines
+    assert baselines["knn_val_accuracy"] > 0.5 and baselines["linear_val_accuracy"] > 0.5
+    assert weak.val_accuracy < max(baselines["knn_val_accuracy"],
+                                   baselines["linear_val_accuracy"])
+    reg = weak.registration
+    assert reg.alias == "challenger" and reg.champion_version is None  # no champion at all
+    assert reg.decision.startswith("below the raw-pixel")
+    run = MlflowClient().get_run(weak.run_id).data
+    assert run.tags["baseline.beaten"] == "false"
+    assert run.metrics["baseline_knn_val_accuracy"] == baselines["knn_val_accuracy"]
+    assert tracking.alias_version("gated-model", "champion") is None
 
 
 def test_same_config_again_reuses_every_training_task(first_run):

@@ -107,3 +107,61 @@ def best_member(scores: Sequence[float | None]) -> int:
     if not ranked:
         raise ValueError("no member of the stage has a score: every member failed")
     return -max(ranked)[1]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the scheduler decided after a stage: the best member (exploit: every member starts
+    the next stage from its weights) and each member's hyperparameters for the next stage
+    (explore: the best keeps its own, the others draw around them)."""
+
+    stage: int
+    best: int
+    score: float
+    hyperparameters: tuple[dict[str, float], ...]
+
+
+class PBTScheduler:
+    """Population-based training's decisions from scores alone (Ray Tune's exploit / explore
+    split): no weights, no I/O. The same seed and the same scores give the same decisions, so a
+    run's history is replayed from its scores (`replay`).
+
+    Args:
+        spaces: the searched hyperparameters.
+        members: the population size.
+        base: every member's values before the stages (the burn-in's); unsearched keys are
+            carried along.
+        seed: seed of the scheduler's own random generator.
+        low_factor, high_factor, linear_step: `explore`'s perturbation sizes.
+    """
+
+    def __init__(self, spaces: Sequence[SearchSpace], members: int, base: Mapping[str, float],
+                 seed: int, low_factor: float = 0.5, high_factor: float = 2.0,
+                 linear_step: float = 0.25) -> None:
+        self.spaces, self.members = list(spaces), members
+        self.rng = random.Random(seed)
+        self.perturbation = (low_factor, high_factor, linear_step)
+        self.hyperparameters = [dict(base) | drawn for drawn in initial_hyperparameters(
+            self.spaces, members, self.rng)]
+        self.decisions: list[Decision] = []
+
+    def decide(self, scores: Sequence[float | None]) -> Decision:
+        """The decision after a stage whose members scored `scores` (`None`: failed)."""
+        if len(scores) != self.members:
+            raise ValueError(f"{len(scores)} scores for {self.members} members")
+        best = best_member(scores)
+        kept = self.hyperparameters[best]
+        low, high, step = self.perturbation
+        self.hyperparameters = [kept if m == best else explore(
+            kept, self.spaces, self.rng, low, high, linear_step=step)
+            for m in range(self.members)]
+        decision = Decision(len(self.decisions) + 1, best, float(scores[best]),
+                            tuple(self.hyperparameters))
+        self.decisions.append(decision)
+        return decision
+
+
+def replay(scheduler: PBTScheduler, stage_scores: Sequence[Sequence[float | None]]
+           ) -> list[Decision]:
+    """The decisions a fresh scheduler makes on a run's recorded scores, stage by stage."""
+    return [scheduler.decide(scores) for scores in stage_scores]

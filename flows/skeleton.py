@@ -1,0 +1,118 @@
+"""The skeleton every flow shares, in one place: prepare the data (and its raw-pixel baselines)
+inside the run's MLflow run, fit the budget to the data, then test, export, register and
+promote the final model, gated on the baselines, and publish a summary.
+
+A flow adds only its own training between `prepare` and `finish`.
+"""
+
+from __future__ import annotations
+
+from prefect import get_run_logger
+from prefect.runtime import flow_run
+from pydantic import BaseModel, ConfigDict
+
+from tasks import tracking
+from tasks.config import DataSection
+from tasks.data import DatasetRef, pixel_baselines, prepare_dataset, source_version
+from tasks.registration import Baseline, Registration, register_and_promote
+from tasks.reporting import publish_summary
+from tasks.training import ClassifierConfig, TestResult, test_and_export
+from tasks.versioning import ArtifactRef
+from training.baselines import best_baseline
+from training.budget import Budget
+
+
+class Prepared(BaseModel):
+    """A run's data set and the raw-pixel baselines on its splits."""
+
+    model_config = ConfigDict(frozen=True)
+
+    dataset: DatasetRef
+    baselines: dict[str, float]
+
+
+class Finished(BaseModel):
+    """The final model's test metrics, exported program and registration."""
+
+    model_config = ConfigDict(frozen=True)
+
+    test: TestResult
+    registration: Registration
+    baseline: Baseline
+
+    @property
+    def test_accuracy(self) -> float:
+        return self.test.metrics["test_accuracy"]
+
+
+def data_section(config: BaseModel) -> DataSection:
+    """The data part of a flow config."""
+    return DataSection(**config.model_dump(include=set(DataSection.model_fields)))
+
+
+def run_tags(config: BaseModel) -> dict[str, str]:
+    """The tags every flow's MLflow run gets: its Prefect flow run, and the config's profile."""
+    return {"prefect.flow_run_id": str(flow_run.get_id() or "none"),
+            "profile": config.profile}
+
+
+def prepare(config: BaseModel, run_id: str) -> Prepared:
+    """Prepares the run's data set, records its version, and logs the raw-pixel baselines
+    (`baseline_knn_val_accuracy`, ...) on the run."""
+    data = data_section(config)
+    dataset = prepare_dataset(data, source_version(data))
+    tracking.log_artifact_refs(run_id, {"dataset": dataset.artifact})
+    tracking.set_tags(run_id, {"data.version": dataset.version, "data.skipped_images":
+                               len(dataset.skipped), "data.classes": ",".join(dataset.classes)})
+    tracking.log_metrics(run_id, {f"data_{k}_images": v for k, v in dataset.sizes.items()})
+    baselines = pixel_baselines(dataset)
+    tracking.log_metrics(run_id, {f"baseline_{k}": v for k, v in baselines.items()})
+    get_run_logger().info("raw-pixel baselines: k-NN validation %.4f, linear validation %.4f",
+                          baselines["knn_val_accuracy"], baselines["linear_val_accuracy"])
+    return Prepared(dataset=dataset, baselines=baselines)
+
+
+def log_budget(run_id: str, budget: Budget, prefix: str = "") -> None:
+    """Records how the budget was fitted to the data (`budget_batch_size`, `budget_repeats`,
+    `budget_steps`, ...)."""
+    tracking.log_metrics(run_id, {f"{prefix}budget_{k}": v for k, v in {
+        "batch_size": budget.batch_size, "repeats": budget.repeats, "rounds": budget.rounds,
+        "epochs": budget.epochs, "steps": budget.steps}.items()})
+
+
+def finish(run_id: str, name: str, classifier: ClassifierConfig, prepared: Prepared,
+           checkpoint: ArtifactRef, val_accuracy: float, weights: str = "model",
+           gate: bool = True) -> Finished:
+    """Tests and exports the checkpoint's `weights`, registers the program and promotes it
+    only if it beats the champion and (with `gate`) the stronger raw-pixel baseline on
+    validation."""
+    test = test_and_export(classifier, prepared.dataset, checkpoint, weights)
+    tracking.log_metrics(run_id, test.metrics | {"val_accuracy": val_accuracy})
+    tracking.log_artifact_refs(run_id, {"program": test.program, "checkpoint.final": checkpoint})
+    baseline_name, baseline_val = best_baseline(prepared.baselines)
+    baseline = Baseline(name=baseline_name, val_accuracy=baseline_val,
+                        model_val_accuracy=val_accuracy)
+    tracking.set_tags(run_id, {"baseline.beaten": str(baseline.beaten).lower()})
+    registration = register_and_promote(run_id, name, prepared.dataset, test.program,
+                                        baseline if gate else None)
+    return Finished(test=test, registration=registration, baseline=baseline)
+
+
+def publish(key: str, title: str, run_id: str, finished: Finished,
+            rows: dict[str, object]) -> str:
+    """Publishes and logs the run's summary: the flow's own `rows`, then the test accuracy
+    beside the baselines and the registry's decision."""
+    registration, baseline = finished.registration, finished.baseline
+    markdown = publish_summary(key, title, {
+        "test accuracy": f"{finished.test_accuracy:.4f}",
+        **rows,
+        f"raw-pixel {baseline.name} baseline (validation)":
+            f"{baseline.val_accuracy:.4f} against the model's {baseline.model_val_accuracy:.4f}"
+            + ("" if baseline.beaten else ": **not beaten**"),
+        "model": f"{registration.name} version {registration.version}, alias "
+                 f"`{registration.alias}`",
+        "decision": registration.decision,
+        "MLflow run": run_id,
+    })
+    get_run_logger().info("summary\n%s", markdown)
+    return markdown

@@ -1,0 +1,44 @@
+"""Budgets fitted to the data set size, against hand-computed values."""
+
+from __future__ import annotations
+
+import pytest
+
+from training.budget import fit_budget, fitted_batch_size
+
+
+def test_a_large_data_set_keeps_the_configured_batch_and_epochs():
+    budget = fit_budget(18000, 128, 8, 1000, 400)  # 140 steps an epoch: 1,120 >= 1,000
+    assert (budget.batch_size, budget.steps_per_epoch, budget.repeats, budget.epochs) == \
+        (128, 140, 1, 8)
+
+
+def test_a_small_data_set_gets_more_passes_to_reach_the_minimum_steps():
+    budget = fit_budget(1080, 128, 8, 1000, 400)  # 8 steps an epoch, 64 in 8 epochs
+    assert (budget.batch_size, budget.steps_per_epoch) == (128, 8)
+    assert budget.repeats == 16  # ceil(1000 / 64)
+    assert budget.steps == 1024 and budget.epochs == 128
+
+
+def test_a_tiny_data_set_gets_a_smaller_batch_and_is_capped_in_passes():
+    assert fitted_batch_size(360, 128) == 32  # 360 // 8 = 45 -> the power of two 32
+    assert fitted_batch_size(50, 128) == 16  # never below 16 images ...
+    assert fitted_batch_size(10, 128) == 10  # ... nor above the images there are
+    assert fitted_batch_size(360, 24) == 24  # a batch already small enough stays
+    budget = fit_budget(40, 128, 8, 1000, 400)  # 16 images a step, 2 steps an epoch
+    assert (budget.batch_size, budget.steps_per_epoch) == (16, 2)
+    assert budget.repeats == 50 and budget.epochs == 400  # 63 wanted, capped at 400 / 8
+
+
+def test_rounds_that_draw_a_subset_and_no_minimum():
+    budget = fit_budget(1000, 64, 10, 1000, 400, images_per_round=800)  # 12 steps a stage
+    assert (budget.batch_size, budget.steps_per_epoch, budget.repeats) == (64, 12, 9)
+    assert fit_budget(1000, 64, 10, None, 400) == fit_budget(1000, 64, 10, None, 1)
+    assert fit_budget(1000, 64, 10, None, 400).repeats == 1
+
+
+def test_bad_budgets_are_refused():
+    with pytest.raises(ValueError, match="rounds"):
+        fit_budget(100, 16, 0, 10, 10)
+    with pytest.raises(ValueError, match="image"):
+        fitted_batch_size(0, 16)

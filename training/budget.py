@@ -1,0 +1,88 @@
+"""Training budgets that fit the data: optimizer steps as well as epochs.
+
+A budget given only in epochs starves a small data set: 8 epochs of 1,000 images at batch 128
+are 56 optimizer steps, far too few to learn anything. `fit_budget` keeps the configured
+epochs for a large data set and, for a small one,
+
+- lowers the batch so that an epoch has at least `min_batches` steps (a power of two, never
+  below `min_batch`, never above the configured batch), and
+- repeats every configured epoch `repeats` times, the smallest whole number that gives at
+  least `min_steps` optimizer steps in all, capped so that no run exceeds `max_epochs` passes.
+
+`repeats` is one number per run, so every schedule built on epochs (a cosine over the run, PBT
+rounds, distillation stages) stretches alike: a flow trains `epochs x repeats` passes as
+`epochs` rounds of `repeats` passes each, and checks validation (early stopping, PBT's choice)
+once per round.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How a run trains on its data set.
+
+    Attributes:
+        batch_size: images per optimizer step.
+        steps_per_epoch: optimizer steps in one pass (a short last batch is dropped).
+        repeats: passes per configured epoch (1 for a large data set).
+        rounds: the configured epochs (or stages): validation is checked once per round.
+    """
+
+    batch_size: int
+    steps_per_epoch: int
+    repeats: int
+    rounds: int
+
+    @property
+    def epochs(self) -> int:
+        """Passes over the training images in all: `rounds x repeats`."""
+        return self.rounds * self.repeats
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps in all."""
+        return self.epochs * self.steps_per_epoch
+
+
+def fitted_batch_size(images: int, batch_size: int, min_batches: int = 8,
+                      min_batch: int = 16) -> int:
+    """The batch for `images` training images: `batch_size`, lowered to the largest power of
+    two that still gives `min_batches` steps per epoch, but not below `min_batch` (nor above
+    the number of images)."""
+    if images < 1 or batch_size < 1:
+        raise ValueError(f"need at least one image and a batch of one, got {images}, "
+                         f"{batch_size}")
+    if batch_size * min_batches <= images:
+        return batch_size
+    fitting = 2 ** int(math.log2(max(images // min_batches, 1)))
+    return max(min(fitting, batch_size), min(min_batch, batch_size, images))
+
+
+def fit_budget(images: int, batch_size: int, rounds: int, min_steps: int | None,
+               max_epochs: int, images_per_round: int | None = None) -> Budget:
+    """The budget of a run of `rounds` configured epochs on `images` training images.
+
+    Args:
+        images: training images (after the validation split).
+        batch_size: the configured batch.
+        rounds: the configured epochs (or PBT epochs, or distillation stages).
+        min_steps: at least this many optimizer steps in all; `None` keeps the configured
+            batch and epochs unchanged.
+        max_epochs: never more passes than this in all (repeats are capped to fit).
+        images_per_round: images one round passes over, when a round draws a subset (a
+            distillation stage draws a fraction of the training images); default `images`.
+    """
+    if rounds < 1 or max_epochs < 1:
+        raise ValueError(f"need rounds >= 1 and max_epochs >= 1, got {rounds}, {max_epochs}")
+    seen = images if images_per_round is None else images_per_round
+    if min_steps is None:
+        return Budget(batch_size, max(seen // batch_size, 1), 1, rounds)
+    batch = fitted_batch_size(seen, batch_size)
+    per_round = max(seen // batch, 1)
+    repeats = max(1, math.ceil(min_steps / (rounds * per_round)))
+    repeats = max(1, min(repeats, max_epochs // rounds))
+    return Budget(batch, per_round, repeats, rounds)

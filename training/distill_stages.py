@@ -1,0 +1,69 @@
+"""The staged-distillation core, pure PyTorch: which images a stage draws, the teacher's
+features for them, and one stage of training (`training.recipe.train_round`).
+
+Shared by the `distill` flow's tasks and the benchmarks, so both run the same method.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from training.batches import Batches
+from training.data_queue import RecencyQueue
+from training.device import autocast
+from training.features import FeatureHooks
+from training.loops import Step, evaluate
+from training.recipe import train_round
+
+Role = Literal["teacher", "student"]
+
+
+def draw_stage_ids(train_ids: Tensor, stage: int, role: Role, seed: int, fraction: float,
+                   front_weight: float, back_weight: float,
+                   queue: Literal["recency", "uniform"] = "recency") -> Tensor:
+    """The dataset ids a role draws at `stage` (1-based): its queue replayed from the seed.
+
+    The teacher and the student have their own queue and generator, so one's draws never shift
+    the other's.
+    """
+    count = min(max(round(fraction * len(train_ids)), 1), len(train_ids) - 1)
+    recency = RecencyQueue(train_ids, front_weight, back_weight) if queue == "recency" \
+        else RecencyQueue.uniform(train_ids)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + (1 if role == "teacher"
+                                                                   else 2))
+    drawn = train_ids[:0]
+    for _ in range(stage):
+        drawn = recency.draw(count, generator)
+    return drawn
+
+
+@torch.no_grad()
+def layer_features(model: nn.Module, layer: str, batches: Batches,
+                   device: torch.device) -> Tensor:
+    """Features at `layer` for every batch (eval mode, no augmentation), float32 on the CPU."""
+    model.eval()
+    out = []
+    with FeatureHooks(model, [layer], detach=True) as hooks:
+        for _, x, _ in batches:
+            with autocast(device):
+                model(x)
+            out.append(hooks[layer].float().cpu())
+    return torch.cat(out)
+
+
+def train_stage(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Batches,
+                val: Batches, step: Step, device: torch.device, stage: int, stages: int,
+                repeats: int, lr: float, warmup_epochs: float = 0.0,
+                grad_clip: float | None = None, progress: str | None = None
+                ) -> dict[str, float]:
+    """Stage `stage` (1-based) of `stages`: `repeats` passes over the stage's batches on the
+    cosine schedule spanning all stages, then the validation score."""
+    passes = range((stage - 1) * repeats, stage * repeats)
+    metrics = train_round(model, optimizer, lambda _: batches, step, device, passes, lr,
+                          (0, stages * repeats), warmup_epochs * repeats, grad_clip, progress)
+    scored = evaluate(model, val, device)
+    return metrics | {"val_accuracy": scored["accuracy"], "val_loss": scored["loss"],
+                      "images": float(len(passes) * len(batches) * batches.batch_size)}
