@@ -141,6 +141,9 @@ class RunSection(StrictConfig):
     model_name: str | None = Field(None, min_length=1, max_length=100, description="registered "
                                    "model name in MLflow; none: the flow's name")
     progress: bool = Field(True, description="show progress bars")
+    ddp_procs: int = Field(1, ge=1, le=1024, description="data-parallel processes per "
+                           "training task, launched by torchrun (gloo on CPUs, nccl and one "
+                           "GPU each on CUDA); 1: train in the task's own process")
     baseline_gate: bool = Field(True, description="never make a model champion that does not "
                                 "beat the raw-pixel baselines (k-NN, linear) on validation; "
                                 "they are logged either way")

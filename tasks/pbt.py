@@ -26,12 +26,12 @@ from tasks.training import (
     resume,
     setup_device,
     split_batches,
+    train_passes,
 )
 from tasks.versioning import ArtifactRef, ArtifactStore
-from training.batches import Batches
-from training.loops import classification_step, weight_average
+from training.loops import weight_average
 from training.pbt import SearchSpace
-from training.recipe import choose_weights, train_round
+from training.recipe import choose_weights
 
 HYPERPARAMETERS = ("lr", "weight_decay", "momentum", "augment")
 
@@ -103,15 +103,10 @@ def train_member(config: ClassifierConfig, dataset: DatasetRef, population: str,
         if "averaged" not in before:
             averaged.update_parameters(model)  # start from this round's starting weights
 
-    def batches_for(epoch: int) -> Batches:
-        return split_batches(data, dataset, "train", config.batch_size, device, shuffle=True,
-                             seed=config.seed * 1000 + epoch, augment=config.augment)
-
     started = time.perf_counter()
-    metrics = train_round(model, optimizer, batches_for,
-                          classification_step(config.label_smoothing), device,
-                          range(first_epoch, first_epoch + epochs), config.lr, cycle,
-                          grad_clip=config.grad_clip, averaged=averaged)
+    metrics = train_passes(config, dataset, data, model, optimizer, device,
+                           range(first_epoch, first_epoch + epochs), cycle, averaged=averaged,
+                           average_decay=average_decay)
     choice = choose_weights(model, averaged, split_batches(data, dataset, "val", 1024, device),
                             split_batches(data, dataset, "train", 256, device), device)
     metrics |= choice.metrics | {"train_seconds": time.perf_counter() - started}

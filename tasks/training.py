@@ -20,12 +20,14 @@ from prefect import task
 from prefect.runtime import task_run
 from pydantic import BaseModel, ConfigDict
 from torch import nn
+from torch.optim.swa_utils import AveragedModel
 
 from models import ImageClassifier, build_model
 from tasks.caching import computation_key, result_fields
 from tasks.checkpoints import load_checkpoint, save_checkpoint
 from tasks.config import ModelSection, OptimSection, RunSection
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
+from tasks.ddp import train_round_data_parallel
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.batches import Batches, Normalize
 from training.budget import Budget, fit_budget
@@ -161,6 +163,42 @@ def _keep_warm(checkpoint: ArtifactRef, key: str, model: nn.Module,
         _WARM[(checkpoint.md5, key)] = (model, optimizer)
 
 
+def train_passes(config: ClassifierConfig, dataset: DatasetRef, data: LoadedDataset,
+                 model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                 passes: range, schedule: tuple[int, int], warmup_epochs: float = 0.0,
+                 progress: str | None = None, averaged: AveragedModel | None = None,
+                 average_decay: float | None = None) -> dict[str, float]:
+    """Trains `passes` of a classifier on the training split (`training.recipe.train_round`):
+    in this process, or with `config.ddp_procs` > 1 data-parallel under torchrun
+    (`tasks/ddp.py`), with the same batches, schedule and weight average either way."""
+
+    def batches_for(epoch: int) -> Batches:
+        return split_batches(data, dataset, "train", config.batch_size, device, shuffle=True,
+                             seed=config.seed * 1000 + epoch, augment=config.augment)
+
+    if config.ddp_procs == 1:
+        return train_round(model, optimizer, batches_for,
+                           classification_step(config.label_smoothing), device, passes,
+                           config.lr, schedule, warmup_epochs, config.grad_clip, progress,
+                           averaged)
+    job = {"images": data.images, "labels": data.labels, "positions": data.splits["train"],
+           "mean": dataset.mean, "std": dataset.std, "channels": dataset.channels,
+           "classes": len(dataset.classes), "model": config.model, "width": config.width,
+           "state": {k: v.cpu() for k, v in model.state_dict().items()},
+           "optimizer": optimizer.state_dict(), "passes": list(passes),
+           "seeds": [config.seed * 1000 + epoch for epoch in passes],
+           "schedule": list(schedule), "warmup_epochs": warmup_epochs,
+           "batch_size": config.batch_size, "augment": config.augment, "lr": config.lr,
+           "momentum": config.momentum, "weight_decay": config.weight_decay,
+           "label_smoothing": config.label_smoothing, "grad_clip": config.grad_clip,
+           "device": config.device, "threads": config.threads,
+           "average_decay": average_decay if averaged is not None else None,
+           "averaged": None if averaged is None else {
+               k: v.cpu() for k, v in averaged.module.state_dict().items()}}
+    return train_round_data_parallel(config.ddp_procs, job, model, optimizer, averaged,
+                                     config.threads)
+
+
 def _epoch_run_name() -> str:
     return f"epoch-{task_run.parameters['epoch'] + 1}"  # 1-based, like checkpoints and steps
 
@@ -180,20 +218,14 @@ def train_classifier_epoch(config: ClassifierConfig, dataset: DatasetRef, epoch:
     if model is None:
         model, optimizer = resume(config, dataset, store, previous, device)
 
-    def batches_for(passes: int) -> Batches:
-        return split_batches(data, dataset, "train", config.batch_size, device, shuffle=True,
-                             seed=config.seed * 1000 + passes, augment=config.augment)
-
     started = time.perf_counter()
     passes = range(epoch * repeats, (epoch + 1) * repeats)
-    metrics = train_round(model, optimizer, batches_for,
-                          classification_step(config.label_smoothing), device, passes,
-                          config.lr, (0, config.epochs * repeats), config.warmup_epochs * repeats,
-                          config.grad_clip, f"round {epoch + 1}/{config.epochs}"
-                          if config.progress else None)
+    metrics = train_passes(config, dataset, data, model, optimizer, device, passes,
+                           (0, config.epochs * repeats), config.warmup_epochs * repeats,
+                           f"round {epoch + 1}/{config.epochs}" if config.progress else None)
     seconds = time.perf_counter() - started
     val = evaluate(model, split_batches(data, dataset, "val", 1024, device), device)
-    images = len(passes) * len(batches_for(0)) * config.batch_size
+    images = len(passes) * (dataset.sizes["train"] // config.batch_size) * config.batch_size
     metrics |= {"val_accuracy": val["accuracy"], "val_loss": val["loss"],
                 "images_per_second": images / seconds, "train_seconds": seconds,
                 "val_seconds": time.perf_counter() - started - seconds}

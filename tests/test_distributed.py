@@ -1,4 +1,5 @@
-"""DDP with torchrun: 2 CPU processes (gloo) follow the one-process loss curve."""
+"""DDP with torchrun: 2 CPU processes (gloo) follow the one-process loss curve, in the
+pure loop and inside the train and PBT member tasks (`--ddp-procs`)."""
 
 from __future__ import annotations
 
@@ -29,3 +30,53 @@ def test_two_processes_give_the_loss_curve_of_one_with_the_same_global_batch(tmp
     assert two["losses"] == pytest.approx(losses, rel=1e-4)
     assert losses[-1] < losses[0]  # it learns
     assert two["weights"] == pytest.approx(weights, rel=1e-3, abs=1e-4)
+
+
+def _lenet_smoke():
+    from flows.skeleton import data_section
+    from tasks.config import TrainConfig
+    from tasks.data import prepare_dataset, source_version
+    from tasks.training import classifier_config
+
+    config = TrainConfig(profile="smoke", model="lenet", epochs=2, train_limit=512,
+                         batch_size=64, threads=1)
+    data = data_section(config)
+    return classifier_config(config), prepare_dataset.fn(data, source_version(data))
+
+
+def _weights(ref, entry="model"):
+    import torch
+
+    from tasks.versioning import ArtifactStore
+
+    return torch.load(ArtifactStore().fetch(ref), weights_only=True)[entry]
+
+
+def test_the_train_task_on_two_processes_follows_one_with_the_same_global_batch():
+    from tasks.training import train_classifier_epoch
+
+    classifier, dataset = _lenet_smoke()
+    one = train_classifier_epoch.fn(classifier, dataset, 0, None, "ddp-test", 2)
+    two = train_classifier_epoch.fn(classifier.model_copy(update={"ddp_procs": 2}), dataset, 0,
+                                    None, "ddp-test", 2)
+    assert two.checkpoint.path != one.checkpoint.path  # a setting of the result: its own key
+    assert two.metrics["ddp_processes"] == 2 and "ddp_processes" not in one.metrics
+    assert two.metrics["loss"] == pytest.approx(one.metrics["loss"], rel=1e-4)
+    assert two.metrics["val_accuracy"] == pytest.approx(one.metrics["val_accuracy"], abs=0.01)
+    single, double = _weights(one.checkpoint), _weights(two.checkpoint)
+    for name, tensor in single.items():
+        assert double[name].allclose(tensor, rtol=1e-3, atol=1e-5), name
+
+
+def test_a_pbt_member_trains_data_parallel_with_its_weight_average():
+    from tasks.pbt import train_member
+
+    classifier, dataset = _lenet_smoke()
+    runs = [train_member.fn(classifier.model_copy(update={"ddp_procs": procs}), dataset,
+                            f"ddp-{procs}", 0, "stage", 1, 0, 2, (0, 2), None, 0.9)
+            for procs in (1, 2)]
+    assert runs[1].metrics["ddp_processes"] == 2
+    assert runs[1].metrics["loss"] == pytest.approx(runs[0].metrics["loss"], rel=1e-4)
+    single, double = (_weights(r.checkpoint, "averaged") for r in runs)
+    for name, tensor in single.items():
+        assert double[name].allclose(tensor, rtol=1e-3, atol=1e-5), name
