@@ -50,6 +50,7 @@ from training.distillation import (  # noqa: E402
 from training.feature_bank import FeatureBank  # noqa: E402
 from training.features import FeatureHooks  # noqa: E402
 from training.loops import Step, classification_step, evaluate  # noqa: E402
+from training.recipe import sgd  # noqa: E402
 
 # method -> (target source, teacher layer, student layer, loss, feature weight, CE weight)
 METHODS = {
@@ -95,11 +96,10 @@ def optional_int(value: str) -> int | None:
     return None if value.lower() == "none" else int(value)
 
 
-def sgd(modules: list[nn.Module], lr: float) -> torch.optim.SGD:
-    """The flow's optimizer (`make_optimizer`): SGD with Nesterov momentum over `modules`."""
-    params = [p for module in modules for p in module.parameters()]
-    return torch.optim.SGD(params, lr=lr, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY,
-                           nesterov=True)
+def optimizer(modules: list[nn.Module], lr: float) -> torch.optim.SGD:
+    """The flow's optimizer (`training.recipe.sgd`) over `modules`."""
+    return sgd([p for module in modules for p in module.parameters()], lr, MOMENTUM,
+               WEIGHT_DECAY)
 
 
 def stage_batches(run: Seeded, role: Role, stage: int) -> Batches:
@@ -147,8 +147,8 @@ def train_teacher(run: Seeded, name: str, bank_layers: list[str], example: Tenso
             {k: v.clone() for k, v in bank.state_dict().items()})
             for layer, bank in banks.items()})
 
-    run_stages(run, "teacher", teacher, sgd([teacher], run.lr), lambda _: classification_step(),
-               fill_banks)
+    run_stages(run, "teacher", teacher, optimizer([teacher], run.lr),
+               lambda _: classification_step(), fill_banks)
     return teacher, snapshots
 
 
@@ -159,7 +159,7 @@ def train_student(run: Seeded, name: str, spec: tuple | None, teacher: nn.Module
     torch.manual_seed(run.seed)
     student = place_model(build_model(name, 1, 10), run.device)
     if spec is None:
-        run_stages(run, "student", student, sgd([student], run.lr),
+        run_stages(run, "student", student, optimizer([student], run.lr),
                    lambda _: classification_step())
         return student
     source, t_layer, s_layer, kind, weight, ce = spec
@@ -173,7 +173,7 @@ def train_student(run: Seeded, name: str, spec: tuple | None, teacher: nn.Module
                 snapshots[stage - 1][t_layer], run.device)
             return distillation_step(hooks, s_layer, adapter, targets, loss, ce, weight)
 
-        run_stages(run, "student", student, sgd([student, adapter], run.lr), step_at)
+        run_stages(run, "student", student, optimizer([student, adapter], run.lr), step_at)
     return student
 
 

@@ -30,6 +30,9 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from bench.common import mean_std, print_json, print_table  # noqa: E402
+from flows.distill import distill  # noqa: E402
+from flows.pbt import pbt  # noqa: E402
+from flows.train import train  # noqa: E402
 from tasks.config import DistillConfig, PBTConfig, TrainConfig  # noqa: E402
 from tasks.data import fashion_mnist_root  # noqa: E402
 from tasks.environment import data_dir  # noqa: E402
@@ -68,18 +71,12 @@ def run_flow(flow: str, folder: Path, size: int, seed: int, **overrides) -> dict
               "model_name": f"bench-small-{flow}-{folder.name}", **overrides}
     started = time.perf_counter()
     if flow == "train":
-        from flows.train import train
-
         summary = train(TrainConfig(**common))
         baselines = summary.baselines
     elif flow == "distill":
-        from flows.distill import distill
-
         summary = distill(DistillConfig(**common))
         baselines = None
     else:
-        from flows.pbt import pbt
-
         summary = pbt(PBTConfig(**common))
         baselines = None
     return {"test_accuracy": summary.test_accuracy, "baselines": baselines,

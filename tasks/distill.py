@@ -25,7 +25,6 @@ from tasks.training import (
     ClassifierConfig,
     make_optimizer,
     new_model,
-    optimizer_to,
     restore,
     resume,
     run_key,
@@ -47,6 +46,7 @@ from training.distillation import (
 from training.feature_bank import DTYPES, FeatureBank
 from training.features import FeatureHooks
 from training.loops import classification_step
+from training.recipe import optimizer_to
 
 Role = Literal["teacher", "student"]
 

@@ -34,7 +34,7 @@ from training.budget import Budget, fit_budget
 from training.device import place_model, resolve_device
 from training.features import WithEmbedding
 from training.loops import classification_step, evaluate
-from training.recipe import train_round
+from training.recipe import optimizer_to, set_momentum_and_decay, sgd, train_round
 
 
 class ClassifierConfig(ModelSection, OptimSection, RunSection):
@@ -69,9 +69,8 @@ def new_model(config: ClassifierConfig, dataset: DatasetRef) -> ImageClassifier:
 
 
 def make_optimizer(model: nn.Module, config: ClassifierConfig) -> torch.optim.SGD:
-    """SGD with momentum; the learning rate is set every step from the schedule."""
-    return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
-                           weight_decay=config.weight_decay, nesterov=config.momentum > 0)
+    """SGD with the config's momentum and weight decay (`training.recipe.sgd`)."""
+    return sgd(model.parameters(), config.lr, config.momentum, config.weight_decay)
 
 
 def split_batches(data: LoadedDataset, dataset: DatasetRef, split: str, batch_size: int,
@@ -96,17 +95,7 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     if optimizer is not None and "optimizer" in checkpoint:
         optimizer.load_state_dict(checkpoint["optimizer"])
         if config is not None:
-            for group in optimizer.param_groups:
-                group.update(momentum=config.momentum, weight_decay=config.weight_decay,
-                             nesterov=config.momentum > 0)
-
-
-def optimizer_to(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Moves the optimizer's state (momentum buffers) to the model's device."""
-    for state in optimizer.state.values():
-        for name, value in state.items():
-            if torch.is_tensor(value):
-                state[name] = value.to(device)
+            set_momentum_and_decay(optimizer, config.momentum, config.weight_decay)
 
 
 def resume(config: ClassifierConfig, dataset: DatasetRef, store: ArtifactStore,
@@ -263,7 +252,8 @@ def test_and_export(config: ClassifierConfig, dataset: DatasetRef,
                     checkpoint: ArtifactRef, weights: str = "model") -> TestResult:
     """Scores a checkpoint on the test split and exports it as a torch.export program.
 
-    `weights` names the checkpoint's entry to use: `model`, or `averaged` (a weight average).
+    `weights` names the checkpoint's entry to use: `model`, or `kept` (what a PBT member round
+    kept: its last weights or their average, `training.recipe.choose_weights`).
     """
     device = setup_device(config)
     store = ArtifactStore()

@@ -25,13 +25,7 @@ from training.batches import Batches, Normalize
 from training.device import place_model, resolve_device
 from training.distributed import start, stop, wrap
 from training.loops import classification_step, weight_average
-from training.recipe import train_round
-
-
-def optimizer_for(model: torch.nn.Module, job: dict[str, Any]) -> torch.optim.SGD:
-    """SGD with the job's momentum and weight decay (Nesterov when there is momentum)."""
-    return torch.optim.SGD(model.parameters(), lr=job["lr"], momentum=job["momentum"],
-                           weight_decay=job["weight_decay"], nesterov=job["momentum"] > 0)
+from training.recipe import optimizer_to, set_momentum_and_decay, sgd, train_round
 
 
 def run(job: dict[str, Any]) -> dict[str, Any]:
@@ -45,17 +39,12 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     place = start(device)
     model = build_model(job["model"], job["channels"], job["classes"], job["width"])
     model.load_state_dict(job["state"])
-    optimizer = optimizer_for(model, job)
+    optimizer = sgd(model.parameters(), job["lr"], job["momentum"], job["weight_decay"])
     if job["optimizer"] is not None:
         optimizer.load_state_dict(job["optimizer"])
-        for group in optimizer.param_groups:
-            group.update(momentum=job["momentum"], weight_decay=job["weight_decay"],
-                         nesterov=job["momentum"] > 0)
+        set_momentum_and_decay(optimizer, job["momentum"], job["weight_decay"])
     model = place_model(model, device)
-    for state in optimizer.state.values():
-        for name, value in state.items():
-            if torch.is_tensor(value):
-                state[name] = value.to(device)
+    optimizer_to(optimizer, device)
     averaged = None
     if job["average_decay"] is not None:
         averaged = weight_average(model, job["average_decay"], job["averaged"])

@@ -23,6 +23,30 @@ from training.loops import Step, cosine_lr, evaluate, train_epoch
 Batches = Iterable[tuple[Tensor, Tensor, Tensor]]
 
 
+def sgd(params: Iterable[nn.Parameter], lr: float, momentum: float, weight_decay: float
+        ) -> torch.optim.SGD:
+    """The optimizer of every flow: SGD, with Nesterov momentum when there is momentum (the
+    learning rate is set at every step from the schedule)."""
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay,
+                           nesterov=momentum > 0)
+
+
+def set_momentum_and_decay(optimizer: torch.optim.Optimizer, momentum: float,
+                           weight_decay: float) -> None:
+    """Gives a restored optimizer these values instead of the stored ones: a resumed run, or a
+    PBT member starting from another's state, trains with its own hyperparameters."""
+    for group in optimizer.param_groups:
+        group.update(momentum=momentum, weight_decay=weight_decay, nesterov=momentum > 0)
+
+
+def optimizer_to(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Moves the optimizer's state (momentum buffers) to the model's device."""
+    for state in optimizer.state.values():
+        for name, value in state.items():
+            if torch.is_tensor(value):
+                state[name] = value.to(device)
+
+
 def train_round(model: nn.Module, optimizer: torch.optim.Optimizer,
                 batches_for: Callable[[int], Batches], step: Step, device: torch.device,
                 epochs: range, lr: float, schedule: tuple[int, int], warmup_epochs: float = 0.0,
