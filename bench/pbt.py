@@ -20,7 +20,7 @@ of 2 worker processes against 1 worker, 1 thread per member in both (a worker ho
 as it would hold one GPU), after a first stage that warms each cluster up (imports, data).
 
     python -m bench.pbt                      # quick profile (lenet), seeds 0-2: about 35 min
-    python -m bench.pbt --no-timing --set train_limit=10000     # the README's table: 20 min
+    python -m bench.pbt --no-timing --set train_limit=10000     # docs/pbt.md's setting (cnn3 then)
     python -m bench.pbt --no-timing --methods c --seeds 0          # one PBT run
     python -m bench.pbt --no-accuracy        # the stage timing only: 3 min
 """

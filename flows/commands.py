@@ -51,7 +51,7 @@ def run_train(config: TrainConfig) -> None:
 
     summary = _exit_on_data_error(lambda: train(config))
     print(f"\ntest accuracy {summary.test_accuracy:.4f} "
-          f"(best epoch {summary.best_epoch}, validation {summary.val_accuracy:.4f})")
+          f"(kept round {summary.best_epoch}, validation {summary.val_accuracy:.4f})")
     _print_registration(summary)
 
 
