@@ -12,6 +12,7 @@ from tasks.prediction import PredictConfig, predict_images
 from tasks.reporting import ui_commands
 from tasks.versioning import project_data_status, track_project_data
 from training.datasets import DataError
+from training.pbt import PopulationFailed
 
 SERVER_TIMEOUT = "Timed out while attempting to connect to ephemeral Prefect API server"
 
@@ -33,7 +34,7 @@ def _exit_on_data_error(call):
                   "(project.env or the environment), or start a server (`make ui`) and set "
                   "PREFECT_API_URL=http://127.0.0.1:4200/api", file=sys.stderr)
             raise SystemExit(1) from None
-        if type(error).__name__ == "PopulationFailed":
+        if isinstance(error, PopulationFailed):
             print(f"error: {error}", file=sys.stderr)
             raise SystemExit(1) from None
         raise

@@ -37,7 +37,7 @@ from tasks.registration import Registration
 from tasks.runners import submitter, task_runner, worker_threads
 from tasks.training import classifier_config, fit_to_data, run_key
 from tasks.versioning import ArtifactRef
-from training.pbt import PBTScheduler
+from training.pbt import PBTScheduler, PopulationFailed
 
 FLOW_NAME = "pbt"
 
@@ -90,10 +90,6 @@ def lineage_figure(lineage: list[dict[str, Any]]):
     axes[-1].legend(fontsize=7)
     figure.tight_layout()
     return figure
-
-
-class PopulationFailed(RuntimeError):
-    """Every member of a round failed: there is nothing to go on from."""
 
 
 @flow(name="pbt-population", description="The burn-in and the stages of `pbt`.")

@@ -168,3 +168,22 @@ def test_a_member_that_keeps_failing_is_recorded_and_the_stage_goes_on():
     assert failed and all("NonFiniteLossError" in r["error"] for r in failed)
     assert len(failed) < 4 and summary.population.best.member not in {r["member"]
                                                                       for r in failed}
+
+
+def test_a_population_that_fails_whole_ends_in_one_error_line(capsys, monkeypatch):
+    # fault injection: every step's loss is NaN, so the real loop stops every member (retried
+    # once) in the burn-in, and there is nothing to go on from
+    def nan_step(label_smoothing=0.0):
+        def step(model, _ids, x, y):
+            loss = model(x).sum() * float("nan")
+            return {"loss": loss, "loss_ce": loss}
+        return step
+
+    monkeypatch.setattr("tasks.training.classification_step", nan_step)
+    with pytest.raises(SystemExit) as exit_info:
+        main(COMMANDS, ["pbt", "--profile", "smoke", "--members", "2", "--stages", "1",
+                        "--threads", "1", "--model-name", "pbt-all-failing"])
+    assert exit_info.value.code == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("error: every member failed in burn-in 1")
+    assert "NonFiniteLossError" in error

@@ -25,6 +25,10 @@ from typing import Literal
 Scale = Literal["log", "linear"]
 
 
+class PopulationFailed(RuntimeError):
+    """Every member of a round failed: there is nothing to go on from."""
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     """One searched hyperparameter: bounds, scale, and whether it is an integer."""
