@@ -27,7 +27,7 @@ import torch
 from prefect import flow
 
 from bench.common import mean_std, print_json, print_table
-from flows.train import data_section
+from flows.skeleton import data_section
 from tasks import tracking
 from tasks.config import TrainConfig
 from tasks.data import DatasetRef, load_dataset, prepare_dataset, source_version
