@@ -7,8 +7,9 @@ profile) on each set and seed, through the real flow (data preparation, tracking
 registration), and its test accuracy (the folder's own test split, 20%) is set beside:
 
 - the raw-pixel baselines of the same splits (3-NN and a linear classifier, `training.baselines`);
-- a long run: the `train` flow's network and recipe with `--long-factor` times the minimum
-  steps and no early stopping (the same network trained long enough).
+- a long run of the same network: the `train` flow's recipe with that flow's network
+  (`resnet18` for `train`, the `lenet` student for `distill` and `pbt`), `--long-factor` times
+  the minimum steps and no early stopping (the network trained long enough).
 
 Targets: every flow above both baselines on every set, and within 1 point of the long run.
 
@@ -40,6 +41,9 @@ from training.datasets import load_fashion_mnist  # noqa: E402
 
 SETS = ("500x28", "1500x28", "5000x28", "1500x8")
 FLOWS = ("train", "distill", "pbt")
+NETWORKS = {"train": TrainConfig.model_fields["model"].default,  # each flow's final network
+            "distill": DistillConfig.model_fields["student_model"].default,
+            "pbt": PBTConfig.PROFILES["quick"]["model"]}
 
 
 def image_folder(images: int, size: int) -> Path:
@@ -87,13 +91,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sets", nargs="+", default=list(SETS), help="NxS: N images, S pixels")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--flows", nargs="+", default=list(FLOWS), choices=FLOWS)
+    parser.add_argument("--flows", nargs="*", default=list(FLOWS), choices=FLOWS)
     parser.add_argument("--long-factor", type=int, default=4, help="the long run's minimum "
                         "steps, as a multiple of the default's (0: no long run)")
     parser.add_argument("--long-seeds", type=int, nargs="+", default=None,
                         help="seeds of the long run (default: --seeds)")
+    parser.add_argument("--long-models", nargs="*", default=None, help="networks given a long "
+                        "run (default: those of --flows)")
     args = parser.parse_args()
     long_seeds = args.seeds if args.long_seeds is None else args.long_seeds
+    long_models = args.long_models if args.long_models is not None else sorted(
+        {NETWORKS[flow] for flow in args.flows})
     rows, results = [], []
     for spec in args.sets:
         images, size = (int(part) for part in spec.split("x"))
@@ -103,19 +111,21 @@ def main() -> None:
             for flow in args.flows:
                 runs.setdefault(flow, []).append(run_flow(flow, folder, size, seed))
                 print(f"{spec} seed {seed} {flow}: {runs[flow][-1]}", flush=True)
-            if args.long_factor and seed in long_seeds:
+            for model in long_models if args.long_factor and seed in long_seeds else []:
                 default_steps = TrainConfig.model_fields["min_steps"].default
-                runs.setdefault("long", []).append(run_flow(
-                    "train", folder, size, seed, min_steps=default_steps * args.long_factor,
-                    patience=None, model_name=f"bench-small-long-{folder.name}"))
-                print(f"{spec} seed {seed} long: {runs['long'][-1]}", flush=True)
-        baselines = [r["baselines"] for r in runs.get("train", []) + runs.get("long", [])
+                runs.setdefault(f"long {model}", []).append(run_flow(
+                    "train", folder, size, seed, model=model, patience=None,
+                    min_steps=default_steps * args.long_factor,
+                    model_name=f"bench-small-long-{model}-{folder.name}"))
+                print(f"{spec} seed {seed} long {model}: {runs[f'long {model}'][-1]}",
+                      flush=True)
+        baselines = [r["baselines"] for flow_runs in runs.values() for r in flow_runs
                      if r["baselines"]]
         knn = mean_std([b["knn_test_accuracy"] for b in baselines]) if baselines else None
         linear = mean_std([b["linear_test_accuracy"] for b in baselines]) if baselines else None
-        long = mean_std([r["test_accuracy"] for r in runs.get("long", [])]) \
-            if runs.get("long") else None
         for flow, flow_runs in runs.items():
+            long_runs = runs.get(f"long {NETWORKS.get(flow)}")
+            long = mean_std([r["test_accuracy"] for r in long_runs]) if long_runs else None
             accuracies = [r["test_accuracy"] for r in flow_runs]
             mean, std = mean_std(accuracies)
             row = {"set": spec, "flow": flow, "test_accuracy": accuracies, "mean": mean,
@@ -125,7 +135,7 @@ def main() -> None:
             rows.append([spec, flow, f"{mean:.4f} ± {std:.4f}",
                          " / ".join(f"{a:.4f}" for a in accuracies),
                          f"{knn[0]:.4f}" if knn else "-", f"{linear[0]:.4f}" if linear else "-",
-                         f"{mean - long[0]:+.4f}" if long and flow != "long" else "-",
+                         f"{mean - long[0]:+.4f}" if long else "-",
                          f"{row['seconds']:.0f}"])
     print_table(["set", "flow", "test accuracy (mean ± std)", "per seed", "3-NN pixels",
                  "linear pixels", "vs long run", "s / run"], rows)
