@@ -1,10 +1,12 @@
 """Every flow's defaults on small real data sets, against raw-pixel baselines and a long run.
 
-The data sets are ImageFolder directories built from Fashion-MNIST's training images (as a
-user's own images would come): N images, N/10 per class, drawn with a fixed seed, saved as
-PNG at S pixels (bilinear resize for S != 28). Each flow runs with its defaults (`quick`
-profile) on each set and seed, through the real flow (data preparation, tracking, versioning,
-registration), and its test accuracy (the folder's own test split, 20%) is set beside:
+The data sets are ImageFolder directories (as a user's own images would come): `NxS` is N
+Fashion-MNIST training images, N/10 per class, drawn with a fixed seed, saved as PNG at S
+pixels (bilinear resize for S != 28); `digits` is scikit-learn's 1,797 handwritten digits of
+8 x 8 pixels (a data set of another kind, where raw pixels are strong). Each flow runs with
+its defaults (`quick` profile) on each set and seed, through the real flow (data preparation,
+tracking, versioning, registration), and its test accuracy (the folder's own test split, 20%)
+is set beside:
 
 - the raw-pixel baselines of the same splits (3-NN and a linear classifier, `training.baselines`);
 - a long run of the same network: the `train` flow's recipe with that flow's network
@@ -39,11 +41,30 @@ from tasks.data import fashion_mnist_root  # noqa: E402
 from tasks.environment import data_dir  # noqa: E402
 from training.datasets import load_fashion_mnist  # noqa: E402
 
-SETS = ("500x28", "1500x28", "5000x28", "1500x8")
+SETS = ("500x28", "1500x28", "5000x28", "1500x8", "digits")
 FLOWS = ("train", "distill", "pbt")
 NETWORKS = {"train": TrainConfig.model_fields["model"].default,  # each flow's final network
             "distill": DistillConfig.model_fields["student_model"].default,
             "pbt": PBTConfig.PROFILES["quick"]["model"]}
+
+
+def digits_folder() -> Path:
+    """scikit-learn's handwritten digits (1,797 real 8 x 8 gray images in 10 classes, shipped
+    inside the package) as an ImageFolder under data/small/ (made once, then renamed)."""
+    root = data_dir() / "small" / "digits-1797x8"
+    if root.is_dir():
+        return root
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    partial = root.with_name(root.name + ".partial")
+    for n, (image, label) in enumerate(zip(digits.images, digits.target, strict=True)):
+        folder = partial / str(label)
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = (image * 255 / 16).round().clip(0, 255).astype("uint8")  # values 0..16
+        Image.fromarray(pixels, mode="L").save(folder / f"{n:05d}.png")
+    partial.rename(root)
+    return root
 
 
 def image_folder(images: int, size: int) -> Path:
@@ -89,7 +110,8 @@ def run_flow(flow: str, folder: Path, size: int, seed: int, **overrides) -> dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sets", nargs="+", default=list(SETS), help="NxS: N images, S pixels")
+    parser.add_argument("--sets", nargs="+", default=list(SETS), help="NxS (N Fashion-MNIST "
+                        "images of S pixels) or digits")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--flows", nargs="*", default=list(FLOWS), choices=FLOWS)
     parser.add_argument("--long-factor", type=int, default=4, help="the long run's minimum "
@@ -104,8 +126,11 @@ def main() -> None:
         {NETWORKS[flow] for flow in args.flows})
     rows, results = [], []
     for spec in args.sets:
-        images, size = (int(part) for part in spec.split("x"))
-        folder = image_folder(images, size)
+        if spec == "digits":
+            folder, size = digits_folder(), 8
+        else:
+            images, size = (int(part) for part in spec.split("x"))
+            folder = image_folder(images, size)
         runs: dict[str, list[dict]] = {}
         for seed in args.seeds:
             for flow in args.flows:

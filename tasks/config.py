@@ -101,7 +101,8 @@ class StepSection(StrictConfig):
     label_smoothing: float = Field(0.0, ge=0.0, lt=1.0, description="cross-entropy label "
                                    "smoothing")
     augment: float = Field(0.5, ge=0.0, le=1.0, description="augmentation strength: flips and "
-                           "shifts of up to 4*augment pixels; 0 is none")
+                           "shifts of up to augment x size / 7 pixels (4 x augment at 28 "
+                           "pixels); 0 is none")
     grad_clip: float | None = Field(5.0, gt=0.0, description="clip the gradient norm to this; "
                                     "none: no clipping")
 

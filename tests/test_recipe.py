@@ -93,3 +93,10 @@ def test_the_scheduler_decides_as_the_pure_steps_do():
     assert decision.hyperparameters[0]["momentum"] == 0.9  # unsearched: carried along
     with pytest.raises(ValueError, match="every member failed"):
         scheduler.decide([None, None, None])
+
+
+def test_the_shift_of_the_augmentation_is_a_fraction_of_the_image():
+    from training.batches import max_shift_for
+
+    assert [max_shift_for(a, 28) for a in (0.0, 0.5, 1.0)] == [0, 2, 4]  # as before at 28
+    assert max_shift_for(0.5, 8) == 1 and max_shift_for(1.0, 64) == 9

@@ -57,6 +57,13 @@ def shift_flip(x: Tensor, flips: Tensor, shifts: Tensor, max_shift: int) -> Tens
     return torch.where(flips.to(x.device).view(n, 1, 1, 1), x.flip(-1), x)
 
 
+def max_shift_for(augment: float, size: int) -> int:
+    """The largest shift of the pad-and-crop augmentation: `round(augment * size / 7)` pixels,
+    a fixed fraction of the image (4 pixels at strength 1 on 28 pixels, like CIFAR's 4 of
+    32), so an 8-pixel image is shifted by at most 1 pixel, not by a quarter of itself."""
+    return round(augment * size / 7)
+
+
 class Batches:
     """Iterates `(ids, images, labels)` batches over `indices` of an image tensor.
 
@@ -70,7 +77,7 @@ class Batches:
         shuffle: reshuffle every pass, from `seed` and the pass number.
         seed: seed of the shuffling and augmentation generator.
         augment: augmentation strength in [0, 1]: 0 is none; otherwise flips and shifts of up
-            to `round(4 * augment)` pixels.
+            to `max_shift_for(augment, size)` pixels (4 * augment at 28 pixels).
         device: where batches are produced.
         rank, world_size: under data-parallel training, this process's share of every batch:
             the images at positions `rank, rank + world_size, ...` of the batch all processes
@@ -121,7 +128,7 @@ class Batches:
         order = self.indices
         if self.shuffle:
             order = order[torch.randperm(len(order), generator=generator)]
-        max_shift = round(4 * self.augment)
+        max_shift = max_shift_for(self.augment, self.images.shape[-1])
         for start in range(0, len(self) * self.batch_size, self.batch_size):
             ids = order[start:start + self.batch_size]
             if self.augment > 0:
