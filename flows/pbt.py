@@ -19,7 +19,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
-from flows.skeleton import finish, log_budget, prepare, publish, run_tags
+from flows.skeleton import budgeted_classifier, finish, prepare, publish, run_tags
 from tasks import tracking
 from tasks.config import PBTConfig
 from tasks.data import DatasetRef
@@ -35,7 +35,7 @@ from tasks.pbt import (
 )
 from tasks.registration import Registration
 from tasks.runners import submitter, task_runner, worker_threads
-from tasks.training import classifier_config, fit_to_data, run_key
+from tasks.training import classifier_config, run_key
 from tasks.versioning import ArtifactRef
 from training.pbt import PBTScheduler, PopulationFailed
 
@@ -201,9 +201,8 @@ def pbt(config: PBTConfig) -> PBTSummary:
     run_name = f"{FLOW_NAME}-{config.model}-x{config.members}-seed{config.seed}"
     with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
         prepared = prepare(config, run_id)
-        budget = fit_to_data(config, prepared.dataset,
-                             config.burn_in_epochs + config.stages * config.round_epochs)
-        log_budget(run_id, budget)
+        classifier, budget = budgeted_classifier(
+            config, prepared, run_id, config.burn_in_epochs + config.stages * config.round_epochs)
         member_runs = [tracking.start_run(FLOW_NAME, f"member-{m}", parent_run_id=run_id)
                        for m in range(config.members)]
         try:
@@ -220,9 +219,8 @@ def pbt(config: PBTConfig) -> PBTSummary:
             tracking.log_file(run_id, path, "pbt")
         tracking.log_artifact_refs(run_id, {"lineage": population.lineage_log})
         tracking.log_figure(run_id, lineage_figure(lineage), "pbt/lineage.png")
-        best_config = member_config(classifier_config(config).model_copy(update={
-            "batch_size": budget.batch_size}), population.best.member,
-            population.hyperparameters)
+        best_config = member_config(classifier, population.best.member,
+                                    population.hyperparameters)
         tracking.log_metrics(run_id, {"stages_run": population.stages} | {
             f"best_{k}": v for k, v in population.hyperparameters.items()})
         finished = finish(run_id, name, best_config, prepared, population.best.checkpoint,

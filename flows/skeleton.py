@@ -16,7 +16,13 @@ from tasks.config import DataSection
 from tasks.data import DatasetRef, pixel_baselines, prepare_dataset, source_version
 from tasks.registration import Baseline, Registration, register_and_promote
 from tasks.reporting import publish_summary
-from tasks.training import ClassifierConfig, TestResult, test_and_export
+from tasks.training import (
+    ClassifierConfig,
+    TestResult,
+    classifier_config,
+    fit_to_data,
+    test_and_export,
+)
 from tasks.versioning import ArtifactRef
 from training.baselines import best_baseline
 from training.budget import Budget
@@ -78,6 +84,16 @@ def log_budget(run_id: str, budget: Budget, prefix: str = "") -> None:
     tracking.log_metrics(run_id, {f"{prefix}budget_{k}": v for k, v in {
         "batch_size": budget.batch_size, "repeats": budget.repeats, "rounds": budget.rounds,
         "epochs": budget.epochs, "steps": budget.steps}.items()})
+
+
+def budgeted_classifier(config: BaseModel, prepared: Prepared, run_id: str, rounds: int
+                        ) -> tuple[ClassifierConfig, Budget]:
+    """The budget of `rounds` configured epochs of `config` on the prepared data (logged), and
+    the classifier part of `config` with that budget's batch."""
+    budget = fit_to_data(config, prepared.dataset, rounds)
+    log_budget(run_id, budget)
+    return classifier_config(config).model_copy(update={
+        "batch_size": budget.batch_size, "epochs": rounds}), budget
 
 
 def finish(run_id: str, name: str, classifier: ClassifierConfig, prepared: Prepared,

@@ -5,17 +5,11 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
-from flows.skeleton import Prepared, finish, log_budget, prepare, publish, run_tags
+from flows.skeleton import Prepared, budgeted_classifier, finish, prepare, publish, run_tags
 from tasks import tracking
 from tasks.config import TrainConfig
 from tasks.registration import Registration
-from tasks.training import (
-    ClassifierConfig,
-    EpochResult,
-    classifier_config,
-    fit_to_data,
-    train_classifier_epoch,
-)
+from tasks.training import ClassifierConfig, EpochResult, train_classifier_epoch
 from training.budget import Budget
 from training.recipe import EarlyStopping
 
@@ -59,15 +53,6 @@ def train_epochs(classifier: ClassifierConfig, prepared: Prepared, budget: Budge
                         stopping.stale)
             break
     return best
-
-
-def budgeted_classifier(config: BaseModel, prepared: Prepared, run_id: str, rounds: int,
-                        prefix: str = "") -> tuple[ClassifierConfig, Budget]:
-    """The classifier part of `config` with the batch of its budget, and the budget (logged)."""
-    budget = fit_to_data(config, prepared.dataset, rounds)
-    log_budget(run_id, budget, prefix)
-    return classifier_config(config).model_copy(update={
-        "batch_size": budget.batch_size, "epochs": rounds}), budget
 
 
 @flow(name=FLOW_NAME, description="Train one classifier, test it, register it in MLflow and "

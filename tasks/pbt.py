@@ -29,9 +29,8 @@ from tasks.training import (
     train_passes,
 )
 from tasks.versioning import ArtifactRef, ArtifactStore
-from training.loops import weight_average
 from training.pbt import SearchSpace
-from training.recipe import choose_weights
+from training.recipe import choose_weights, start_average
 
 HYPERPARAMETERS = ("lr", "weight_decay", "momentum", "augment")
 
@@ -99,9 +98,7 @@ def train_member(config: ClassifierConfig, dataset: DatasetRef, population: str,
     model, optimizer = resume(config, dataset, store, previous, device, before)  # own values
     averaged = None
     if average_decay is not None:
-        averaged = weight_average(model, average_decay, before.get("averaged"))
-        if "averaged" not in before:
-            averaged.update_parameters(model)  # start from this round's starting weights
+        averaged = start_average(model, average_decay, before.get("averaged"))
 
     started = time.perf_counter()
     metrics = train_passes(config, dataset, data, model, optimizer, device,

@@ -161,9 +161,12 @@ def train_passes(config: ClassifierConfig, dataset: DatasetRef, data: LoadedData
     in this process, or with `config.ddp_procs` > 1 data-parallel under torchrun
     (`tasks/ddp.py`), with the same batches, schedule and weight average either way."""
 
+    def seed_of(epoch: int) -> int:  # each pass's shuffling and augmentation
+        return config.seed * 1000 + epoch
+
     def batches_for(epoch: int) -> Batches:
         return split_batches(data, dataset, "train", config.batch_size, device, shuffle=True,
-                             seed=config.seed * 1000 + epoch, augment=config.augment)
+                             seed=seed_of(epoch), augment=config.augment)
 
     if config.ddp_procs == 1:
         return train_round(model, optimizer, batches_for,
@@ -175,7 +178,7 @@ def train_passes(config: ClassifierConfig, dataset: DatasetRef, data: LoadedData
            "classes": len(dataset.classes), "model": config.model, "width": config.width,
            "state": {k: v.cpu() for k, v in model.state_dict().items()},
            "optimizer": optimizer.state_dict(), "passes": list(passes),
-           "seeds": [config.seed * 1000 + epoch for epoch in passes],
+           "seeds": [seed_of(epoch) for epoch in passes],
            "schedule": list(schedule), "warmup_epochs": warmup_epochs,
            "batch_size": config.batch_size, "augment": config.augment, "lr": config.lr,
            "momentum": config.momentum, "weight_decay": config.weight_decay,

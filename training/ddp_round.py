@@ -24,8 +24,14 @@ from models import build_model
 from training.batches import Batches, Normalize
 from training.device import place_model, resolve_device
 from training.distributed import start, stop, wrap
-from training.loops import classification_step, weight_average
-from training.recipe import optimizer_to, set_momentum_and_decay, sgd, train_round
+from training.loops import classification_step
+from training.recipe import (
+    optimizer_to,
+    set_momentum_and_decay,
+    sgd,
+    start_average,
+    train_round,
+)
 
 
 def run(job: dict[str, Any]) -> dict[str, Any]:
@@ -47,9 +53,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     optimizer_to(optimizer, device)
     averaged = None
     if job["average_decay"] is not None:
-        averaged = weight_average(model, job["average_decay"], job["averaged"])
-        if job["averaged"] is None:
-            averaged.update_parameters(model)
+        averaged = start_average(model, job["average_decay"], job["averaged"])
     trained = wrap(model, device, place)
     normalize = Normalize(job["mean"], job["std"])
     seeds = dict(zip(job["passes"], job["seeds"], strict=True))

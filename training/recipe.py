@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
 
-from training.loops import Step, cosine_lr, evaluate, train_epoch
+from training.loops import Step, cosine_lr, evaluate, train_epoch, weight_average
 
 Batches = Iterable[tuple[Tensor, Tensor, Tensor]]
 
@@ -45,6 +45,15 @@ def optimizer_to(optimizer: torch.optim.Optimizer, device: torch.device) -> None
         for name, value in state.items():
             if torch.is_tensor(value):
                 state[name] = value.to(device)
+
+
+def start_average(model: nn.Module, decay: float, state: dict | None) -> AveragedModel:
+    """A weight average of `model` (`training.loops.weight_average`) that continues `state`
+    (an average stored in a checkpoint), or starts from `model`'s current weights."""
+    averaged = weight_average(model, decay, state)
+    if state is None:
+        averaged.update_parameters(model)  # the first update copies the weights
+    return averaged
 
 
 def train_round(model: nn.Module, optimizer: torch.optim.Optimizer,
