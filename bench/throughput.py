@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="GPU-sized run")
     parser.add_argument("--rounds", type=int, default=5,
                         help="timed epochs per side and model (after one warm-up epoch)")
-    parser.add_argument("--models", nargs="+", default=["cnn3", "resnet18"])
+    parser.add_argument("--models", nargs="+", default=["lenet", "resnet18"])
     args = parser.parse_args()
     results = measure(args.models, args.rounds, args.full)
     print_table(["model", "images/epoch", "batch", "bare img/s", "flow img/s",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from tasks.config import DistillConfig, PBTConfig, TrainConfig
+from tasks.config import DistillConfig, PBTConfig, SparsifyConfig, TrainConfig
 from tasks.data import install_fashion_mnist
 from tasks.features import FeaturesConfig
 from tasks.prediction import PredictConfig, predict_images
@@ -76,6 +76,18 @@ def run_pbt(config: PBTConfig) -> None:
           f"{summary.knn_accuracy:.4f} (best member {population.best.member} "
           f"after {population.stages} stages: " + ", ".join(
               f"{k}={v:.4g}" for k, v in population.hyperparameters.items()) + ")")
+    _print_registration(summary)
+
+
+def run_sparsify(config: SparsifyConfig) -> None:
+    """Train a classifier with an activation-sparsity term; measure its zeros; register it."""
+    from flows.sparsify import sparsify
+
+    summary = _exit_on_data_error(lambda: sparsify(config))
+    zeros = ", ".join(f"{name} {layer.zero_fraction:.3f}"
+                      for name, layer in summary.report.layers.items())
+    print(f"\ntest accuracy {summary.test_accuracy:.4f} (kept round {summary.best_epoch}, "
+          f"validation {summary.val_accuracy:.4f}); exact zeros on validation: {zeros}")
     _print_registration(summary)
 
 
@@ -151,6 +163,7 @@ COMMANDS = [
     ("train", TrainConfig, run_train),
     ("distill", DistillConfig, run_distill),
     ("pbt", PBTConfig, run_pbt),
+    ("sparsify", SparsifyConfig, run_sparsify),
     ("predict", PredictConfig, run_predict),
     ("features", FeaturesConfig, run_features),
     ("prepare-data", None, prepare_data),

@@ -177,6 +177,7 @@ def distill(config: DistillConfig) -> DistillSummary:
     run_name = f"{FLOW_NAME}-{config.teacher_model}-to-{config.student_model}-seed{config.seed}"
     with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
         prepared = prepare(config, run_id)
+        config = prepared.apply(config)
         dataset = prepared.dataset
         plan = fitted_plan(config, dataset, run_id)
         with tracking.tracked_run(FLOW_NAME, "teacher", plan.teacher, parent_run_id=run_id) \

@@ -201,6 +201,7 @@ def pbt(config: PBTConfig) -> PBTSummary:
     run_name = f"{FLOW_NAME}-{config.model}-x{config.members}-seed{config.seed}"
     with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
         prepared = prepare(config, run_id)
+        config = prepared.apply(config)
         classifier, budget = budgeted_classifier(
             config, prepared, run_id, config.burn_in_epochs + config.stages * config.round_epochs)
         member_runs = [tracking.start_run(FLOW_NAME, f"member-{m}", parent_run_id=run_id)

@@ -1,40 +1,53 @@
 """The skeleton every flow shares, in one place: prepare the data (and its raw-pixel baselines)
-inside the run's MLflow run, fit the budget to the data, then test, export, register and
-promote the final model, gated on the baselines, and publish a summary.
+inside the run's MLflow run, fit the budget to the data, train a classifier's rounds with early
+stopping, then test, export, register and promote the final model, gated on the baselines, and
+publish a summary.
 
 A flow adds only its own training between `prepare` and `finish`.
 """
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from prefect import get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict
 
 from tasks import tracking
-from tasks.config import DataSection
+from tasks.config import DataSection, SparsitySpec
 from tasks.data import DatasetRef, pixel_baselines, prepare_dataset, source_version
 from tasks.registration import Baseline, Registration, register_and_promote
 from tasks.reporting import publish_summary
 from tasks.training import (
     ClassifierConfig,
+    EpochResult,
     TestResult,
     classifier_config,
     fit_to_data,
     test_and_export,
+    train_classifier_epoch,
 )
 from tasks.versioning import ArtifactRef
-from training.baselines import best_baseline
+from training.baselines import best_baseline, mirror_safe
 from training.budget import Budget
+from training.recipe import EarlyStopping
+
+ConfigT = TypeVar("ConfigT", bound=BaseModel)
 
 
 class Prepared(BaseModel):
-    """A run's data set and the raw-pixel baselines on its splits."""
+    """A run's data set, the raw-pixel baselines on its splits, and what the data decided."""
 
     model_config = ConfigDict(frozen=True)
 
     dataset: DatasetRef
     baselines: dict[str, float]
+    flip: bool
+
+    def apply(self, config: ConfigT) -> ConfigT:
+        """`config` with the data's choices filled in: `flip` `on` or `off` for `auto`."""
+        return config.model_copy(update={"flip": "on" if self.flip else "off"})
 
 
 class Finished(BaseModel):
@@ -73,9 +86,17 @@ def prepare(config: BaseModel, run_id: str) -> Prepared:
     tracking.log_metrics(run_id, {f"data_{k}_images": v for k, v in dataset.sizes.items()})
     baselines = pixel_baselines(dataset)
     tracking.log_metrics(run_id, {f"baseline_{k}": v for k, v in baselines.items()})
-    get_run_logger().info("raw-pixel baselines: k-NN validation %.4f, linear validation %.4f",
-                          baselines["knn_val_accuracy"], baselines["linear_val_accuracy"])
-    return Prepared(dataset=dataset, baselines=baselines)
+    logger = get_run_logger()
+    logger.info("raw-pixel baselines: k-NN validation %.4f, linear validation %.4f",
+                baselines["knn_val_accuracy"], baselines["linear_val_accuracy"])
+    flip = config.flip == "on" or (config.flip == "auto" and mirror_safe(
+        baselines, len(dataset.classes)))
+    tracking.set_tags(run_id, {"augment.flip": "on" if flip else "off"})
+    if config.flip == "auto":
+        logger.info("flips %s: k-NN keeps %.4f of %.4f on mirrored validation images", "on"
+                    if flip else "off", baselines["knn_val_mirrored_accuracy"],
+                    baselines["knn_val_accuracy"])
+    return Prepared(dataset=dataset, baselines=baselines, flip=flip)
 
 
 def log_budget(run_id: str, budget: Budget, prefix: str = "") -> None:
@@ -94,6 +115,33 @@ def budgeted_classifier(config: BaseModel, prepared: Prepared, run_id: str, roun
     log_budget(run_id, budget)
     return classifier_config(config).model_copy(update={
         "batch_size": budget.batch_size, "epochs": rounds}), budget
+
+
+def train_epochs(classifier: ClassifierConfig, prepared: Prepared, budget: Budget,
+                 run_id: str, patience: int | None, run_name: str = "train",
+                 sparsity: SparsitySpec | None = None) -> EpochResult:
+    """Runs the rounds of `budget` (early stopping on validation accuracy after `patience`
+    rounds below the best); returns the round to keep (`training.recipe.EarlyStopping`).
+    `sparsity` adds the `sparsify` flow's activation-sparsity term to the loss."""
+    logger = get_run_logger()
+    stopping = EarlyStopping(patience, prepared.dataset.sizes["val"])
+    previous, best = None, None
+    for epoch in range(classifier.epochs):
+        result = train_classifier_epoch(classifier, prepared.dataset, epoch, previous, run_name,
+                                        budget.repeats, sparsity)
+        tracking.log_metrics(run_id, result.metrics, step=epoch + 1)
+        tracking.log_artifact_refs(run_id, {f"checkpoint.epoch-{epoch + 1:03d}":
+                                            result.checkpoint})
+        logger.info("round %d/%d: %s", epoch + 1, classifier.epochs, ", ".join(
+            f"{k}={v:.4g}" for k, v in result.metrics.items()))
+        previous = result.checkpoint
+        if stopping.update(epoch, result.metrics["val_accuracy"]):
+            best = result
+        if stopping.should_stop:
+            logger.info("early stop: %d rounds below the best validation accuracy",
+                        stopping.stale)
+            break
+    return best
 
 
 def finish(run_id: str, name: str, classifier: ClassifierConfig, prepared: Prepared,

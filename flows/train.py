@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from prefect import flow, get_run_logger
+from prefect import flow
 from pydantic import BaseModel, ConfigDict
 
-from flows.skeleton import Prepared, budgeted_classifier, finish, prepare, publish, run_tags
+from flows.skeleton import budgeted_classifier, finish, prepare, publish, run_tags, train_epochs
 from tasks import tracking
 from tasks.config import TrainConfig
 from tasks.registration import Registration
-from tasks.training import ClassifierConfig, EpochResult, train_classifier_epoch
-from training.budget import Budget
-from training.recipe import EarlyStopping
 
 FLOW_NAME = "train"
 
@@ -30,31 +27,6 @@ class TrainSummary(BaseModel):
     registration: Registration
 
 
-def train_epochs(classifier: ClassifierConfig, prepared: Prepared, budget: Budget,
-                 run_id: str, patience: int | None, run_name: str = FLOW_NAME) -> EpochResult:
-    """Runs the rounds of `budget` (early stopping on validation accuracy after `patience`
-    rounds below the best); returns the round to keep (`training.recipe.EarlyStopping`)."""
-    logger = get_run_logger()
-    stopping = EarlyStopping(patience, prepared.dataset.sizes["val"])
-    previous, best = None, None
-    for epoch in range(classifier.epochs):
-        result = train_classifier_epoch(classifier, prepared.dataset, epoch, previous, run_name,
-                                        budget.repeats)
-        tracking.log_metrics(run_id, result.metrics, step=epoch + 1)
-        tracking.log_artifact_refs(run_id, {f"checkpoint.epoch-{epoch + 1:03d}":
-                                            result.checkpoint})
-        logger.info("round %d/%d: %s", epoch + 1, classifier.epochs, ", ".join(
-            f"{k}={v:.4g}" for k, v in result.metrics.items()))
-        previous = result.checkpoint
-        if stopping.update(epoch, result.metrics["val_accuracy"]):
-            best = result
-        if stopping.should_stop:
-            logger.info("early stop: %d rounds below the best validation accuracy",
-                        stopping.stale)
-            break
-    return best
-
-
 @flow(name=FLOW_NAME, description="Train one classifier, test it, register it in MLflow and "
       "promote it to champion only if it beats the current one and the raw-pixel baselines.")
 def train(config: TrainConfig) -> TrainSummary:
@@ -63,6 +35,7 @@ def train(config: TrainConfig) -> TrainSummary:
     run_name = f"{FLOW_NAME}-{config.model}-seed{config.seed}"
     with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
         prepared = prepare(config, run_id)
+        config = prepared.apply(config)
         classifier, budget = budgeted_classifier(config, prepared, run_id, config.epochs)
         best = train_epochs(classifier, prepared, budget, run_id, config.patience)
         finished = finish(run_id, name, classifier, prepared, best.checkpoint,

@@ -34,6 +34,7 @@ class PlainCNN(ImageClassifier):
         self.feature_layers = (*names, "pool")
 
     def forward(self, x: Tensor) -> Tensor:
+        x = self.fit_input(x)
         for name in self.block_names:
             x = getattr(self, name)(x)
         return self.fc(self.pool(x))
@@ -74,7 +75,7 @@ class LeNetStyle(ImageClassifier):
         self.feature_layers = ("block1", "block2", "pool")
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc(self.pool(self.block2(self.block1(x))))
+        return self.fc(self.pool(self.block2(self.block1(self.fit_input(x)))))
 
 
 @register_model("lenet", family="lenet", default_width=16)

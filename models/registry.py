@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torch import nn
+from torch import Tensor, nn
+from torch.nn import functional as F
 
 
 class ImageClassifier(nn.Module):
@@ -20,9 +21,23 @@ class ImageClassifier(nn.Module):
             deep; the last one is the embedding fed to the classifier. Hooks attach to these.
         depth: number of weighted layers (convolutions and linear layers) on the longest path,
             used to tell a deeper teacher from a shallower student.
+        min_input_size: the smallest height and width the first layer sees. The networks are
+            built for 28-pixel images, which they pool to 7 or 4 pixels; an 8-pixel image would
+            be pooled to 2 or 1, throwing away what its pixels tell. Smaller inputs are
+            upsampled (bilinear) to this size by `fit_input`, inside the network, so a model
+            trained on small images serves the same small images.
     """
 
     feature_layers: tuple[str, ...] = ()
+    min_input_size: int = 28
+
+    def fit_input(self, x: Tensor) -> Tensor:
+        """`x` upsampled (bilinear) to at least `min_input_size` in height and width."""
+        height, width = x.shape[-2:]
+        size = max(height, self.min_input_size), max(width, self.min_input_size)
+        if (height, width) == size:
+            return x
+        return F.interpolate(x, size=size, mode="bilinear", align_corners=False)
 
     @property
     def depth(self) -> int:

@@ -53,7 +53,7 @@ class SmallInputResNet(ImageClassifier):
                 nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
 
     def forward(self, x: Tensor) -> Tensor:
-        x = self.stem(x)
+        x = self.stem(self.fit_input(x))
         for name in self.stage_names:
             x = getattr(self, name)(x)
         return self.fc(self.pool(x))

@@ -101,8 +101,12 @@ class StepSection(StrictConfig):
     label_smoothing: float = Field(0.0, ge=0.0, lt=1.0, description="cross-entropy label "
                                    "smoothing")
     augment: float = Field(0.5, ge=0.0, le=1.0, description="augmentation strength: flips and "
-                           "shifts of up to augment x size / 7 pixels (4 x augment at 28 "
-                           "pixels); 0 is none")
+                           "shifts of up to augment x size / 7 pixels, rounded down (4 x "
+                           "augment at 28 pixels); 0 is none")
+    flip: Literal["auto", "on", "off"] = Field("auto", description="horizontal flips in the "
+                                               "augmentation; auto: only where the classes "
+                                               "survive a mirror (3-NN on mirrored validation "
+                                               "images, `training.baselines.mirror_safe`)")
     grad_clip: float | None = Field(5.0, gt=0.0, description="clip the gradient norm to this; "
                                     "none: no clipping")
 
@@ -369,3 +373,103 @@ class PBTConfig(ProfiledConfig, DataSection, ModelSection, StepSection, BudgetSe
         if self.momentum_range[1] >= 1 or self.augment_range[1] > 1:
             raise ValueError("momentum_range must stay below 1 and augment_range within [0, 1]")
         return self
+
+
+def _comma_list(value: Any) -> Any:
+    """A list from the command line's "a,b,c" (other values unchanged)."""
+    if isinstance(value, str):
+        return [part for part in re.split(r"[,\s]+", value.strip("()[] ")) if part]
+    return value
+
+
+class SparsitySpec(StrictConfig):
+    """The sparsity term of a training run, resolved for its network (`training.sparsity`):
+    each regularized layer's lambda, in order, and the transform with its parameters."""
+
+    lambdas: dict[str, float]
+    transform: Literal["abs", "power", "exp_abs", "exp_power", "abs_power"]
+    power: int
+    abs_power: int
+    base: float
+
+    def build(self):
+        """The `training.sparsity.SparsityTransform` of this spec."""
+        from training.sparsity import SparsityTransform
+
+        return SparsityTransform(self.transform, n=self.power, m=self.abs_power, c=self.base)
+
+
+class SparsifyConfig(TrainConfig):
+    """The `sparsify` flow: a classifier trained with its task loss plus a sparsity term on
+    the activations of chosen layers (`training/sparsity.py`)."""
+
+    PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
+        "smoke": {**TrainConfig.PROFILES["smoke"], "model": "lenet"},
+        "quick": {},
+        "full": TrainConfig.PROFILES["full"],
+    }
+
+    model: str = Field("lenet", description="the network whose activations are made sparse")
+    sparse_layers: tuple[str, ...] | None = Field(None, description="module names whose "
+                                                  "outputs are regularized, comma-separated "
+                                                  "(any module of the network); none: its "
+                                                  "feature maps (feature layers but the "
+                                                  "embedding)")
+    transform: Literal["abs", "power", "exp_abs", "exp_power", "abs_power"] = Field(
+        "abs", description="T(x) per activation: abs |x|, power x^N, exp_abs c^|x|, "
+        "exp_power c^(x^N), abs_power |x|^M")
+    power: int = Field(2, ge=2, le=16, description="N of power and exp_power (even)")
+    abs_power: int = Field(1, ge=1, le=16, description="M of abs_power (a whole number)")
+    base: float = Field(2.0, le=1e6, description="c of exp_abs and exp_power (> 1)")
+    sparsity_lambda: float = Field(0.3, ge=0.0, le=1e6, description="lambda: the sparsity "
+                                   "term's weight on the largest map")
+    lambda_gamma: float = Field(0.5, ge=0.0, le=4.0, description="lambda_l = lambda x "
+                                "(A_max / A_l)^gamma with A a map's area: a smaller map weighs "
+                                "more; 0: one lambda for all")
+    layer_lambdas: tuple[float, ...] | None = Field(None, description="an explicit lambda per "
+                                                    "layer, comma-separated, in the order of "
+                                                    "sparse_layers (instead of the rule)")
+
+    _lists = field_validator("sparse_layers", "layer_lambdas", mode="before")(
+        classmethod(lambda cls, value: _comma_list(value)))
+
+    @field_validator("power")
+    @classmethod
+    def _even(cls, value: int) -> int:
+        if value % 2:
+            raise ValueError(f"power must be even (an odd power is not smallest at 0), got "
+                             f"{value}")
+        return value
+
+    @field_validator("base")
+    @classmethod
+    def _above_one(cls, value: float) -> float:
+        if not value > 1:
+            raise ValueError(f"base must be > 1 (c^|x| must grow with |x|), got {value}")
+        return value
+
+    @field_validator("layer_lambdas")
+    @classmethod
+    def _non_negative(cls, value: tuple[float, ...] | None) -> tuple[float, ...] | None:
+        if value is not None and any(v < 0 for v in value):
+            raise ValueError(f"layer_lambdas must be >= 0, got {list(value)}")
+        return value
+
+    @model_validator(mode="after")
+    def _layers_exist(self) -> SparsifyConfig:
+        network = models.build_model(self.model, 1, 2, 4)
+        names = [name for name, _ in network.named_modules() if name]
+        missing = [name for name in self.layers() if name not in names]
+        if missing:
+            raise ValueError(f"sparse_layers {missing} are not modules of {self.model}; it has "
+                             f"{', '.join(names)}")
+        if self.layer_lambdas is not None and len(self.layer_lambdas) != len(self.layers()):
+            raise ValueError(f"layer_lambdas has {len(self.layer_lambdas)} values for "
+                             f"{len(self.layers())} sparse_layers ({', '.join(self.layers())})")
+        return self
+
+    def layers(self) -> tuple[str, ...]:
+        """The regularized layers: `sparse_layers`, or the model's feature maps."""
+        if self.sparse_layers is not None:
+            return self.sparse_layers
+        return tuple(models.build_model(self.model, 1, 2, 4).feature_layers[:-1])

@@ -1,10 +1,11 @@
 """A training round run data-parallel inside a task: `torchrun` launches `training.ddp_round`.
 
-The task writes the round's job (data, states, passes, schedule) to a temporary folder,
+The task writes the round's job (`round_job`: data, states, passes, schedule; and for a
+distillation stage the student's adapter and the feature bank) to a temporary folder,
 launches `torchrun --standalone --nproc-per-node N -m training.ddp_round JOB OUT` (gloo on
 CPUs, nccl on GPUs, one process per GPU), and loads rank 0's result back into its own model,
-optimizer and weight average, so everything after the round (validation, checkpoint,
-versioning) is the same as in one process.
+optimizer and weight average, (and adapter), so everything after the round
+(validation, checkpoint, versioning) is the same as in one process.
 """
 
 from __future__ import annotations
@@ -14,13 +15,18 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
 
 from tasks.checkpoints import torch_save
+from tasks.data import DatasetRef, LoadedDataset
 from tasks.environment import PROJECT_ROOT
+
+if TYPE_CHECKING:
+    from tasks.training import ClassifierConfig
 
 
 class DataParallelError(RuntimeError):
@@ -32,13 +38,45 @@ def torchrun() -> str:
     return str(Path(sys.executable).with_name("torchrun"))
 
 
+def cpu_state(module: nn.Module) -> dict[str, Tensor]:
+    """`module`'s state on the CPU (what a job file holds)."""
+    return {k: v.cpu() for k, v in module.state_dict().items()}
+
+
+def round_job(config: ClassifierConfig, dataset: DatasetRef, data: LoadedDataset,
+              model: nn.Module, optimizer: torch.optim.Optimizer, positions: Tensor,
+              passes: range, schedule: tuple[int, int], warmup_epochs: float,
+              seeds: list[int] | None = None, seed: int | None = None,
+              averaged: AveragedModel | None = None, average_decay: float | None = None,
+              distill: dict[str, Any] | None = None,
+              sparsity: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The job of `training.ddp_round`: `passes` over the images at `positions` with the
+    config's optimizer settings, shuffled per pass by `seeds` or as one stream from `seed`;
+    `distill` (the student's layer, adapter and bank) makes it a distillation stage,
+    `sparsity` (a `SparsitySpec` dumped) adds the activation-sparsity term."""
+    return {"images": data.images, "labels": data.labels, "positions": positions,
+            "mean": dataset.mean, "std": dataset.std, "channels": dataset.channels,
+            "classes": len(dataset.classes), "model": config.model, "width": config.width,
+            "state": cpu_state(model), "optimizer": optimizer.state_dict(),
+            "passes": list(passes), "seeds": seeds, "seed": seed, "schedule": list(schedule),
+            "warmup_epochs": warmup_epochs, "batch_size": config.batch_size,
+            "augment": config.augment, "flip": config.flip != "off",  # as `tasks.training.flips`
+            "lr": config.lr, "momentum": config.momentum,
+            "weight_decay": config.weight_decay, "label_smoothing": config.label_smoothing,
+            "grad_clip": config.grad_clip, "device": config.device, "threads": config.threads,
+            "average_decay": average_decay if averaged is not None else None,
+            "averaged": None if averaged is None else cpu_state(averaged.module),
+            "distill": distill, "sparsity": sparsity}
+
+
 def train_round_data_parallel(procs: int, job: dict, model: nn.Module,
                               optimizer: torch.optim.Optimizer,
                               averaged: AveragedModel | None, threads: int | None,
-                              timeout: float = 24 * 3600) -> dict[str, float]:
-    """Runs `job` in `procs` processes and copies the trained states into `model`, `optimizer`
-    and `averaged`; returns the round's losses (over the processes' shares together) and
-    `ddp_processes`."""
+                              timeout: float = 24 * 3600,
+                              adapter: nn.Module | None = None) -> dict[str, float]:
+    """Runs `job` in `procs` processes and copies the trained states into `model`, `optimizer`,
+    `averaged` and `adapter`; returns the round's losses (over the processes' shares
+    together) and `ddp_processes`."""
     with tempfile.TemporaryDirectory(prefix="ddp-round-") as folder:
         job_path, out_path = Path(folder) / "job.pt", Path(folder) / "out.pt"
         torch_save(job, job_path)
@@ -61,4 +99,6 @@ def train_round_data_parallel(procs: int, job: dict, model: nn.Module,
     optimizer.load_state_dict(out["optimizer"])
     if averaged is not None:
         averaged.module.load_state_dict(out["averaged"])
+    if adapter is not None:
+        adapter.load_state_dict(out["adapter"])
     return out["metrics"] | {"ddp_processes": float(procs)}

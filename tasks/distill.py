@@ -21,8 +21,10 @@ from tasks.caching import computation_key
 from tasks.checkpoints import load_checkpoint, save_checkpoint, torch_save
 from tasks.config import DistillConfig, StrictConfig
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
+from tasks.ddp import cpu_state, round_job, train_round_data_parallel
 from tasks.training import (
     ClassifierConfig,
+    flips,
     make_optimizer,
     new_model,
     restore,
@@ -166,17 +168,31 @@ def stage_batches(role: RoleConfig, dataset: DatasetRef, data: LoadedDataset, id
     return Batches(data.images, data.labels, ids, role.batch_size,
                    Normalize(dataset.mean, dataset.std), shuffle=True,
                    seed=role.seed * 1000 + stage, augment=role.augment, drop_last=True,
-                   device=device)
+                   device=device, flip=flips(role))
 
 
 def run_stage(role: RoleConfig, dataset: DatasetRef, stage: int, model: nn.Module,
               optimizer: torch.optim.Optimizer, batches: Batches, step, device: torch.device,
-              data: LoadedDataset) -> dict[str, float]:
-    """`training.distill_stages.train_stage` with `role`'s settings."""
+              data: LoadedDataset, adapter: FeatureAdapter | None = None,
+              distill: dict | None = None) -> dict[str, float]:
+    """`training.distill_stages.train_stage` with `role`'s settings: in this process, or with
+    `role.ddp_procs` > 1 data-parallel under torchrun (`tasks/ddp.py`), on the same stream of
+    batches; a student stage's job also carries its `adapter` and `distill` (layer, loss,
+    bank), from which `training.ddp_round` builds the same step."""
+
+    def data_parallel(passes: range, schedule: tuple[int, int], warmup: float) -> dict:
+        job = round_job(role, dataset, data, model, optimizer, batches.indices, passes,
+                        schedule, warmup, seed=batches.seed, distill=distill and distill | {
+                            "adapter_shapes": (adapter.student_shape, adapter.teacher_shape),
+                            "adapter": cpu_state(adapter)})
+        return train_round_data_parallel(role.ddp_procs, job, model, optimizer, None,
+                                         role.threads, adapter=adapter)
+
     return train_stage(model, optimizer, batches,
                        split_batches(data, dataset, "val", 1024, device), step, device, stage,
                        role.epochs, role.repeats, role.lr, role.warmup_epochs, role.grad_clip,
-                       f"{role.role} stage {stage}/{role.epochs}" if role.progress else None)
+                       f"{role.role} stage {stage}/{role.epochs}" if role.progress else None,
+                       trainer=data_parallel if role.ddp_procs > 1 else None)
 
 
 def pretrain_config(teacher: RoleConfig) -> ClassifierConfig:
@@ -201,7 +217,7 @@ def teacher_stage(teacher: RoleConfig, dataset: DatasetRef, stage: int,
     ids = stage_ids(teacher, data.splits["train"], stage)
     batches = stage_batches(teacher, dataset, data, ids, stage, device)
     metrics = run_stage(teacher, dataset, stage, model, optimizer, batches,
-                           classification_step(teacher.label_smoothing), device, data)
+                        classification_step(teacher.label_smoothing), device, data)
     payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                "stage": stage, "ids": ids, "metrics": metrics}
     relpath = f"checkpoints/distill/{run_key(teacher, dataset)}/teacher-{stage:03d}.pt"
@@ -323,7 +339,12 @@ def student_stage(student: StudentConfig, dataset: DatasetRef, stage: int,
                                  student.ce_weight, student.feature_weight,
                                  student.label_smoothing)
         metrics = run_stage(student, dataset, stage, model, optimizer, batches, step, device,
-                               data)
+                            data, adapter, distill={
+                                "layer": student.layer, "bank": features.state_dict(),
+                                "feature_loss": student.feature_loss,
+                                "temperature": student.temperature,
+                                "ce_weight": student.ce_weight,
+                                "feature_weight": student.feature_weight})
     filled = features.lookup(ids)[1].float().mean().item()
     metrics |= {"bank_filled_fraction_drawn": filled}
     payload = {"model": model.state_dict(), "adapter": adapter.state_dict(),

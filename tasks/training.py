@@ -13,6 +13,7 @@ import hashlib
 import json
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -25,9 +26,9 @@ from torch.optim.swa_utils import AveragedModel
 from models import ImageClassifier, build_model
 from tasks.caching import computation_key, result_fields
 from tasks.checkpoints import load_checkpoint, save_checkpoint
-from tasks.config import ModelSection, OptimSection, RunSection
+from tasks.config import ModelSection, OptimSection, RunSection, SparsitySpec
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
-from tasks.ddp import train_round_data_parallel
+from tasks.ddp import round_job, train_round_data_parallel
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.batches import Batches, Normalize
 from training.budget import Budget, fit_budget
@@ -35,6 +36,7 @@ from training.device import place_model, resolve_device
 from training.features import WithEmbedding
 from training.loops import classification_step, evaluate
 from training.recipe import optimizer_to, set_momentum_and_decay, sgd, train_round
+from training.sparsity import sparsity_regularized
 
 
 class ClassifierConfig(ModelSection, OptimSection, RunSection):
@@ -73,14 +75,20 @@ def make_optimizer(model: nn.Module, config: ClassifierConfig) -> torch.optim.SG
     return sgd(model.parameters(), config.lr, config.momentum, config.weight_decay)
 
 
+def flips(config: ClassifierConfig) -> bool:
+    """Whether the config's augmentation flips: `flip` as the flow resolved it from the data
+    (`flows.skeleton.resolve_flip`); `auto` reaching a task directly flips."""
+    return config.flip != "off"
+
+
 def split_batches(data: LoadedDataset, dataset: DatasetRef, split: str, batch_size: int,
                   device: torch.device, shuffle: bool = False, seed: int = 0,
-                  augment: float = 0.0) -> Batches:
+                  augment: float = 0.0, flip: bool = True) -> Batches:
     """Batches over one split of a loaded data set; a shuffled (training) pass drops a short
     last batch, so BatchNorm never sees a batch of one."""
     return Batches(data.images, data.labels, data.splits[split], batch_size,
                    Normalize(dataset.mean, dataset.std), shuffle=shuffle, seed=seed,
-                   augment=augment, drop_last=shuffle, device=device)
+                   augment=augment, drop_last=shuffle, device=device, flip=flip)
 
 
 def restore(model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -156,37 +164,30 @@ def train_passes(config: ClassifierConfig, dataset: DatasetRef, data: LoadedData
                  model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
                  passes: range, schedule: tuple[int, int], warmup_epochs: float = 0.0,
                  progress: str | None = None, averaged: AveragedModel | None = None,
-                 average_decay: float | None = None) -> dict[str, float]:
+                 average_decay: float | None = None, sparsity: SparsitySpec | None = None
+                 ) -> dict[str, float]:
     """Trains `passes` of a classifier on the training split (`training.recipe.train_round`):
     in this process, or with `config.ddp_procs` > 1 data-parallel under torchrun
-    (`tasks/ddp.py`), with the same batches, schedule and weight average either way."""
+    (`tasks/ddp.py`), with the same batches, schedule and weight average either way.
+    `sparsity` adds its activation-sparsity term to the loss (`training.sparsity`)."""
 
     def seed_of(epoch: int) -> int:  # each pass's shuffling and augmentation
         return config.seed * 1000 + epoch
 
     def batches_for(epoch: int) -> Batches:
         return split_batches(data, dataset, "train", config.batch_size, device, shuffle=True,
-                             seed=seed_of(epoch), augment=config.augment)
+                             seed=seed_of(epoch), augment=config.augment, flip=flips(config))
 
     if config.ddp_procs == 1:
-        return train_round(model, optimizer, batches_for,
-                           classification_step(config.label_smoothing), device, passes,
-                           config.lr, schedule, warmup_epochs, config.grad_clip, progress,
-                           averaged)
-    job = {"images": data.images, "labels": data.labels, "positions": data.splits["train"],
-           "mean": dataset.mean, "std": dataset.std, "channels": dataset.channels,
-           "classes": len(dataset.classes), "model": config.model, "width": config.width,
-           "state": {k: v.cpu() for k, v in model.state_dict().items()},
-           "optimizer": optimizer.state_dict(), "passes": list(passes),
-           "seeds": [seed_of(epoch) for epoch in passes],
-           "schedule": list(schedule), "warmup_epochs": warmup_epochs,
-           "batch_size": config.batch_size, "augment": config.augment, "lr": config.lr,
-           "momentum": config.momentum, "weight_decay": config.weight_decay,
-           "label_smoothing": config.label_smoothing, "grad_clip": config.grad_clip,
-           "device": config.device, "threads": config.threads,
-           "average_decay": average_decay if averaged is not None else None,
-           "averaged": None if averaged is None else {
-               k: v.cpu() for k, v in averaged.module.state_dict().items()}}
+        step = classification_step(config.label_smoothing)
+        with nullcontext(step) if sparsity is None else sparsity_regularized(
+                step, model, sparsity.lambdas, sparsity.build()) as step:
+            return train_round(model, optimizer, batches_for, step, device, passes, config.lr,
+                               schedule, warmup_epochs, config.grad_clip, progress, averaged)
+    job = round_job(config, dataset, data, model, optimizer, data.splits["train"], passes,
+                    schedule, warmup_epochs, seeds=[seed_of(epoch) for epoch in passes],
+                    averaged=averaged, average_decay=average_decay,
+                    sparsity=None if sparsity is None else sparsity.model_dump())
     return train_round_data_parallel(config.ddp_procs, job, model, optimizer, averaged,
                                      config.threads)
 
@@ -198,14 +199,17 @@ def _epoch_run_name() -> str:
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name=_epoch_run_name)
 def train_classifier_epoch(config: ClassifierConfig, dataset: DatasetRef, epoch: int,
                            previous: ArtifactRef | None, run_name: str = "train",
-                           repeats: int = 1) -> EpochResult:
+                           repeats: int = 1, sparsity: SparsitySpec | None = None
+                           ) -> EpochResult:
     """Trains round `epoch` (0-based) of `config.epochs` from `previous`: `repeats` passes
     over the training images (`training.budget`; 1 on a large data set) on the cosine schedule
-    of the whole run, then scores the validation split."""
+    of the whole run, then scores the validation split. `sparsity`: the `sparsify` flow's
+    activation-sparsity term, added to the loss."""
     device = setup_device(config)
     store = ArtifactStore()
     data = load_dataset(dataset)
-    key = run_key(config, dataset) + (f"-x{repeats}" if repeats > 1 else "")
+    key = run_key(config, dataset) + (f"-x{repeats}" if repeats > 1 else "") + (
+        "" if sparsity is None else "-" + run_key(sparsity, dataset))
     model, optimizer = _take_warm(previous, key)
     if model is None:
         model, optimizer = resume(config, dataset, store, previous, device)
@@ -214,7 +218,8 @@ def train_classifier_epoch(config: ClassifierConfig, dataset: DatasetRef, epoch:
     passes = range(epoch * repeats, (epoch + 1) * repeats)
     metrics = train_passes(config, dataset, data, model, optimizer, device, passes,
                            (0, config.epochs * repeats), config.warmup_epochs * repeats,
-                           f"round {epoch + 1}/{config.epochs}" if config.progress else None)
+                           f"round {epoch + 1}/{config.epochs}" if config.progress else None,
+                           sparsity=sparsity)
     seconds = time.perf_counter() - started
     val = evaluate(model, split_batches(data, dataset, "val", 1024, device), device)
     images = len(passes) * (dataset.sizes["train"] // config.batch_size) * config.batch_size

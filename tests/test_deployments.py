@@ -73,7 +73,8 @@ def test_deploy_then_run_from_the_server(server):
     _cli(env, "work-pool", "create", "local", "--type", "process", "--overwrite")
     _cli(env, "--no-prompt", "deploy", "--all")
     deployments = {d["name"]: d for d in _api(url, "/deployments/filter", {})}
-    assert set(deployments) == {"train", "train-nightly", "distill", "pbt"}
+    assert set(deployments) == {"train", "train-nightly", "distill", "pbt", "sparsify"}
+    assert deployments["sparsify"]["parameters"] == {"config": {"profile": "quick"}}
     assert deployments["distill"]["parameters"] == {"config": {"profile": "quick"}}
     assert deployments["train"]["parameters"] == {"config": {"profile": "quick"}}
     schedules = deployments["train-nightly"]["schedules"]

@@ -80,3 +80,38 @@ def test_a_pbt_member_trains_data_parallel_with_its_weight_average():
     single, double = (_weights(r.checkpoint, "averaged") for r in runs)
     for name, tensor in single.items():
         assert double[name].allclose(tensor, rtol=1e-3, atol=1e-5), name
+
+
+def test_distill_teacher_and_student_stages_train_data_parallel_like_one_process():
+    from flows.skeleton import data_section
+    from tasks.config import DistillConfig
+    from tasks.data import prepare_dataset, source_version
+    from tasks.distill import DistillPlan, bank_snapshot, student_stage, teacher_stage
+
+    # No BatchNorm in either network (on CPUs each process would normalise its own share), so
+    # the teacher is a wider lenet (a copy of the role: the config wants a deeper teacher). The
+    # student's width 8 gives a learned linear adapter from its 784 features to the bank's 1568.
+    config = DistillConfig(profile="smoke", student_model="lenet", student_width=8, stages=2,
+                           train_limit=512, batch_size=64, threads=1)
+    data = data_section(config)
+    dataset = prepare_dataset.fn(data, source_version(data))
+    plans = [DistillPlan.of(config.model_copy(update={"ddp_procs": procs})) for procs in (1, 2)]
+    plans = [plan.model_copy(update={"teacher": plan.teacher.model_copy(update={
+        "model": "lenet", "width": 16})}) for plan in plans]
+    teachers = [teacher_stage.fn(plan.teacher, dataset, 1, None) for plan in plans]
+    assert teachers[1].metrics["ddp_processes"] == 2
+    assert teachers[1].metrics["loss"] == pytest.approx(teachers[0].metrics["loss"], rel=1e-4)
+    for name, tensor in _weights(teachers[0].checkpoint).items():
+        assert _weights(teachers[1].checkpoint)[name].allclose(tensor, rtol=1e-3, atol=1e-5)
+    bank = bank_snapshot.fn(plans[0].teacher, plans[0].bank, dataset, 1,
+                            teachers[0].checkpoint, None)
+    students = [student_stage.fn(plan.student, dataset, 1, None, bank.bank) for plan in plans]
+    assert students[1].metrics["ddp_processes"] == 2
+    for key in ("loss", "loss_ce", "loss_feat"):
+        assert students[1].metrics[key] == pytest.approx(students[0].metrics[key], rel=1e-4)
+    assert students[0].metrics["loss_feat"] > 0  # the bank's targets are in the loss
+    for entry in ("model", "adapter"):
+        single, double = (_weights(s.checkpoint, entry) for s in students)
+        assert set(single) == set(double) and single  # the adapter is learned, not identity
+        for name, tensor in single.items():
+            assert double[name].allclose(tensor, rtol=1e-3, atol=1e-5), (entry, name)

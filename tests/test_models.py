@@ -63,3 +63,17 @@ def test_registry_rejects_duplicates_and_names_valid_models():
         models.build_model("vgg11", 1, 10)
     with pytest.raises(KeyError, match="no layer"):
         FeatureHooks(models.build_model("cnn3", 1, 10), ["nope"])
+
+
+@pytest.mark.parametrize("name", models.list_models())
+def test_small_inputs_are_upsampled_inside_the_network_to_its_input_floor(name):
+    model = models.build_model(name, in_channels=1, num_classes=10, width=4).eval()
+    small = torch.rand(2, 1, 8, 12)
+    with FeatureHooks(model, model.feature_layers[:1]) as feats:
+        logits = model(small)
+    first = feats[model.feature_layers[0]]
+    assert min(first.shape[-2:]) >= model.min_input_size // 2  # not pooled down to 2 pixels
+    upsampled = torch.nn.functional.interpolate(small, size=(28, 28), mode="bilinear")
+    torch.testing.assert_close(logits, model(upsampled))
+    big = torch.rand(2, 1, 32, 32)  # at or above the floor nothing is resized
+    assert model.fit_input(big) is big

@@ -47,6 +47,20 @@ def test_shift_flip_moves_pixels_within_the_padding():
     assert torch.equal(out, same)
 
 
+def test_batches_without_flips_shift_alike_and_never_mirror():
+    images = torch.zeros(32, 1, 8, 8, dtype=torch.uint8)
+    images[:, :, 3:5, 1] = 255  # a bar at the left: a mirror puts it on the right half
+    made = {flip: Batches(images, torch.zeros(32, dtype=torch.long), torch.arange(32), 32,
+                          Normalize([0.0], [1.0]), shuffle=True, seed=3, augment=1.0,
+                          flip=flip) for flip in (True, False)}
+    (_, flipped, _), = made[True]
+    (_, kept, _), = made[False]
+    assert (kept[..., 4:] == 0).all()  # a 1-pixel shift at most: never on the right half
+    assert (flipped[..., 4:] > 0).flatten(1).any(1).sum() > 8  # about half mirrored
+    unflipped = (flipped[..., 4:] == 0).flatten(1).all(1)
+    assert torch.equal(flipped[unflipped], kept[unflipped])  # the same shifts either way
+
+
 def test_cosine_lr_by_hand():
     assert cosine_lr(0.1, 0, 100) == pytest.approx(0.1)
     assert cosine_lr(0.1, 50, 100) == pytest.approx(0.05)
@@ -78,9 +92,10 @@ def test_train_epoch_learns_a_separable_toy_problem():
 
 
 def test_non_finite_loss_stops_training():
+    torch.manual_seed(0)
     images, labels = _toy()
     model = models.build_model("cnn2", 1, 2, width=4)
-    opt = torch.optim.SGD(model.parameters(), lr=1e12)
+    opt = torch.optim.SGD(model.parameters(), lr=1e30)
     batches = Batches(images, labels, torch.arange(64), 8, Normalize([0.5], [0.4]))
     with pytest.raises(NonFiniteLossError, match="loss is"):
         for _ in range(3):

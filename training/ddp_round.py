@@ -3,11 +3,16 @@ JOB OUT`.
 
 The job file (written by the task that launches it, `tasks/ddp.py`) holds everything the round
 needs: the images and labels, the training positions, the normalisation, the network's name
-and state, the optimizer's state, the passes with their shuffling seeds, the schedule and the
-weight average. Every process builds the same network and batches and trains its share of each
-batch (`training.distributed`: gloo on CPUs, nccl on CUDA); DDP averages the gradients, so a
-step is one process's step on the whole batch (BatchNorm aside: on CPUs each process
-normalises its own share). Rank 0 writes the trained states and the round's losses to OUT,
+and state, the optimizer's state, the passes with their shuffling seeds (one per pass, or one
+stream of batches over all passes, as a distillation stage draws them), the schedule and the
+weight average. A `job["sparsity"]` adds the activation-sparsity term of `training.sparsity`
+to the step. A distillation job (`job["distill"]`) also holds the student's layer, its
+adapter and the feature bank: the step is then `training.distillation.distillation_step`.
+
+Every process builds the same network and batches and trains its share of each batch
+(`training.distributed`: gloo on CPUs, nccl on CUDA); DDP averages the gradients, so a step
+is one process's step on the whole batch (BatchNorm aside: on CPUs each process normalises its
+own share). Rank 0 writes the trained states and the round's losses to OUT,
 under a temporary name, then renames it.
 """
 
@@ -15,16 +20,21 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from models import build_model
 from training.batches import Batches, Normalize
 from training.device import place_model, resolve_device
-from training.distributed import start, stop, wrap
-from training.loops import classification_step
+from training.distillation import FeatureAdapter, FeatureLoss, bank_targets, distillation_step
+from training.distributed import Distributed, start, stop, wrap
+from training.feature_bank import FeatureBank
+from training.features import FeatureHooks
+from training.loops import Step, classification_step
 from training.recipe import (
     optimizer_to,
     set_momentum_and_decay,
@@ -32,6 +42,7 @@ from training.recipe import (
     start_average,
     train_round,
 )
+from training.sparsity import SparsityTransform, sparsity_regularized
 
 
 def run(job: dict[str, Any]) -> dict[str, Any]:
@@ -45,37 +56,80 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     place = start(device)
     model = build_model(job["model"], job["channels"], job["classes"], job["width"])
     model.load_state_dict(job["state"])
-    optimizer = sgd(model.parameters(), job["lr"], job["momentum"], job["weight_decay"])
+    distill = job.get("distill")
+    adapter = None
+    if distill is not None:
+        adapter = FeatureAdapter(*distill["adapter_shapes"])
+        adapter.load_state_dict(distill["adapter"])
+    # the parameters in the order the launching task's optimizer holds them
+    trainable = model if adapter is None else nn.ModuleList([model, adapter])
+    optimizer = sgd(trainable.parameters(), job["lr"], job["momentum"], job["weight_decay"])
     if job["optimizer"] is not None:
         optimizer.load_state_dict(job["optimizer"])
         set_momentum_and_decay(optimizer, job["momentum"], job["weight_decay"])
     model = place_model(model, device)
+    if adapter is not None:
+        adapter.to(device).train()
     optimizer_to(optimizer, device)
     averaged = None
     if job["average_decay"] is not None:
         averaged = start_average(model, job["average_decay"], job["averaged"])
     trained = wrap(model, device, place)
-    normalize = Normalize(job["mean"], job["std"])
-    seeds = dict(zip(job["passes"], job["seeds"], strict=True))
-
-    def batches_for(epoch: int) -> Batches:
-        return Batches(job["images"], job["labels"], job["positions"], job["batch_size"],
-                       normalize, shuffle=True, seed=seeds[epoch], augment=job["augment"],
-                       drop_last=True, device=device, rank=place.rank,
-                       world_size=place.world_size)
-
-    metrics = train_round(trained, optimizer, batches_for,
-                          classification_step(job["label_smoothing"]), device,
-                          range(job["passes"][0], job["passes"][-1] + 1), job["lr"],
-                          tuple(job["schedule"]), job["warmup_epochs"], job["grad_clip"],
-                          averaged=averaged)
+    batches_for = pass_batches(job, device, place)
+    with ExitStack() as hooks:
+        step = classification_step(job["label_smoothing"]) if distill is None else \
+            student_step(job, model, adapter, device, place, hooks)
+        if job.get("sparsity") is not None:
+            spec = job["sparsity"]
+            step = hooks.enter_context(sparsity_regularized(step, model, spec["lambdas"], (
+                SparsityTransform(spec["transform"], spec["power"], spec["abs_power"],
+                                  spec["base"]))))
+        metrics = train_round(trained, optimizer, batches_for, step, device,
+                              range(job["passes"][0], job["passes"][-1] + 1), job["lr"],
+                              tuple(job["schedule"]), job["warmup_epochs"], job["grad_clip"],
+                              averaged=averaged)
     out = {"model": {k: v.cpu() for k, v in model.state_dict().items()},
            "optimizer": optimizer.state_dict(), "metrics": metrics,
            "world_size": place.world_size,
+           "adapter": None if adapter is None else {
+               k: v.cpu() for k, v in adapter.state_dict().items()},
            "averaged": None if averaged is None else {
                k: v.cpu() for k, v in averaged.module.state_dict().items()}}
     stop()
     return out if place.is_main else {}
+
+
+def pass_batches(job: dict[str, Any], device: torch.device, place: Distributed):
+    """`epoch -> Batches` of this process's share: a new shuffle per pass from the pass's seed
+    (`job["seeds"]`), or one stream of batches drawn pass after pass from `job["seed"]` (a
+    distillation stage, whose passes repeat one `Batches`)."""
+
+    def batches(seed: int) -> Batches:
+        return Batches(job["images"], job["labels"], job["positions"], job["batch_size"],
+                       Normalize(job["mean"], job["std"]), shuffle=True, seed=seed,
+                       augment=job["augment"], drop_last=True, device=device,
+                       rank=place.rank, world_size=place.world_size, flip=job["flip"])
+
+    if job.get("seeds") is None:
+        stream = batches(job["seed"])
+        return lambda _epoch: stream
+    seeds = dict(zip(job["passes"], job["seeds"], strict=True))
+    return lambda epoch: batches(seeds[epoch])
+
+
+def student_step(job: dict[str, Any], model: nn.Module, adapter: nn.Module,
+                 device: torch.device, place: Distributed, hooks: ExitStack) -> Step:
+    """The distillation step of `distill`'s student layer, adapter (its gradients averaged
+    over the processes like the network's) and feature bank."""
+    distill = job["distill"]
+    bank = FeatureBank.from_state_dict(distill["bank"]).to(device)
+    captured = hooks.enter_context(FeatureHooks(model, [distill["layer"]]))
+    if any(p.requires_grad for p in adapter.parameters()):
+        adapter = wrap(adapter, device, place)
+    return distillation_step(captured, distill["layer"], adapter, bank_targets(bank, device),
+                             FeatureLoss(distill["feature_loss"], distill["temperature"]),
+                             distill["ce_weight"], distill["feature_weight"],
+                             job["label_smoothing"])
 
 
 def main(job_path: str, out_path: str) -> None:

@@ -82,7 +82,7 @@ class FeatureAdapter(nn.Module):
     def __init__(self, student_shape: Sequence[int], teacher_shape: Sequence[int]) -> None:
         super().__init__()
         student_shape, teacher_shape = tuple(student_shape), tuple(teacher_shape)
-        self.teacher_shape = teacher_shape
+        self.student_shape, self.teacher_shape = student_shape, teacher_shape
         if student_shape == teacher_shape:
             self.body: nn.Module = nn.Identity()
         elif len(student_shape) == 1 and len(teacher_shape) == 1:

@@ -1,0 +1,130 @@
+"""The `sparsify` flow's tasks: the sparsity term fitted to the network, and what the trained
+network's activations look like (zeros, dead channels, memory when stored sparse)."""
+
+from __future__ import annotations
+
+import torch
+from prefect import task
+from pydantic import BaseModel, ConfigDict
+
+from tasks.caching import computation_key
+from tasks.checkpoints import load_checkpoint
+from tasks.config import SparsifyConfig, SparsitySpec
+from tasks.data import DatasetRef, load_dataset
+from tasks.training import ClassifierConfig, new_model, setup_device, split_batches
+from tasks.versioning import ArtifactRef, ArtifactStore
+from training.device import place_model
+from training.loops import evaluate
+from training.sparsity import (
+    activation_memory,
+    activation_stats,
+    layer_lambdas,
+    layer_shapes,
+    map_area,
+)
+
+DEAD = 0.99  # a channel all zero on at least this share of the validation images is dead
+
+
+def sparsity_spec(config: SparsifyConfig, dataset: DatasetRef) -> SparsitySpec:
+    """The config's sparsity term for its network on the data's images: each layer's lambda
+    (`training.sparsity.layer_lambdas`, by the map areas the network really produces)."""
+    model = new_model(ClassifierConfig(**config.model_dump(
+        include=set(ClassifierConfig.model_fields))), dataset)
+    example = torch.zeros(1, dataset.channels, dataset.image_size, dataset.image_size)
+    shapes = layer_shapes(model, config.layers(), example)
+    lambdas = layer_lambdas({name: map_area(shape) for name, shape in shapes.items()},
+                            config.sparsity_lambda, config.lambda_gamma, config.layer_lambdas)
+    return SparsitySpec(lambdas=lambdas, transform=config.transform, power=config.power,
+                        abs_power=config.abs_power, base=config.base)
+
+
+class LayerReport(BaseModel):
+    """One regularized layer of the trained network, over the validation images."""
+
+    model_config = ConfigDict(frozen=True)
+
+    shape: tuple[int, ...]
+    zero_fraction: float
+    near_zero_fraction: float
+    dead_channels: int
+    bytes_dense: float
+    bytes_bitmap: float
+    bytes_csr: float
+
+
+class SparsityReport(BaseModel):
+    """The trained network's activations on the validation split, layer by layer."""
+
+    model_config = ConfigDict(frozen=True)
+
+    val_accuracy: float
+    layers: dict[str, LayerReport]
+
+    def metrics(self) -> dict[str, float]:
+        """Flat MLflow metrics: `zero_fraction_<layer>`, `near_zero_fraction_<layer>`,
+        `dead_channels_<layer>`, `memory_bitmap_ratio_<layer>` (sparse / dense bytes), ... and
+        their mean over the layers (`zero_fraction`, ...)."""
+        out: dict[str, float] = {}
+        for name, layer in self.layers.items():
+            key = name.replace(".", "_")
+            out |= {f"zero_fraction_{key}": layer.zero_fraction,
+                    f"near_zero_fraction_{key}": layer.near_zero_fraction,
+                    f"dead_channels_{key}": float(layer.dead_channels),
+                    f"memory_bitmap_ratio_{key}": layer.bytes_bitmap / layer.bytes_dense,
+                    f"memory_csr_ratio_{key}": layer.bytes_csr / layer.bytes_dense}
+        count = max(len(self.layers), 1)
+        dense = sum(layer.bytes_dense for layer in self.layers.values())
+        return out | {
+            "zero_fraction": sum(v.zero_fraction for v in self.layers.values()) / count,
+            "near_zero_fraction": sum(v.near_zero_fraction for v in self.layers.values()) / count,
+            "memory_bitmap_ratio": sum(v.bytes_bitmap for v in self.layers.values()) / dense,
+            "memory_csr_ratio": sum(v.bytes_csr for v in self.layers.values()) / dense}
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name="sparsity-report")
+def sparsity_report(config: ClassifierConfig, dataset: DatasetRef, checkpoint: ArtifactRef,
+                    spec: SparsitySpec) -> SparsityReport:
+    """Scores the checkpoint on the validation split and measures its regularized layers:
+    exact zeros, |x| < 1e-3, channels dead on 99% of the images, bytes per image stored dense,
+    as a bitmap plus values, and as CSR (`training.sparsity.activation_memory`)."""
+    device = setup_device(config)
+    model = new_model(config, dataset)
+    model.load_state_dict(load_checkpoint(ArtifactStore(), checkpoint)["model"])
+    model = place_model(model, device)
+    data = load_dataset(dataset)
+    val = split_batches(data, dataset, "val", 1024, device)
+    accuracy = evaluate(model, val, device)["accuracy"]
+    stats = activation_stats(model, list(spec.lambdas), val, device)
+    layers = {}
+    for name in spec.lambdas:
+        memory = activation_memory(stats.shapes[name], stats.zero_fraction[name])
+        dead = stats.dead_channels(name, DEAD) if name in stats.dead_channel_fraction else []
+        layers[name] = LayerReport(
+            shape=stats.shapes[name], zero_fraction=stats.zero_fraction[name],
+            near_zero_fraction=stats.near_zero_fraction[name], dead_channels=len(dead),
+            bytes_dense=memory["dense"], bytes_bitmap=memory["bitmap"], bytes_csr=memory["csr"])
+    return SparsityReport(val_accuracy=accuracy, layers=layers)
+
+
+def sparsity_figure(report: SparsityReport, title: str):
+    """A bar chart of each layer's share of exact zeros and of |x| < 1e-3."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    from matplotlib import pyplot
+
+    names = list(report.layers)
+    figure, axis = pyplot.subplots(figsize=(1.6 + 1.2 * len(names), 3.2))
+    positions = range(len(names))
+    axis.bar([p - 0.2 for p in positions], [report.layers[n].zero_fraction for n in names],
+             width=0.4, label="exact zeros")
+    axis.bar([p + 0.2 for p in positions], [report.layers[n].near_zero_fraction for n in names],
+             width=0.4, label="|x| < 1e-3")
+    axis.set_xticks(list(positions), names)
+    axis.set_ylim(0, 1)
+    axis.set_ylabel("share of activations (validation)")
+    axis.set_title(title)
+    axis.legend(loc="lower right")
+    figure.tight_layout()
+    return figure

@@ -1,0 +1,84 @@
+"""The `sparsify` flow end to end (real Prefect, MLflow, DVC and Fashion-MNIST), and its bad
+input on the command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from tasks.config import SparsifyConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def smoke_sparsify(**overrides) -> SparsifyConfig:
+    return SparsifyConfig(**{"profile": "smoke", "epochs": 2, "train_limit": 768, "lr": 0.1,
+                             "model_name": "smoke-sparsify", **overrides})
+
+
+@pytest.fixture(scope="module")
+def runs():
+    from flows.sparsify import sparsify
+
+    return {lam: sparsify(smoke_sparsify(sparsity_lambda=lam)) for lam in (0.0, 0.5)}
+
+
+def test_the_term_raises_the_zeros_of_every_regularized_layer(runs):
+    plain, sparse = runs[0.0], runs[0.5]
+    assert list(sparse.spec.lambdas) == ["block1", "block2"]  # lenet's feature maps
+    # gamma 0.5: block2's 7 x 7 map weighs (196 / 49) ** 0.5 = 2 times block1's 14 x 14
+    assert sparse.spec.lambdas == pytest.approx({"block1": 0.5, "block2": 1.0})
+    for layer in ("block1", "block2"):
+        assert sparse.report.layers[layer].zero_fraction > \
+            plain.report.layers[layer].zero_fraction + 0.1, layer
+        assert sparse.report.layers[layer].near_zero_fraction >= \
+            sparse.report.layers[layer].zero_fraction
+    assert sparse.report.layers["block1"].shape == (16, 14, 14)
+    assert sparse.report.metrics()["memory_bitmap_ratio"] < \
+        plain.report.metrics()["memory_bitmap_ratio"]
+    assert sparse.test_accuracy > 0.25  # it still learns (chance: 0.1)
+
+
+def test_metrics_report_and_plot_are_in_mlflow(runs):
+    sparse = runs[0.5]
+    client = MlflowClient()
+    run = client.get_run(sparse.run_id)
+    metrics = run.data.metrics
+    assert metrics["lambda_block2"] == pytest.approx(1.0)
+    assert metrics["zero_fraction_block1"] == pytest.approx(
+        sparse.report.layers["block1"].zero_fraction)
+    assert {"loss_sparsity", "sparsity_block1", "sparsity_block2", "loss_ce",
+            "test_accuracy", "memory_csr_ratio"} <= set(metrics)
+    history = client.get_metric_history(sparse.run_id, "loss_sparsity")
+    assert [m.step for m in history] == [1, 2] and all(m.value > 0 for m in history)
+    assert run.data.params["transform"] == "abs"
+    files = {f.path for f in client.list_artifacts(sparse.run_id, "sparsity")}
+    assert files == {"sparsity/report.json", "sparsity/layers.png"}
+    report = json.loads(Path(client.download_artifacts(sparse.run_id,
+                                                       "sparsity/report.json")).read_text())
+    assert report["layers"]["block2"]["dead_channels"] == sparse.report.layers[
+        "block2"].dead_channels
+    assert int(sparse.registration.version) >= 1
+
+
+@pytest.mark.parametrize(("flags", "names"), [
+    (["--sparse-layers", "block9"], ["sparse_layers", "block9", "block1.1"]),
+    (["--transform", "power", "--power", "3"], ["power must be even"]),
+    (["--transform", "exp_abs", "--base", "1"], ["base must be > 1"]),
+    (["--sparsity-lambda", "-0.1"], ["sparsity_lambda"]),
+    (["--layer-lambdas", "1,2,3"], ["layer_lambdas has 3 values for 2 sparse_layers"]),
+])
+def test_bad_input_is_one_error_line_before_any_work(flags, names):
+    done = subprocess.run([sys.executable, "-m", "flows", "sparsify", "--profile", "smoke",
+                           *flags], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: invalid configuration:"]  # then one line per bad field
+    for name in names:
+        assert name in done.stderr, (name, done.stderr)
