@@ -64,6 +64,19 @@ class Finished(BaseModel):
         return self.test.metrics["test_accuracy"]
 
 
+class ClassifierSummary(BaseModel):
+    """What a run that trains one classifier in rounds gives back (`train`, `sparsify`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    run_id: str
+    best_epoch: int
+    val_accuracy: float
+    test_accuracy: float
+    baselines: dict[str, float]
+    registration: Registration
+
+
 def data_section(config: BaseModel) -> DataSection:
     """The data part of a flow config."""
     return DataSection(**config.model_dump(include=set(DataSection.model_fields)))

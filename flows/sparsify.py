@@ -5,36 +5,65 @@ transform T of the layer's activations that is smallest at 0 (`training/sparsity
 smaller map gets a larger lambda_l. The rounds are the `train` flow's (same budget, early
 stopping, checkpoints); after them the kept network's activations are measured on the
 validation split (exact zeros, near zeros, dead channels, bytes stored sparse), logged and
-plotted, and the network is tested, registered and promoted like `train`'s.
+plotted (with `--lambda-sweep`, more networks in nested runs give accuracy against zeros);
+its dead channels are removed (a smaller network, re-validated and timed on the CPU,
+exported beside it); and the network is tested, registered and promoted like `train`'s.
 """
 
 from __future__ import annotations
 
 from prefect import flow, get_run_logger
-from pydantic import BaseModel, ConfigDict
 
-from flows.skeleton import budgeted_classifier, finish, prepare, publish, run_tags, train_epochs
+from flows.skeleton import (
+    ClassifierSummary,
+    Prepared,
+    budgeted_classifier,
+    finish,
+    prepare,
+    publish,
+    run_tags,
+    train_epochs,
+)
 from tasks import tracking
 from tasks.config import SparsifyConfig, SparsitySpec
-from tasks.registration import Registration
-from tasks.sparsify import SparsityReport, sparsity_figure, sparsity_report, sparsity_spec
+from tasks.sparsify import (
+    PruneResult,
+    SparsityReport,
+    prune_dead_channels,
+    sparsity_figure,
+    sparsity_report,
+    sparsity_spec,
+    sweep_figure,
+)
+from tasks.training import ClassifierConfig
+from training.budget import Budget
 
 FLOW_NAME = "sparsify"
 
 
-class SparsifySummary(BaseModel):
+class SparsifySummary(ClassifierSummary):
     """What a `sparsify` run gives back: the model, its accuracy and its activations."""
 
-    model_config = ConfigDict(frozen=True)
-
-    run_id: str
-    best_epoch: int
-    val_accuracy: float
-    test_accuracy: float
-    baselines: dict[str, float]
     spec: SparsitySpec
     report: SparsityReport
-    registration: Registration
+    pruned: PruneResult
+    sweep: dict[float, SparsityReport]
+
+
+def sweep_point(config: SparsifyConfig, lam: float, classifier: ClassifierConfig,
+                prepared: Prepared, budget: Budget, run_id: str) -> SparsityReport:
+    """One more network trained with `lam` as `--sparsity-lambda` (a nested MLflow run with
+    its own rounds and report); its activations on the validation split."""
+    varied = config.model_copy(update={"sparsity_lambda": lam, "layer_lambdas": None,
+                                       "lambda_sweep": None})
+    spec = sparsity_spec(varied, prepared.dataset)
+    with tracking.tracked_run(FLOW_NAME, f"lambda-{lam:g}", varied,
+                              parent_run_id=run_id) as child:
+        best = train_epochs(classifier, prepared, budget, child, config.patience, FLOW_NAME,
+                            sparsity=spec)
+        report = sparsity_report(classifier, prepared.dataset, best.checkpoint, spec)
+        tracking.log_metrics(child, report.metrics() | {"val_accuracy": report.val_accuracy})
+    return report
 
 
 @flow(name=FLOW_NAME, description="Train a classifier with an activation-sparsity term on "
@@ -60,12 +89,27 @@ def sparsify(config: SparsifyConfig) -> SparsifySummary:
         tracking.log_dict(run_id, report.model_dump(), "sparsity/report.json")
         tracking.log_figure(run_id, sparsity_figure(
             report, f"{config.model}, {spec.build().describe()}"), "sparsity/layers.png")
+        pruned = prune_dead_channels(classifier, prepared.dataset, best.checkpoint, report)
+        tracking.log_metrics(run_id, pruned.metrics())
+        tracking.log_artifact_refs(run_id, {"program.pruned": pruned.program})
+        sweep = {config.sparsity_lambda: report}
+        for lam in config.lambda_sweep or ():
+            sweep[lam] = sweep.get(lam) or sweep_point(config, lam, classifier, prepared,
+                                                       budget, run_id)
+        if len(sweep) > 1:
+            tracking.log_dict(run_id, {f"{lam:g}": point.metrics() | {
+                "val_accuracy": point.val_accuracy} for lam, point in sorted(sweep.items())},
+                "sparsity/sweep.json")
+            tracking.log_figure(run_id, sweep_figure(sweep, f"{config.model}, "
+                                                     f"{spec.build().describe()}"),
+                                "sparsity/sweep.png")
         finished = finish(run_id, name, classifier, prepared, best.checkpoint,
                           best.metrics["val_accuracy"], gate=config.baseline_gate)
         summary = SparsifySummary(run_id=run_id, best_epoch=best.epoch + 1,
                                   val_accuracy=best.metrics["val_accuracy"],
                                   test_accuracy=finished.test_accuracy,
                                   baselines=prepared.baselines, spec=spec, report=report,
+                                  pruned=pruned, sweep=sweep,
                                   registration=finished.registration)
     publish("sparsify-summary", f"sparsify: {config.model} on {config.data}", run_id, finished, {
         "sparsity term": f"{spec.build().describe()}, " + ", ".join(
@@ -73,6 +117,10 @@ def sparsify(config: SparsifyConfig) -> SparsifySummary:
         "exact zeros (validation)": ", ".join(
             f"{k} {v.zero_fraction:.3f}" for k, v in report.layers.items()),
         "stored as bitmap + values": f"{report.metrics()['memory_bitmap_ratio']:.3f} of dense",
+        "dead channels removed": f"{pruned.pruned_parameters} of {pruned.parameters} parameters "
+                                 f"left, validation {pruned.pruned_val_accuracy:.4f}, CPU time "
+                                 f"{pruned.metrics()['pruned_latency_ratio_b1']:.2f} of the "
+                                 f"original's at batch 1",
         "best round (validation)": f"{summary.best_epoch} ({summary.val_accuracy:.4f})",
     })
     return summary

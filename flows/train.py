@@ -3,28 +3,26 @@
 from __future__ import annotations
 
 from prefect import flow
-from pydantic import BaseModel, ConfigDict
 
-from flows.skeleton import budgeted_classifier, finish, prepare, publish, run_tags, train_epochs
+from flows.skeleton import (
+    ClassifierSummary,
+    budgeted_classifier,
+    finish,
+    prepare,
+    publish,
+    run_tags,
+    train_epochs,
+)
 from tasks import tracking
 from tasks.config import TrainConfig
-from tasks.registration import Registration
 
 FLOW_NAME = "train"
 
 
-class TrainSummary(BaseModel):
+class TrainSummary(ClassifierSummary):
     """What a `train` run gives back: where everything is and how good it is."""
 
-    model_config = ConfigDict(frozen=True)
-
-    run_id: str
-    best_epoch: int
-    val_accuracy: float
-    test_accuracy: float
-    baselines: dict[str, float]
     repeats: int
-    registration: Registration
 
 
 @flow(name=FLOW_NAME, description="Train one classifier, test it, register it in MLflow and "

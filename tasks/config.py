@@ -429,8 +429,13 @@ class SparsifyConfig(TrainConfig):
     layer_lambdas: tuple[float, ...] | None = Field(None, description="an explicit lambda per "
                                                     "layer, comma-separated, in the order of "
                                                     "sparse_layers (instead of the rule)")
+    lambda_sweep: tuple[float, ...] | None = Field(None, description="also train with each of "
+                                                   "these lambdas, comma-separated (nested runs), "
+                                                   "and plot validation accuracy against exact "
+                                                   "zeros; the model registered is the one of "
+                                                   "--sparsity-lambda")
 
-    _lists = field_validator("sparse_layers", "layer_lambdas", mode="before")(
+    _lists = field_validator("sparse_layers", "layer_lambdas", "lambda_sweep", mode="before")(
         classmethod(lambda cls, value: _comma_list(value)))
 
     @field_validator("power")
@@ -448,11 +453,11 @@ class SparsifyConfig(TrainConfig):
             raise ValueError(f"base must be > 1 (c^|x| must grow with |x|), got {value}")
         return value
 
-    @field_validator("layer_lambdas")
+    @field_validator("layer_lambdas", "lambda_sweep")
     @classmethod
-    def _non_negative(cls, value: tuple[float, ...] | None) -> tuple[float, ...] | None:
+    def _non_negative(cls, value: tuple[float, ...] | None, info) -> tuple[float, ...] | None:
         if value is not None and any(v < 0 for v in value):
-            raise ValueError(f"layer_lambdas must be >= 0, got {list(value)}")
+            raise ValueError(f"{info.field_name} must be >= 0, got {list(value)}")
         return value
 
     @model_validator(mode="after")

@@ -24,6 +24,7 @@ from torch.optim.swa_utils import AveragedModel
 from tasks.checkpoints import torch_save
 from tasks.data import DatasetRef, LoadedDataset
 from tasks.environment import PROJECT_ROOT
+from training.ddp_round import cpu_state
 
 if TYPE_CHECKING:
     from tasks.training import ClassifierConfig
@@ -36,11 +37,6 @@ class DataParallelError(RuntimeError):
 def torchrun() -> str:
     """The torchrun launcher of this interpreter's environment."""
     return str(Path(sys.executable).with_name("torchrun"))
-
-
-def cpu_state(module: nn.Module) -> dict[str, Tensor]:
-    """`module`'s state on the CPU (what a job file holds)."""
-    return {k: v.cpu() for k, v in module.state_dict().items()}
 
 
 def round_job(config: ClassifierConfig, dataset: DatasetRef, data: LoadedDataset,

@@ -1,5 +1,6 @@
-"""The `sparsify` flow's tasks: the sparsity term fitted to the network, and what the trained
-network's activations look like (zeros, dead channels, memory when stored sparse)."""
+"""The `sparsify` flow's tasks: the sparsity term fitted to the network, what the trained
+network's activations look like (zeros, dead channels, memory when stored sparse), and the
+network with its dead channels removed (smaller, re-validated, timed)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,17 @@ from tasks.caching import computation_key
 from tasks.checkpoints import load_checkpoint
 from tasks.config import SparsifyConfig, SparsitySpec
 from tasks.data import DatasetRef, load_dataset
-from tasks.training import ClassifierConfig, new_model, setup_device, split_batches
+from tasks.training import (
+    ClassifierConfig,
+    export_program,
+    new_model,
+    setup_device,
+    split_batches,
+)
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.device import place_model
 from training.loops import evaluate
+from training.pruning import median_latency, parameter_count, prune_channels
 from training.sparsity import (
     activation_memory,
     activation_stats,
@@ -48,6 +56,7 @@ class LayerReport(BaseModel):
     zero_fraction: float
     near_zero_fraction: float
     dead_channels: int
+    dead_channel_ids: list[int]
     bytes_dense: float
     bytes_bitmap: float
     bytes_csr: float
@@ -99,10 +108,12 @@ def sparsity_report(config: ClassifierConfig, dataset: DatasetRef, checkpoint: A
     layers = {}
     for name in spec.lambdas:
         memory = activation_memory(stats.shapes[name], stats.zero_fraction[name])
-        dead = stats.dead_channels(name, DEAD) if name in stats.dead_channel_fraction else []
+        dead = stats.dead_channels(name, DEAD).tolist() \
+            if name in stats.dead_channel_fraction else []
         layers[name] = LayerReport(
             shape=stats.shapes[name], zero_fraction=stats.zero_fraction[name],
             near_zero_fraction=stats.near_zero_fraction[name], dead_channels=len(dead),
+            dead_channel_ids=dead,
             bytes_dense=memory["dense"], bytes_bitmap=memory["bitmap"], bytes_csr=memory["csr"])
     return SparsityReport(val_accuracy=accuracy, layers=layers)
 
@@ -126,5 +137,80 @@ def sparsity_figure(report: SparsityReport, title: str):
     axis.set_ylabel("share of activations (validation)")
     axis.set_title(title)
     axis.legend(loc="lower right")
+    figure.tight_layout()
+    return figure
+
+
+class PruneResult(BaseModel):
+    """The network with its dead channels removed, re-validated and timed against the original
+    on this machine's CPU."""
+
+    model_config = ConfigDict(frozen=True)
+
+    parameters: int
+    pruned_parameters: int
+    val_accuracy: float
+    pruned_val_accuracy: float
+    latency: dict[str, float]  # seconds per forward pass: `original_b1`, `pruned_b1`, ...
+    program: ArtifactRef
+
+    def metrics(self) -> dict[str, float]:
+        """`pruned_parameter_ratio`, `pruned_val_accuracy`, `pruned_latency_ratio_b<N>`."""
+        batches = sorted({int(k.split("_b")[1]) for k in self.latency})
+        return {"pruned_parameter_ratio": self.pruned_parameters / self.parameters,
+                "pruned_val_accuracy": self.pruned_val_accuracy,
+                "pruned_val_accuracy_change": self.pruned_val_accuracy - self.val_accuracy} | {
+            f"pruned_latency_ratio_b{n}": self.latency[f"pruned_b{n}"]
+            / self.latency[f"original_b{n}"] for n in batches}
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name="prune-dead-channels")
+def prune_dead_channels(config: ClassifierConfig, dataset: DatasetRef, checkpoint: ArtifactRef,
+                        report: SparsityReport, batch_sizes: tuple[int, ...] = (1, 256)
+                        ) -> PruneResult:
+    """Removes the report's dead channels (`training.pruning`), re-validates the smaller
+    network, times both on the CPU (median of interleaved forward passes at each batch size)
+    and exports the pruned network as a program versioned in DVC."""
+    model = new_model(config, dataset)
+    model.load_state_dict(load_checkpoint(ArtifactStore(), checkpoint)["model"])
+    model.eval()
+    example = torch.zeros(1, dataset.channels, dataset.image_size, dataset.image_size)
+    pruned = prune_channels(model, {name: layer.dead_channel_ids
+                                    for name, layer in report.layers.items()}, example)
+    data = load_dataset(dataset)
+    cpu = torch.device("cpu")
+    val = split_batches(data, dataset, "val", 1024, cpu)
+    accuracy = {name: evaluate(net, val, cpu)["accuracy"]
+                for name, net in (("original", model), ("pruned", pruned))}
+    latency = {}
+    for size in batch_sizes:
+        inputs = torch.randn(size, *example.shape[1:])
+        timed = median_latency({"original": model, "pruned": pruned}, inputs)
+        latency |= {f"{name}_b{size}": seconds for name, seconds in timed.items()}
+    relpath = f"sparsify/{checkpoint.md5}/pruned.pt2"
+    program = ArtifactStore().write(relpath, lambda path: export_program(
+        pruned, dataset.channels, dataset.image_size, path))
+    return PruneResult(parameters=parameter_count(model), pruned_parameters=parameter_count(
+        pruned), val_accuracy=accuracy["original"], pruned_val_accuracy=accuracy["pruned"],
+        latency=latency, program=program)
+
+
+def sweep_figure(points: dict[float, SparsityReport], title: str):
+    """Validation accuracy against the mean share of exact zeros, one point per lambda."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    lambdas = sorted(points)
+    zeros = [points[lam].metrics()["zero_fraction"] for lam in lambdas]
+    accuracy = [points[lam].val_accuracy for lam in lambdas]
+    figure, axis = pyplot.subplots(figsize=(4.8, 3.4))
+    axis.plot(zeros, accuracy, marker="o")
+    for lam, x, y in zip(lambdas, zeros, accuracy, strict=True):
+        axis.annotate(f"{lam:g}", (x, y), textcoords="offset points", xytext=(4, 4))
+    axis.set_xlabel("exact zeros in the regularized layers (validation)")
+    axis.set_ylabel("validation accuracy")
+    axis.set_title(title)
     figure.tight_layout()
     return figure

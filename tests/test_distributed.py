@@ -115,3 +115,22 @@ def test_distill_teacher_and_student_stages_train_data_parallel_like_one_process
         assert set(single) == set(double) and single  # the adapter is learned, not identity
         for name, tensor in single.items():
             assert double[name].allclose(tensor, rtol=1e-3, atol=1e-5), (entry, name)
+
+
+def test_the_sparsity_term_trains_data_parallel_like_one_process():
+    from tasks.config import SparsitySpec
+    from tasks.training import train_classifier_epoch
+
+    classifier, dataset = _lenet_smoke()
+    spec = SparsitySpec(lambdas={"block1": 0.3, "block2": 0.6}, transform="exp_abs", power=2,
+                        abs_power=1, base=2.0)
+    runs = [train_classifier_epoch.fn(classifier.model_copy(update={"ddp_procs": procs}),
+                                      dataset, 0, None, "ddp-sparse", 1, spec)
+            for procs in (1, 2)]
+    assert runs[1].metrics["ddp_processes"] == 2
+    for key in ("loss", "loss_ce", "loss_sparsity", "sparsity_block1", "sparsity_block2"):
+        assert runs[1].metrics[key] == pytest.approx(runs[0].metrics[key], rel=1e-4), key
+    assert runs[0].metrics["loss"] > runs[0].metrics["loss_ce"]  # the term is in the loss
+    single, double = (_weights(r.checkpoint) for r in runs)
+    for name, tensor in single.items():
+        assert double[name].allclose(tensor, rtol=1e-3, atol=1e-5), name

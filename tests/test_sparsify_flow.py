@@ -22,30 +22,30 @@ def smoke_sparsify(**overrides) -> SparsifyConfig:
 
 
 @pytest.fixture(scope="module")
-def runs():
+def sparse():
+    """lambda 0.5, and a sweep point without the term (a nested run)."""
     from flows.sparsify import sparsify
 
-    return {lam: sparsify(smoke_sparsify(sparsity_lambda=lam)) for lam in (0.0, 0.5)}
+    return sparsify(smoke_sparsify(sparsity_lambda=0.5, lambda_sweep="0,0.5"))
 
 
-def test_the_term_raises_the_zeros_of_every_regularized_layer(runs):
-    plain, sparse = runs[0.0], runs[0.5]
+def test_the_term_raises_the_zeros_of_every_regularized_layer(sparse):
+    plain = sparse.sweep[0.0]
+    assert set(sparse.sweep) == {0.0, 0.5} and sparse.sweep[0.5] == sparse.report
     assert list(sparse.spec.lambdas) == ["block1", "block2"]  # lenet's feature maps
     # gamma 0.5: block2's 7 x 7 map weighs (196 / 49) ** 0.5 = 2 times block1's 14 x 14
     assert sparse.spec.lambdas == pytest.approx({"block1": 0.5, "block2": 1.0})
     for layer in ("block1", "block2"):
         assert sparse.report.layers[layer].zero_fraction > \
-            plain.report.layers[layer].zero_fraction + 0.1, layer
+            plain.layers[layer].zero_fraction + 0.1, layer
         assert sparse.report.layers[layer].near_zero_fraction >= \
             sparse.report.layers[layer].zero_fraction
     assert sparse.report.layers["block1"].shape == (16, 14, 14)
-    assert sparse.report.metrics()["memory_bitmap_ratio"] < \
-        plain.report.metrics()["memory_bitmap_ratio"]
+    assert sparse.report.metrics()["memory_bitmap_ratio"] < plain.metrics()["memory_bitmap_ratio"]
     assert sparse.test_accuracy > 0.25  # it still learns (chance: 0.1)
 
 
-def test_metrics_report_and_plot_are_in_mlflow(runs):
-    sparse = runs[0.5]
+def test_metrics_report_and_plots_are_in_mlflow(sparse):
     client = MlflowClient()
     run = client.get_run(sparse.run_id)
     metrics = run.data.metrics
@@ -58,12 +58,30 @@ def test_metrics_report_and_plot_are_in_mlflow(runs):
     assert [m.step for m in history] == [1, 2] and all(m.value > 0 for m in history)
     assert run.data.params["transform"] == "abs"
     files = {f.path for f in client.list_artifacts(sparse.run_id, "sparsity")}
-    assert files == {"sparsity/report.json", "sparsity/layers.png"}
+    assert files == {"sparsity/report.json", "sparsity/layers.png", "sparsity/sweep.json",
+                     "sparsity/sweep.png"}
+    sweep = json.loads(Path(client.download_artifacts(sparse.run_id,
+                                                      "sparsity/sweep.json")).read_text())
+    assert set(sweep) == {"0", "0.5"}
+    children = client.search_runs([run.info.experiment_id],
+                                  f"tags.mlflow.parentRunId = '{sparse.run_id}'")
+    assert [child.info.run_name for child in children] == ["lambda-0"]
+    assert children[0].data.metrics["zero_fraction"] == pytest.approx(
+        sweep["0"]["zero_fraction"])
     report = json.loads(Path(client.download_artifacts(sparse.run_id,
                                                        "sparsity/report.json")).read_text())
     assert report["layers"]["block2"]["dead_channels"] == sparse.report.layers[
         "block2"].dead_channels
     assert int(sparse.registration.version) >= 1
+    # the dead channels removed: a smaller network, re-validated, timed, versioned
+    pruned = sparse.pruned
+    dead = sum(layer.dead_channels for layer in sparse.report.layers.values())
+    assert (pruned.pruned_parameters < pruned.parameters) == (dead > 0)
+    assert pruned.val_accuracy == pytest.approx(sparse.report.val_accuracy)
+    assert abs(pruned.pruned_val_accuracy - pruned.val_accuracy) <= 0.02
+    assert {"pruned_parameter_ratio", "pruned_latency_ratio_b1",
+            "pruned_latency_ratio_b256"} <= set(metrics)
+    assert len(run.data.tags["dvc.program.pruned"]) == 32
 
 
 @pytest.mark.parametrize(("flags", "names"), [
@@ -72,6 +90,7 @@ def test_metrics_report_and_plot_are_in_mlflow(runs):
     (["--transform", "exp_abs", "--base", "1"], ["base must be > 1"]),
     (["--sparsity-lambda", "-0.1"], ["sparsity_lambda"]),
     (["--layer-lambdas", "1,2,3"], ["layer_lambdas has 3 values for 2 sparse_layers"]),
+    (["--lambda-sweep", "0.1,-1"], ["lambda_sweep must be >= 0"]),
 ])
 def test_bad_input_is_one_error_line_before_any_work(flags, names):
     done = subprocess.run([sys.executable, "-m", "flows", "sparsify", "--profile", "smoke",

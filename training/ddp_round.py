@@ -12,8 +12,8 @@ adapter and the feature bank: the step is then `training.distillation.distillati
 Every process builds the same network and batches and trains its share of each batch
 (`training.distributed`: gloo on CPUs, nccl on CUDA); DDP averages the gradients, so a step
 is one process's step on the whole batch (BatchNorm aside: on CPUs each process normalises its
-own share). Rank 0 writes the trained states and the round's losses to OUT,
-under a temporary name, then renames it.
+own share). Rank 0 writes the trained states and the round's losses to OUT, under a temporary
+name, then renames it.
 """
 
 from __future__ import annotations
@@ -88,15 +88,17 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                               range(job["passes"][0], job["passes"][-1] + 1), job["lr"],
                               tuple(job["schedule"]), job["warmup_epochs"], job["grad_clip"],
                               averaged=averaged)
-    out = {"model": {k: v.cpu() for k, v in model.state_dict().items()},
-           "optimizer": optimizer.state_dict(), "metrics": metrics,
+    out = {"model": cpu_state(model), "optimizer": optimizer.state_dict(), "metrics": metrics,
            "world_size": place.world_size,
-           "adapter": None if adapter is None else {
-               k: v.cpu() for k, v in adapter.state_dict().items()},
-           "averaged": None if averaged is None else {
-               k: v.cpu() for k, v in averaged.module.state_dict().items()}}
+           "adapter": None if adapter is None else cpu_state(adapter),
+           "averaged": None if averaged is None else cpu_state(averaged.module)}
     stop()
     return out if place.is_main else {}
+
+
+def cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """`module`'s state on the CPU (what the result file holds)."""
+    return {k: v.cpu() for k, v in module.state_dict().items()}
 
 
 def pass_batches(job: dict[str, Any], device: torch.device, place: Distributed):
