@@ -356,9 +356,7 @@ class PBTConfig(ProfiledConfig, DataSection, ModelSection, StepSection, BudgetSe
                      "explore_factors", mode="before")
     @classmethod
     def _pair(cls, value: Any) -> Any:
-        if isinstance(value, str):  # from the command line: "0.01,0.3"
-            value = [part for part in re.split(r"[,\s]+", value.strip("()[] ")) if part]
-        return value
+        return _comma_list(value)  # from the command line: "0.01,0.3"
 
     @model_validator(mode="after")
     def _ordered_ranges(self) -> PBTConfig:
@@ -435,8 +433,10 @@ class SparsifyConfig(TrainConfig):
                                                    "zeros; the model registered is the one of "
                                                    "--sparsity-lambda")
 
-    _lists = field_validator("sparse_layers", "layer_lambdas", "lambda_sweep", mode="before")(
-        classmethod(lambda cls, value: _comma_list(value)))
+    @field_validator("sparse_layers", "layer_lambdas", "lambda_sweep", mode="before")
+    @classmethod
+    def _lists(cls, value: Any) -> Any:
+        return _comma_list(value)
 
     @field_validator("power")
     @classmethod
