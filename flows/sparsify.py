@@ -35,7 +35,7 @@ from tasks.sparsify import (
     sparsity_spec,
     sweep_figure,
 )
-from tasks.training import ClassifierConfig
+from tasks.training import ClassifierConfig, EpochResult
 from training.budget import Budget
 
 FLOW_NAME = "sparsify"
@@ -50,19 +50,33 @@ class SparsifySummary(ClassifierSummary):
     sweep: dict[float, SparsityReport]
 
 
+def train_sparse(config: SparsifyConfig, classifier: ClassifierConfig, prepared: Prepared,
+                 budget: Budget, run_id: str) -> tuple[SparsitySpec, EpochResult,
+                                                       SparsityReport]:
+    """The config's sparsity term, the rounds trained with it (the round kept) and the kept
+    network's activations on the validation split, logged on `run_id`."""
+    spec = sparsity_spec(config, prepared.dataset)
+    tracking.log_metrics(run_id, {f"lambda_{k.replace('.', '_')}": v
+                                  for k, v in spec.lambdas.items()})
+    get_run_logger().info("sparsity term %s on %s", spec.build().describe(), ", ".join(
+        f"{k} (lambda {v:.3g})" for k, v in spec.lambdas.items()))
+    best = train_epochs(classifier, prepared, budget, run_id, config.patience, FLOW_NAME,
+                        sparsity=spec)
+    report = sparsity_report(classifier, prepared.dataset, best.checkpoint, spec)
+    tracking.log_metrics(run_id, report.metrics())
+    return spec, best, report
+
+
 def sweep_point(config: SparsifyConfig, lam: float, classifier: ClassifierConfig,
                 prepared: Prepared, budget: Budget, run_id: str) -> SparsityReport:
     """One more network trained with `lam` as `--sparsity-lambda` (a nested MLflow run with
     its own rounds and report); its activations on the validation split."""
     varied = config.model_copy(update={"sparsity_lambda": lam, "layer_lambdas": None,
                                        "lambda_sweep": None})
-    spec = sparsity_spec(varied, prepared.dataset)
     with tracking.tracked_run(FLOW_NAME, f"lambda-{lam:g}", varied,
                               parent_run_id=run_id) as child:
-        best = train_epochs(classifier, prepared, budget, child, config.patience, FLOW_NAME,
-                            sparsity=spec)
-        report = sparsity_report(classifier, prepared.dataset, best.checkpoint, spec)
-        tracking.log_metrics(child, report.metrics() | {"val_accuracy": report.val_accuracy})
+        report = train_sparse(varied, classifier, prepared, budget, child)[2]
+        tracking.log_metrics(child, {"val_accuracy": report.val_accuracy})
     return report
 
 
@@ -77,15 +91,7 @@ def sparsify(config: SparsifyConfig) -> SparsifySummary:
         prepared = prepare(config, run_id)
         config = prepared.apply(config)
         classifier, budget = budgeted_classifier(config, prepared, run_id, config.epochs)
-        spec = sparsity_spec(config, prepared.dataset)
-        tracking.log_metrics(run_id, {f"lambda_{k.replace('.', '_')}": v
-                                      for k, v in spec.lambdas.items()})
-        get_run_logger().info("sparsity term %s on %s", spec.build().describe(), ", ".join(
-            f"{k} (lambda {v:.3g})" for k, v in spec.lambdas.items()))
-        best = train_epochs(classifier, prepared, budget, run_id, config.patience, FLOW_NAME,
-                            sparsity=spec)
-        report = sparsity_report(classifier, prepared.dataset, best.checkpoint, spec)
-        tracking.log_metrics(run_id, report.metrics())
+        spec, best, report = train_sparse(config, classifier, prepared, budget, run_id)
         tracking.log_dict(run_id, report.model_dump(), "sparsity/report.json")
         tracking.log_figure(run_id, sparsity_figure(
             report, f"{config.model}, {spec.build().describe()}"), "sparsity/layers.png")

@@ -110,6 +110,11 @@ class StepSection(StrictConfig):
     grad_clip: float | None = Field(5.0, gt=0.0, description="clip the gradient norm to this; "
                                     "none: no clipping")
 
+    def flips(self) -> bool:
+        """Whether the augmentation flips: `flip` as the flow resolved it from the data
+        (`flows.skeleton.Prepared.apply`); `auto` reaching a task directly flips."""
+        return self.flip != "off"
+
 
 class BudgetSection(StrictConfig):
     """How the budget fits the data (`training/budget.py`): a small data set gets a smaller

@@ -4,8 +4,8 @@ The task writes the round's job (`round_job`: data, states, passes, schedule; an
 distillation stage the student's adapter and the feature bank) to a temporary folder,
 launches `torchrun --standalone --nproc-per-node N -m training.ddp_round JOB OUT` (gloo on
 CPUs, nccl on GPUs, one process per GPU), and loads rank 0's result back into its own model,
-optimizer and weight average, (and adapter), so everything after the round
-(validation, checkpoint, versioning) is the same as in one process.
+optimizer, weight average and adapter, so everything after the round (validation, checkpoint,
+versioning) is the same as in one process.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def round_job(config: ClassifierConfig, dataset: DatasetRef, data: LoadedDataset
             "state": cpu_state(model), "optimizer": optimizer.state_dict(),
             "passes": list(passes), "seeds": seeds, "seed": seed, "schedule": list(schedule),
             "warmup_epochs": warmup_epochs, "batch_size": config.batch_size,
-            "augment": config.augment, "flip": config.flip != "off",  # as `tasks.training.flips`
+            "augment": config.augment, "flip": config.flips(),
             "lr": config.lr, "momentum": config.momentum,
             "weight_decay": config.weight_decay, "label_smoothing": config.label_smoothing,
             "grad_clip": config.grad_clip, "device": config.device, "threads": config.threads,

@@ -21,10 +21,9 @@ from tasks.caching import computation_key
 from tasks.checkpoints import load_checkpoint, save_checkpoint, torch_save
 from tasks.config import DistillConfig, StrictConfig
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
-from tasks.ddp import cpu_state, round_job, train_round_data_parallel
+from tasks.ddp import round_job, train_round_data_parallel
 from tasks.training import (
     ClassifierConfig,
-    flips,
     make_optimizer,
     new_model,
     restore,
@@ -36,6 +35,7 @@ from tasks.training import (
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.batches import Batches, Normalize
 from training.budget import Budget
+from training.ddp_round import cpu_state
 from training.device import place_model
 from training.distill_stages import draw_stage_ids, layer_features, train_stage
 from training.distillation import (
@@ -168,7 +168,7 @@ def stage_batches(role: RoleConfig, dataset: DatasetRef, data: LoadedDataset, id
     return Batches(data.images, data.labels, ids, role.batch_size,
                    Normalize(dataset.mean, dataset.std), shuffle=True,
                    seed=role.seed * 1000 + stage, augment=role.augment, drop_last=True,
-                   device=device, flip=flips(role))
+                   device=device, flip=role.flips())
 
 
 def run_stage(role: RoleConfig, dataset: DatasetRef, stage: int, model: nn.Module,

@@ -9,7 +9,6 @@ from prefect import task
 from pydantic import BaseModel, ConfigDict
 
 from tasks.caching import computation_key
-from tasks.checkpoints import load_checkpoint
 from tasks.config import SparsifyConfig, SparsitySpec
 from tasks.data import DatasetRef, load_dataset
 from tasks.training import (
@@ -18,6 +17,7 @@ from tasks.training import (
     new_model,
     setup_device,
     split_batches,
+    trained_model,
 )
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.device import place_model
@@ -98,9 +98,7 @@ def sparsity_report(config: ClassifierConfig, dataset: DatasetRef, checkpoint: A
     exact zeros, |x| < 1e-3, channels dead on 99% of the images, bytes per image stored dense,
     as a bitmap plus values, and as CSR (`training.sparsity.activation_memory`)."""
     device = setup_device(config)
-    model = new_model(config, dataset)
-    model.load_state_dict(load_checkpoint(ArtifactStore(), checkpoint)["model"])
-    model = place_model(model, device)
+    model = place_model(trained_model(config, dataset, checkpoint), device)
     data = load_dataset(dataset)
     val = split_batches(data, dataset, "val", 1024, device)
     accuracy = evaluate(model, val, device)["accuracy"]
@@ -118,13 +116,19 @@ def sparsity_report(config: ClassifierConfig, dataset: DatasetRef, checkpoint: A
     return SparsityReport(val_accuracy=accuracy, layers=layers)
 
 
-def sparsity_figure(report: SparsityReport, title: str):
-    """A bar chart of each layer's share of exact zeros and of |x| < 1e-3."""
+def _pyplot():
+    """matplotlib's pyplot drawing to files only, never a window."""
     import matplotlib
 
-    matplotlib.use("Agg")  # files only, never a window
+    matplotlib.use("Agg")
     from matplotlib import pyplot
 
+    return pyplot
+
+
+def sparsity_figure(report: SparsityReport, title: str):
+    """A bar chart of each layer's share of exact zeros and of |x| < 1e-3."""
+    pyplot = _pyplot()
     names = list(report.layers)
     figure, axis = pyplot.subplots(figsize=(1.6 + 1.2 * len(names), 3.2))
     positions = range(len(names))
@@ -171,9 +175,7 @@ def prune_dead_channels(config: ClassifierConfig, dataset: DatasetRef, checkpoin
     """Removes the report's dead channels (`training.pruning`), re-validates the smaller
     network, times both on the CPU (median of interleaved forward passes at each batch size)
     and exports the pruned network as a program versioned in DVC."""
-    model = new_model(config, dataset)
-    model.load_state_dict(load_checkpoint(ArtifactStore(), checkpoint)["model"])
-    model.eval()
+    model = trained_model(config, dataset, checkpoint).eval()
     example = torch.zeros(1, dataset.channels, dataset.image_size, dataset.image_size)
     pruned = prune_channels(model, {name: layer.dead_channel_ids
                                     for name, layer in report.layers.items()}, example)
@@ -197,11 +199,7 @@ def prune_dead_channels(config: ClassifierConfig, dataset: DatasetRef, checkpoin
 
 def sweep_figure(points: dict[float, SparsityReport], title: str):
     """Validation accuracy against the mean share of exact zeros, one point per lambda."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot
-
+    pyplot = _pyplot()
     lambdas = sorted(points)
     zeros = [points[lam].metrics()["zero_fraction"] for lam in lambdas]
     accuracy = [points[lam].val_accuracy for lam in lambdas]

@@ -75,12 +75,6 @@ def make_optimizer(model: nn.Module, config: ClassifierConfig) -> torch.optim.SG
     return sgd(model.parameters(), config.lr, config.momentum, config.weight_decay)
 
 
-def flips(config: ClassifierConfig) -> bool:
-    """Whether the config's augmentation flips: `flip` as the flow resolved it from the data
-    (`flows.skeleton.resolve_flip`); `auto` reaching a task directly flips."""
-    return config.flip != "off"
-
-
 def split_batches(data: LoadedDataset, dataset: DatasetRef, split: str, batch_size: int,
                   device: torch.device, shuffle: bool = False, seed: int = 0,
                   augment: float = 0.0, flip: bool = True) -> Batches:
@@ -176,7 +170,7 @@ def train_passes(config: ClassifierConfig, dataset: DatasetRef, data: LoadedData
 
     def batches_for(epoch: int) -> Batches:
         return split_batches(data, dataset, "train", config.batch_size, device, shuffle=True,
-                             seed=seed_of(epoch), augment=config.augment, flip=flips(config))
+                             seed=seed_of(epoch), augment=config.augment, flip=config.flips())
 
     if config.ddp_procs == 1:
         step = classification_step(config.label_smoothing)
@@ -255,6 +249,17 @@ class TestResult(BaseModel):
     program: ArtifactRef
 
 
+def trained_model(config: ClassifierConfig, dataset: DatasetRef, checkpoint: ArtifactRef,
+                  weights: str = "model") -> ImageClassifier:
+    """The config's network with the checkpoint entry `weights` loaded, on the CPU."""
+    model = new_model(config, dataset)
+    payload = load_checkpoint(ArtifactStore(), checkpoint)
+    if weights not in payload:
+        raise ValueError(f"checkpoint {checkpoint.path} has no {weights!r} weights")
+    model.load_state_dict(payload[weights])
+    return model
+
+
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="test-and-export")
 def test_and_export(config: ClassifierConfig, dataset: DatasetRef,
                     checkpoint: ArtifactRef, weights: str = "model") -> TestResult:
@@ -264,16 +269,10 @@ def test_and_export(config: ClassifierConfig, dataset: DatasetRef,
     kept: its last weights or their average, `training.recipe.choose_weights`).
     """
     device = setup_device(config)
-    store = ArtifactStore()
-    model = new_model(config, dataset)
-    payload = load_checkpoint(store, checkpoint)
-    if weights not in payload:
-        raise ValueError(f"checkpoint {checkpoint.path} has no {weights!r} weights")
-    model.load_state_dict(payload[weights])
-    model = place_model(model, device)
+    model = place_model(trained_model(config, dataset, checkpoint, weights), device)
     data = load_dataset(dataset)
     metrics = evaluate(model, split_batches(data, dataset, "test", 1024, device), device)
     relpath = str(Path(checkpoint.path).with_suffix(".pt2"))
-    program = store.write(relpath, lambda path: export_program(
+    program = ArtifactStore().write(relpath, lambda path: export_program(
         model, dataset.channels, dataset.image_size, path))
     return TestResult(metrics={f"test_{k}": v for k, v in metrics.items()}, program=program)
