@@ -14,6 +14,9 @@ is set beside:
   the minimum steps and no early stopping (the network trained long enough).
 
 Targets: every flow above both baselines on every set, and within 1 point of the long run.
+A test split of 300 images moves by 2 points between splits, so `--split-per-seed` gives each
+seed its own split (`split_seed` = seed, for the baselines and the long runs too): the means
+then average over splits as well as seeds.
 
     python -m bench.small_data                              # 4 sets, 3 seeds, 3 flows
     python -m bench.small_data --sets 1500x28 --seeds 0 --flows train
@@ -90,9 +93,11 @@ def image_folder(images: int, size: int) -> Path:
     return root
 
 
-def run_flow(flow: str, folder: Path, size: int, seed: int, **overrides) -> dict:
+def run_flow(flow: str, folder: Path, size: int, seed: int, split_seed: int = 0,
+             **overrides) -> dict:
     """One run of `flow` with its defaults on `folder`; its test accuracy and baselines."""
     common = {"data": str(folder), "image_size": size, "seed": seed, "progress": False,
+              "split_seed": split_seed,
               "model_name": f"bench-small-{flow}-{folder.name}", **overrides}
     started = time.perf_counter()
     if flow == "train":
@@ -120,6 +125,8 @@ def main() -> None:
                         help="seeds of the long run (default: --seeds)")
     parser.add_argument("--long-models", nargs="*", default=None, help="networks given a long "
                         "run (default: those of --flows)")
+    parser.add_argument("--split-per-seed", action="store_true", help="each seed its own "
+                        "train / validation / test split (split_seed = seed)")
     args = parser.parse_args()
     long_seeds = args.seeds if args.long_seeds is None else args.long_seeds
     long_models = args.long_models if args.long_models is not None else sorted(
@@ -134,12 +141,14 @@ def main() -> None:
         runs: dict[str, list[dict]] = {}
         for seed in args.seeds:
             for flow in args.flows:
-                runs.setdefault(flow, []).append(run_flow(flow, folder, size, seed))
+                split = seed if args.split_per_seed else 0
+                runs.setdefault(flow, []).append(run_flow(flow, folder, size, seed, split))
                 print(f"{spec} seed {seed} {flow}: {runs[flow][-1]}", flush=True)
             for model in long_models if args.long_factor and seed in long_seeds else []:
                 default_steps = TrainConfig.model_fields["min_steps"].default
                 runs.setdefault(f"long {model}", []).append(run_flow(
-                    "train", folder, size, seed, model=model, patience=None,
+                    "train", folder, size, seed, seed if args.split_per_seed else 0,
+                    model=model, patience=None,
                     min_steps=default_steps * args.long_factor,
                     model_name=f"bench-small-long-{model}-{folder.name}"))
                 print(f"{spec} seed {seed} long {model}: {runs[f'long {model}'][-1]}",
@@ -159,12 +168,14 @@ def main() -> None:
             results.append(row)
             rows.append([spec, flow, f"{mean:.4f} ± {std:.4f}",
                          " / ".join(f"{a:.4f}" for a in accuracies),
-                         f"{knn[0]:.4f}" if knn else "-", f"{linear[0]:.4f}" if linear else "-",
+                         f"{knn[0]:.4f} ± {knn[1]:.4f}" if knn else "-",
+                         f"{linear[0]:.4f} ± {linear[1]:.4f}" if linear else "-",
                          f"{mean - long[0]:+.4f}" if long else "-",
                          f"{row['seconds']:.0f}"])
     print_table(["set", "flow", "test accuracy (mean ± std)", "per seed", "3-NN pixels",
                  "linear pixels", "vs long run", "s / run"], rows)
     print_json({"benchmark": "small_data", "seeds": args.seeds, "long_seeds": long_seeds,
+                "split_per_seed": args.split_per_seed,
                 "long_factor": args.long_factor, "results": results})
 
 

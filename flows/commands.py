@@ -80,14 +80,18 @@ def run_pbt(config: PBTConfig) -> None:
 
 
 def run_sparsify(config: SparsifyConfig) -> None:
-    """Train a classifier with an activation-sparsity term; measure its zeros; register it."""
+    """Train a classifier, detector or contour network with an activation-sparsity term;
+    measure its zeros; register it."""
     from flows.sparsify import sparsify
 
     summary = _exit_on_data_error(lambda: sparsify(config))
     zeros = ", ".join(f"{name} {layer.zero_fraction:.3f}"
                       for name, layer in summary.report.layers.items())
-    print(f"\ntest accuracy {summary.test_accuracy:.4f} (kept round {summary.best_epoch}, "
-          f"validation {summary.val_accuracy:.4f}); exact zeros on validation: {zeros}")
+    scores = (", ".join(f"{k} {v:.4f}" for k, v in summary.test.items())
+              if config.task != "classification" else f"test accuracy {summary.test_accuracy:.4f}")
+    print(f"\n{scores} (kept round {summary.best_epoch}, validation "
+          f"{summary.report.score_name} {summary.report.val_score:.4f}); exact zeros on "
+          f"validation: {zeros}")
     _print_registration(summary)
 
 

@@ -8,6 +8,7 @@ A flow adds only its own training between `prepare` and `finish`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TypeVar
 
 from prefect import get_run_logger
@@ -130,31 +131,40 @@ def budgeted_classifier(config: BaseModel, prepared: Prepared, run_id: str, roun
         "batch_size": budget.batch_size, "epochs": rounds}), budget
 
 
-def train_epochs(classifier: ClassifierConfig, prepared: Prepared, budget: Budget,
-                 run_id: str, patience: int | None, run_name: str = "train",
-                 sparsity: SparsitySpec | None = None) -> EpochResult:
-    """Runs the rounds of `budget` (early stopping on validation accuracy after `patience`
-    rounds below the best); returns the round to keep (`training.recipe.EarlyStopping`).
-    `sparsity` adds the `sparsify` flow's activation-sparsity term to the loss."""
+def run_rounds(rounds: int, train_round: Callable[[int, ArtifactRef | None], EpochResult],
+               run_id: str, patience: int | None, val_images: int,
+               key: str = "val_accuracy") -> EpochResult:
+    """Runs `train_round(epoch, previous checkpoint)` for up to `rounds` rounds, logging each
+    round's metrics and checkpoint, with early stopping on the metric `key` after `patience`
+    rounds below the best; returns the round to keep (`training.recipe.EarlyStopping`)."""
     logger = get_run_logger()
-    stopping = EarlyStopping(patience, prepared.dataset.sizes["val"])
+    stopping = EarlyStopping(patience, val_images)
     previous, best = None, None
-    for epoch in range(classifier.epochs):
-        result = train_classifier_epoch(classifier, prepared.dataset, epoch, previous, run_name,
-                                        budget.repeats, sparsity)
+    for epoch in range(rounds):
+        result = train_round(epoch, previous)
         tracking.log_metrics(run_id, result.metrics, step=epoch + 1)
         tracking.log_artifact_refs(run_id, {f"checkpoint.epoch-{epoch + 1:03d}":
                                             result.checkpoint})
-        logger.info("round %d/%d: %s", epoch + 1, classifier.epochs, ", ".join(
+        logger.info("round %d/%d: %s", epoch + 1, rounds, ", ".join(
             f"{k}={v:.4g}" for k, v in result.metrics.items()))
         previous = result.checkpoint
-        if stopping.update(epoch, result.metrics["val_accuracy"]):
+        if stopping.update(epoch, result.metrics[key]):
             best = result
         if stopping.should_stop:
-            logger.info("early stop: %d rounds below the best validation accuracy",
-                        stopping.stale)
+            logger.info("early stop: %d rounds below the best %s", stopping.stale, key)
             break
     return best
+
+
+def train_epochs(classifier: ClassifierConfig, prepared: Prepared, budget: Budget,
+                 run_id: str, patience: int | None, run_name: str = "train",
+                 sparsity: SparsitySpec | None = None) -> EpochResult:
+    """The classifier's rounds of `budget` (`run_rounds`: early stopping on validation
+    accuracy); the round to keep. `sparsity` adds the `sparsify` flow's activation-sparsity
+    term to the loss."""
+    return run_rounds(classifier.epochs, lambda epoch, previous: train_classifier_epoch(
+        classifier, prepared.dataset, epoch, previous, run_name, budget.repeats, sparsity),
+        run_id, patience, prepared.dataset.sizes["val"])
 
 
 def finish(run_id: str, name: str, classifier: ClassifierConfig, prepared: Prepared,

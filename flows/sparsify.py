@@ -24,21 +24,20 @@ from flows.skeleton import (
     run_tags,
     train_epochs,
 )
+from flows.sparsify_dense import FLOW_NAME, DenseSummary, sparsify_dense
 from tasks import tracking
 from tasks.config import SparsifyConfig, SparsitySpec
 from tasks.sparsify import (
     PruneResult,
     SparsityReport,
+    log_sweep,
     prune_dead_channels,
     sparsity_figure,
     sparsity_report,
     sparsity_spec,
-    sweep_figure,
 )
 from tasks.training import ClassifierConfig, EpochResult
 from training.budget import Budget
-
-FLOW_NAME = "sparsify"
 
 
 class SparsifySummary(ClassifierSummary):
@@ -76,17 +75,24 @@ def sweep_point(config: SparsifyConfig, lam: float, classifier: ClassifierConfig
     with tracking.tracked_run(FLOW_NAME, f"lambda-{lam:g}", varied,
                               parent_run_id=run_id) as child:
         report = train_sparse(varied, classifier, prepared, budget, child)[2]
-        tracking.log_metrics(child, {"val_accuracy": report.val_accuracy})
+        tracking.log_metrics(child, {f"val_{report.score_name}": report.val_score})
     return report
 
 
-@flow(name=FLOW_NAME, description="Train a classifier with an activation-sparsity term on "
-      "chosen layers; measure its zeros, register it and promote it if it beats the champion "
-      "and the raw-pixel baselines.")
-def sparsify(config: SparsifyConfig) -> SparsifySummary:
-    """Trains `config.model` with the sparsity term; registers it as `config.model_name`."""
-    name = config.registered_name(FLOW_NAME)
+@flow(name=FLOW_NAME, description="Train a classifier, a detector or a contour network with "
+      "an activation-sparsity term on chosen layers; measure its zeros, register it and promote "
+      "it if it beats the champion (and, classifiers, the raw-pixel baselines).")
+def sparsify(config: SparsifyConfig) -> SparsifySummary | DenseSummary:
+    """Trains the config's network with the sparsity term; registers it as
+    `config.model_name`. `--task detection|contour`: `flows.sparsify_dense`."""
+    name = config.registered_name(FLOW_NAME if config.task == "classification"
+                                  else f"{FLOW_NAME}-{config.task}")
+    config = config.model_copy(update={"model": config.network_name()})
     run_name = f"{FLOW_NAME}-{config.model}-{config.transform}-seed{config.seed}"
+    if config.task != "classification":
+        with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)
+                                  | {"task": config.task}) as run_id:
+            return sparsify_dense(config, name, run_id)
     with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
         prepared = prepare(config, run_id)
         config = prepared.apply(config)
@@ -103,12 +109,7 @@ def sparsify(config: SparsifyConfig) -> SparsifySummary:
             sweep[lam] = sweep.get(lam) or sweep_point(config, lam, classifier, prepared,
                                                        budget, run_id)
         if len(sweep) > 1:
-            tracking.log_dict(run_id, {f"{lam:g}": point.metrics() | {
-                "val_accuracy": point.val_accuracy} for lam, point in sorted(sweep.items())},
-                "sparsity/sweep.json")
-            tracking.log_figure(run_id, sweep_figure(sweep, f"{config.model}, "
-                                                     f"{spec.build().describe()}"),
-                                "sparsity/sweep.png")
+            log_sweep(run_id, sweep, f"{config.model}, {spec.build().describe()}")
         finished = finish(run_id, name, classifier, prepared, best.checkpoint,
                           best.metrics["val_accuracy"], gate=config.baseline_gate)
         summary = SparsifySummary(run_id=run_id, best_epoch=best.epoch + 1,

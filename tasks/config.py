@@ -14,6 +14,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 import models
+from models.dense import SPARSE_LAYERS, TASK_MODELS, build_task_model
+from models.detection import SSDLITE
 from tasks.environment import data_dir
 
 Profile = Literal["smoke", "quick", "full"]
@@ -403,16 +405,38 @@ class SparsitySpec(StrictConfig):
 
 
 class SparsifyConfig(TrainConfig):
-    """The `sparsify` flow: a classifier trained with its task loss plus a sparsity term on
-    the activations of chosen layers (`training/sparsity.py`)."""
+    """The `sparsify` flow: a classifier, detector or contour network trained with its task
+    loss plus a sparsity term on the activations of chosen layers (`training/sparsity.py`).
+    A task's defaults (`TASK_DEFAULTS`) sit below the profile's and the given values."""
 
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
-        "smoke": {**TrainConfig.PROFILES["smoke"], "model": "lenet"},
+        "smoke": {**TrainConfig.PROFILES["smoke"], "model": None, "layouts": (64, 32, 32)},
         "quick": {},
-        "full": TrainConfig.PROFILES["full"],
+        "full": {**TrainConfig.PROFILES["full"], "layouts": (8000, 1000, 1000)},
+    }
+    TASK_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {
+        "classification": {},
+        "detection": {"batch_size": 16, "lr": 0.05, "epochs": 8, "min_steps": None},
+        "contour": {"batch_size": 16, "lr": 0.05, "epochs": 6, "min_steps": None},
     }
 
-    model: str = Field("lenet", description="the network whose activations are made sparse")
+    task: Literal["classification", "detection", "contour"] = Field(
+        "classification", description="classification: the data's classes; detection (class "
+        "and box) and contour (each object's boundary map): of the data's images pasted on "
+        "synthetic layouts (training/layouts.py)")
+    model: str | None = Field(None, description="the network whose activations are made "
+                              "sparse; none: lenet, ssdlite320_mobilenet_v3_large (detection), "
+                              "contour_unet (contour)")
+    canvas: int = Field(128, ge=64, le=1024, description="detection and contour: the layout "
+                        "canvases' size in pixels (a multiple of 4)")
+    layouts: tuple[int, int, int] = Field((3000, 300, 300), description="detection and contour: "
+                                          "how many train, validation and test canvases, "
+                                          "comma-separated")
+    max_objects: int = Field(4, ge=1, le=16, description="detection and contour: the most "
+                             "objects on a canvas (at least 1)")
+    boundary_tolerance: int = Field(1, ge=0, le=16, description="contour: a boundary pixel is "
+                                    "correct within this many pixels of a true one (boundary F)")
+
     sparse_layers: tuple[str, ...] | None = Field(None, description="module names whose "
                                                   "outputs are regularized, comma-separated "
                                                   "(any module of the network); none: its "
@@ -438,10 +462,38 @@ class SparsifyConfig(TrainConfig):
                                                    "zeros; the model registered is the one of "
                                                    "--sparsity-lambda")
 
-    @field_validator("sparse_layers", "layer_lambdas", "lambda_sweep", mode="before")
+    @field_validator("sparse_layers", "layer_lambdas", "lambda_sweep", "layouts", mode="before")
     @classmethod
     def _lists(cls, value: Any) -> Any:
         return _comma_list(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _task_defaults(cls, values: Any) -> Any:
+        if not isinstance(values, dict) or values.get("task") not in cls.TASK_DEFAULTS:
+            return values
+        profile = cls.PROFILES.get(values.get("profile", "quick"), {})
+        return {**cls.TASK_DEFAULTS[values["task"]], **profile, **values}
+
+    @field_validator("model")
+    @classmethod
+    def _model_registered(cls, value: str | None) -> str | None:
+        return value  # checked against the task in `_layers_exist`
+
+    @field_validator("layouts")
+    @classmethod
+    def _layout_counts(cls, value: tuple[int, int, int]) -> tuple[int, int, int]:
+        if any(v < 1 for v in value):
+            raise ValueError(f"every layout count must be >= 1, got {list(value)}")
+        return value
+
+    @field_validator("canvas")
+    @classmethod
+    def _multiple_of_four(cls, value: int) -> int:
+        if value % 4:
+            raise ValueError(f"canvas must be a multiple of 4 (the contour network pools "
+                             f"twice), got {value}")
+        return value
 
     @field_validator("power")
     @classmethod
@@ -465,14 +517,32 @@ class SparsifyConfig(TrainConfig):
             raise ValueError(f"{info.field_name} must be >= 0, got {list(value)}")
         return value
 
+    def network_name(self) -> str:
+        """`model`, or the task's default network."""
+        return self.model or {"classification": "lenet", "detection": SSDLITE,
+                              "contour": "contour_unet"}[self.task]
+
+    def network(self):
+        """An instance of the network (for its module names)."""
+        if self.task == "classification":
+            return models.build_model(self.network_name(), 1, 2, 4)
+        return build_task_model(self.task, self.network_name(), 2, self.canvas)
+
     @model_validator(mode="after")
     def _layers_exist(self) -> SparsifyConfig:
-        network = models.build_model(self.model, 1, 2, 4)
+        known = (models.list_models() if self.task == "classification"
+                 else TASK_MODELS[self.task])
+        if self.network_name() not in known:
+            raise ValueError(f"model: unknown {self.task} model {self.network_name()!r}; "
+                             f"choose one of {', '.join(known)}")
+        network = self.network()
         names = [name for name, _ in network.named_modules() if name]
         missing = [name for name in self.layers() if name not in names]
         if missing:
-            raise ValueError(f"sparse_layers {missing} are not modules of {self.model}; it has "
-                             f"{', '.join(names)}")
+            shown = ", ".join(names[:60]) + (f", ... ({len(names)} in all)"
+                                             if len(names) > 60 else "")
+            raise ValueError(f"sparse_layers {missing} are not modules of "
+                             f"{self.network_name()}; it has {shown}")
         if self.layer_lambdas is not None and len(self.layer_lambdas) != len(self.layers()):
             raise ValueError(f"layer_lambdas has {len(self.layer_lambdas)} values for "
                              f"{len(self.layers())} sparse_layers ({', '.join(self.layers())})")
@@ -482,4 +552,6 @@ class SparsifyConfig(TrainConfig):
         """The regularized layers: `sparse_layers`, or the model's feature maps."""
         if self.sparse_layers is not None:
             return self.sparse_layers
-        return tuple(models.build_model(self.model, 1, 2, 4).feature_layers[:-1])
+        if self.task != "classification":
+            return SPARSE_LAYERS[self.network_name()]
+        return tuple(models.build_model(self.network_name(), 1, 2, 4).feature_layers[:-1])

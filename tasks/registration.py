@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Callable
 from importlib.metadata import version as package_version
 from pathlib import Path
 
@@ -41,10 +42,11 @@ class Registration(BaseModel):
     name: str
     version: str
     alias: str
-    accuracy: float
+    accuracy: float  # the test score named by `metric`
     champion_version: str | None
     champion_accuracy: float | None
     decision: str
+    metric: str = "test_accuracy"
 
 
 def pip_requirements() -> list[str]:
@@ -68,7 +70,7 @@ def pyfunc_accuracy(model_uri: str, images: np.ndarray, labels: list[str]) -> fl
     return float(np.mean([p == t for p, t in zip(predicted, labels, strict=True)]))
 
 
-def _transient(state) -> bool:
+def transient(state) -> bool:
     """Retry only when the tracking server or the file system failed, not on a logic error."""
     try:
         state.result()
@@ -111,7 +113,7 @@ def decide(accuracy: float, champion_accuracy: float | None) -> tuple[str, str]:
 
 
 @task(task_run_name="register-and-promote", retries=2, retry_delay_seconds=10,
-      retry_condition_fn=lambda _task, _run, state: _transient(state))
+      retry_condition_fn=lambda _task, _run, state: transient(state))
 def register_and_promote(run_id: str, name: str, dataset: DatasetRef,
                          program: ArtifactRef, baseline: Baseline | None = None) -> Registration:
     """Logs the pyfunc, scores it and the champion on the test split, registers, sets alias.
@@ -129,41 +131,57 @@ def register_and_promote(run_id: str, name: str, dataset: DatasetRef,
             pip_requirements=pip_requirements(),
             code_paths=[str(PROJECT_ROOT / "tasks"), str(PROJECT_ROOT / "training")])
     images, labels = test_images(dataset)
-    accuracy = pyfunc_accuracy(model_uri, images, labels)
+    return promote(run_id, name, model_uri, lambda uri: pyfunc_accuracy(uri, images, labels),
+                   dataset.classes, program.md5, {"dataset": dataset.artifact.md5},
+                   baseline.refusal() if baseline is not None and not baseline.beaten else None)
+
+
+def promote(run_id: str, name: str, model_uri: str, score: Callable[[str], float],
+            classes: list[str], program_md5: str, tags: dict[str, str],
+            refusal: str | None = None, metric: str = "test_accuracy") -> Registration:
+    """Scores the logged model at `model_uri` and the current champion with `score` (a pyfunc
+    URI to its test score: the same test images for both), registers the model (once per
+    `program_md5`) and gives it `champion` only when it scores higher and nothing refuses it
+    (`refusal`: why it may not be champion). Records the decision as tags and `registry_<metric>`
+    (and `champion_<metric>`) on the run."""
+    new_score = score(model_uri)
     champion_version = tracking.alias_version(name, CHAMPION)
-    champion_accuracy, refusal = None, None
+    champion_score = None
     if champion_version is not None:
-        champion_classes = tracking.version_tags(name, champion_version).get("classes")
-        if champion_classes is not None and champion_classes != json.dumps(dataset.classes):
-            refusal = (f"the champion (version {champion_version}) was trained on other "
-                       "classes; register this data set's models under another --model-name")
+        champion_tags = tracking.version_tags(name, champion_version)
+        champion_classes = champion_tags.get("classes")
+        if champion_classes is not None and champion_classes != json.dumps(classes):
+            refusal = refusal or (f"the champion (version {champion_version}) was trained on "
+                                  "other classes; register this data set's models under "
+                                  "another --model-name")
+        elif champion_tags.get("metric", "test_accuracy") != metric:
+            refusal = refusal or (f"the champion (version {champion_version}) is scored by "
+                                  f"{champion_tags.get('metric')}, not {metric}: register "
+                                  "under another --model-name")
         else:
             try:
-                champion_accuracy = pyfunc_accuracy(f"models:/{name}/{champion_version}",
-                                                    images, labels)
+                champion_score = score(f"models:/{name}/{champion_version}")
             except Exception as error:  # an old champion that no longer loads or predicts
-                refusal = (f"the champion (version {champion_version}) could not be scored: "
-                           f"{error}")
-    if baseline is not None and not baseline.beaten:
-        refusal = baseline.refusal()
+                refusal = refusal or (f"the champion (version {champion_version}) could not "
+                                      f"be scored: {error}")
     if refusal:  # never replace a champion on a comparison that did not happen
         alias, decision = CHALLENGER, refusal
     else:
-        alias, decision = decide(accuracy, champion_accuracy)
-    version = tracking.find_version(name, "program", program.md5)
+        alias, decision = decide(new_score, champion_score)
+    version = tracking.find_version(name, "program", program_md5)
     if version is None:
         version = tracking.register_model(model_uri, name, run_id, {
-            "test_accuracy": f"{accuracy:.6f}", "dataset": dataset.artifact.md5,
-            "program": program.md5, "classes": json.dumps(dataset.classes)})
+            metric: f"{new_score:.6f}", "metric": metric, "program": program_md5,
+            "classes": json.dumps(classes)} | tags)
     elif version == champion_version:
         alias, decision = CHAMPION, f"same model as the champion (version {version})"
     tracking.set_alias(name, alias, version)
     tracking.set_tags(run_id, {"registry.model": name, "registry.version": version,
                                "registry.alias": alias, "registry.decision": decision,
                                "registry.champion_version": champion_version or "none"})
-    tracking.log_metrics(run_id, {"registry_test_accuracy": accuracy}
-                         | ({"champion_test_accuracy": champion_accuracy}
-                            if champion_accuracy is not None else {}))
-    return Registration(name=name, version=version, alias=alias, accuracy=accuracy,
-                        champion_version=champion_version, champion_accuracy=champion_accuracy,
-                        decision=decision)
+    tracking.log_metrics(run_id, {f"registry_{metric}": new_score}
+                         | ({f"champion_{metric}": champion_score}
+                            if champion_score is not None else {}))
+    return Registration(name=name, version=version, alias=alias, accuracy=new_score,
+                        champion_version=champion_version, champion_accuracy=champion_score,
+                        decision=decision, metric=metric)

@@ -24,6 +24,7 @@ from training.device import place_model
 from training.loops import evaluate
 from training.pruning import median_latency, parameter_count, prune_channels
 from training.sparsity import (
+    ActivationStats,
     activation_memory,
     activation_stats,
     layer_lambdas,
@@ -67,7 +68,8 @@ class SparsityReport(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    val_accuracy: float
+    score_name: str = "accuracy"  # the task's score: accuracy, map_50, boundary_f
+    val_score: float
     layers: dict[str, LayerReport]
 
     def metrics(self) -> dict[str, float]:
@@ -103,6 +105,13 @@ def sparsity_report(config: ClassifierConfig, dataset: DatasetRef, checkpoint: A
     val = split_batches(data, dataset, "val", 1024, device)
     accuracy = evaluate(model, val, device)["accuracy"]
     stats = activation_stats(model, list(spec.lambdas), val, device)
+    return measured_report(stats, spec, "accuracy", accuracy)
+
+
+def measured_report(stats: ActivationStats, spec: SparsitySpec, score_name: str,
+                    score: float) -> SparsityReport:
+    """The report of `spec`'s layers from their activation statistics: zeros, dead channels
+    and bytes stored three ways (`training.sparsity.activation_memory`)."""
     layers = {}
     for name in spec.lambdas:
         memory = activation_memory(stats.shapes[name], stats.zero_fraction[name])
@@ -113,7 +122,7 @@ def sparsity_report(config: ClassifierConfig, dataset: DatasetRef, checkpoint: A
             near_zero_fraction=stats.near_zero_fraction[name], dead_channels=len(dead),
             dead_channel_ids=dead,
             bytes_dense=memory["dense"], bytes_bitmap=memory["bitmap"], bytes_csr=memory["csr"])
-    return SparsityReport(val_accuracy=accuracy, layers=layers)
+    return SparsityReport(score_name=score_name, val_score=score, layers=layers)
 
 
 def _pyplot():
@@ -198,17 +207,28 @@ def prune_dead_channels(config: ClassifierConfig, dataset: DatasetRef, checkpoin
 
 
 def sweep_figure(points: dict[float, SparsityReport], title: str):
-    """Validation accuracy against the mean share of exact zeros, one point per lambda."""
+    """The validation score against the mean share of exact zeros, one point per lambda."""
     pyplot = _pyplot()
     lambdas = sorted(points)
     zeros = [points[lam].metrics()["zero_fraction"] for lam in lambdas]
-    accuracy = [points[lam].val_accuracy for lam in lambdas]
+    scores = [points[lam].val_score for lam in lambdas]
     figure, axis = pyplot.subplots(figsize=(4.8, 3.4))
-    axis.plot(zeros, accuracy, marker="o")
-    for lam, x, y in zip(lambdas, zeros, accuracy, strict=True):
+    axis.plot(zeros, scores, marker="o")
+    for lam, x, y in zip(lambdas, zeros, scores, strict=True):
         axis.annotate(f"{lam:g}", (x, y), textcoords="offset points", xytext=(4, 4))
     axis.set_xlabel("exact zeros in the regularized layers (validation)")
-    axis.set_ylabel("validation accuracy")
+    axis.set_ylabel(f"validation {points[lambdas[0]].score_name}")
     axis.set_title(title)
     figure.tight_layout()
     return figure
+
+
+def log_sweep(run_id: str, points: dict[float, SparsityReport], title: str) -> None:
+    """A lambda sweep's points on the run: `sparsity/sweep.json` (each lambda's zeros and
+    validation score) and the plot `sparsity/sweep.png`."""
+    from tasks import tracking
+
+    tracking.log_dict(run_id, {
+        f"{lam:g}": point.metrics() | {f"val_{point.score_name}": point.val_score}
+        for lam, point in sorted(points.items())}, "sparsity/sweep.json")
+    tracking.log_figure(run_id, sweep_figure(points, title), "sparsity/sweep.png")

@@ -77,11 +77,88 @@ def test_metrics_report_and_plots_are_in_mlflow(sparse):
     pruned = sparse.pruned
     dead = sum(layer.dead_channels for layer in sparse.report.layers.values())
     assert (pruned.pruned_parameters < pruned.parameters) == (dead > 0)
-    assert pruned.val_accuracy == pytest.approx(sparse.report.val_accuracy)
+    assert pruned.val_accuracy == pytest.approx(sparse.report.val_score)
     assert abs(pruned.pruned_val_accuracy - pruned.val_accuracy) <= 0.02
     assert {"pruned_parameter_ratio", "pruned_latency_ratio_b1",
             "pruned_latency_ratio_b256"} <= set(metrics)
     assert len(run.data.tags["dvc.program.pruned"]) == 32
+
+
+@pytest.fixture(scope="module", params=["detection", "contour"])
+def dense(request):
+    """A detector and a contour network, each 2 rounds on 48 small canvases; the contour
+    network also without the term (a sweep point)."""
+    from flows.sparsify import sparsify
+
+    config = smoke_sparsify(task=request.param, canvas=64, layouts="48,16,16", lr=0.05,
+                            sparsity_lambda=0.5, model_name=f"smoke-{request.param}",
+                            lambda_sweep="0,0.5" if request.param == "contour" else None)
+    return config, sparsify(config)
+
+
+def test_dense_tasks_train_measure_and_register_through_their_pyfunc(dense):
+    config, summary = dense
+    client = MlflowClient()
+    run = client.get_run(summary.run_id)
+    metrics, tags = run.data.metrics, run.data.tags
+    score = {"detection": "map_50", "contour": "boundary_f"}[config.task]
+    # the served pyfunc scores the test canvases exactly as the network did
+    assert metrics[f"registry_test_{score}"] == pytest.approx(summary.test[f"test_{score}"])
+    assert summary.registration.metric == f"test_{score}"
+    assert summary.registration.alias == "champion"  # the first of its name
+    assert len(tags["dvc.layouts"]) == 32 and len(tags["dvc.dataset"]) == 32
+    assert metrics["layouts_train_canvases"] == 48
+    assert list(summary.report.layers) == list(config.layers())
+    for layer in summary.report.layers.values():
+        assert 0 <= layer.zero_fraction <= layer.near_zero_fraction <= 1
+    losses = [m.value for m in client.get_metric_history(summary.run_id, "loss_sparsity")]
+    assert len(losses) == 2 and all(value > 0 for value in losses)
+    if config.task == "contour":
+        # map areas 64^2, 32^2, 16^2, 32^2, 64^2 at gamma 0.5: lambda x 1, 2, 4, 2, 1
+        assert summary.spec.lambdas == pytest.approx(
+            {"enc1": 0.5, "enc2": 1.0, "enc3": 2.0, "dec2": 1.0, "dec1": 0.5})
+        assert {"test_boundary_precision", "test_boundary_recall", "test_mask_iou"} <= set(
+            metrics)
+        assert set(summary.sweep) == {0.0, 0.5}
+        assert summary.sweep[0.5].metrics()["zero_fraction"] > \
+            summary.sweep[0.0].metrics()["zero_fraction"]
+        files = {f.path for f in client.list_artifacts(summary.run_id, "sparsity")}
+        assert {"sparsity/sweep.json", "sparsity/sweep.png", "sparsity/layers.png"} <= files
+    else:
+        assert {"loss_bbox_regression", "loss_classification", "test_map"} <= set(metrics)
+
+
+def test_registered_dense_models_take_raw_images(dense):
+    import io
+
+    import mlflow
+    import numpy as np
+    import pandas as pd
+    from PIL import Image
+
+    config, summary = dense
+    model = mlflow.pyfunc.load_model(f"models:/{summary.registration.name}@champion")
+    canvas = np.zeros((80, 100), dtype=np.uint8)
+    canvas[20:50, 30:60] = 200
+    buffer = io.BytesIO()
+    Image.fromarray(canvas).save(buffer, format="PNG")
+    out = model.predict(pd.DataFrame({"image": [buffer.getvalue()]}))
+    assert len(out) == 1
+    if config.task == "contour":
+        assert out["boundary"][0].shape == (80, 100) and out["mask"][0].shape == (80, 100)
+        assert set(np.unique(out["boundary"][0])) <= {0, 1}
+    else:
+        row = out.iloc[0]
+        assert len(row.boxes) == len(row.labels) == len(row.scores)
+        classes = client_classes(summary)
+        assert set(row.labels) <= set(classes)
+        assert all(0 <= x1 <= x2 <= 100 and 0 <= y1 <= y2 <= 80 for x1, y1, x2, y2 in row.boxes)
+
+
+def client_classes(summary) -> list[str]:
+    tags = MlflowClient().get_model_version(summary.registration.name,
+                                            summary.registration.version).tags
+    return json.loads(tags["classes"])
 
 
 @pytest.mark.parametrize(("flags", "names"), [
@@ -91,6 +168,10 @@ def test_metrics_report_and_plots_are_in_mlflow(sparse):
     (["--sparsity-lambda", "-0.1"], ["sparsity_lambda"]),
     (["--layer-lambdas", "1,2,3"], ["layer_lambdas has 3 values for 2 sparse_layers"]),
     (["--lambda-sweep", "0.1,-1"], ["lambda_sweep must be >= 0"]),
+    (["--task", "detection", "--model", "lenet"], ["unknown detection model 'lenet'",
+                                                   "ssdlite320_mobilenet_v3_large"]),
+    (["--task", "contour", "--sparse-layers", "enc9"], ["sparse_layers", "enc9", "dec1"]),
+    (["--task", "contour", "--layouts", "10,0,5"], ["layouts", "every layout count"]),
 ])
 def test_bad_input_is_one_error_line_before_any_work(flags, names):
     done = subprocess.run([sys.executable, "-m", "flows", "sparsify", "--profile", "smoke",

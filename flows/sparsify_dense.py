@@ -1,0 +1,139 @@
+"""The `sparsify` flow's detection and contour runs (`--task detection|contour`).
+
+The data's images (28-pixel gray) are pasted on synthetic layout canvases (a versioned task),
+the task's network (SSDlite, or the contour U-Net) trains in rounds with the sparsity term on
+its chosen layers, the round with the best validation score is kept (early stopping as in
+`train`), its activations are measured on the validation canvases, it is scored on the test
+canvases, registered as a pyfunc (boxes, labels and scores; or boundary and mask maps) and
+promoted only if it beats the champion on the same test canvases through its pyfunc.
+"""
+
+from __future__ import annotations
+
+from prefect import get_run_logger
+from pydantic import BaseModel, ConfigDict
+
+from flows.skeleton import data_section, run_rounds
+from tasks import tracking
+from tasks.config import SparsifyConfig, SparsitySpec
+from tasks.data import prepare_dataset, source_version
+from tasks.dense import (
+    SCORE,
+    LayoutsRef,
+    build_layouts,
+    dense_sparsity_report,
+    dense_sparsity_spec,
+    register_dense,
+    test_dense,
+    train_dense_round,
+)
+from tasks.registration import Registration
+from tasks.reporting import publish_summary
+from tasks.sparsify import SparsityReport, log_sweep, sparsity_figure
+from tasks.training import EpochResult
+
+FLOW_NAME = "sparsify"
+
+
+class DenseSummary(BaseModel):
+    """What a detection or contour run of `sparsify` gives back."""
+
+    model_config = ConfigDict(frozen=True)
+
+    run_id: str
+    task: str
+    best_epoch: int
+    val_score: float
+    test: dict[str, float]
+    spec: SparsitySpec
+    report: SparsityReport
+    sweep: dict[float, SparsityReport]
+    registration: Registration
+
+
+def layouts_of(config: SparsifyConfig, run_id: str) -> LayoutsRef:
+    """The run's canvases: the data prepared at 28 gray pixels, pasted on layouts (logged and
+    versioned: `dvc.dataset`, `dvc.layouts`)."""
+    data = data_section(config).model_copy(update={"image_size": 28, "channels": 1})
+    dataset = prepare_dataset(data, source_version(data))
+    layouts = build_layouts(dataset, config.canvas, config.layouts, config.max_objects,
+                            config.split_seed)
+    tracking.log_artifact_refs(run_id, {"dataset": dataset.artifact,
+                                        "layouts": layouts.artifact})
+    tracking.set_tags(run_id, {"data.version": dataset.version,
+                               "data.classes": ",".join(dataset.classes)})
+    tracking.log_metrics(run_id, {f"layouts_{k}_canvases": v for k, v in layouts.sizes.items()}
+                         | {f"layouts_{k}_objects": v for k, v in layouts.objects.items()})
+    return layouts
+
+
+def train_sparse(config: SparsifyConfig, layouts: LayoutsRef, run_id: str
+                 ) -> tuple[SparsitySpec, EpochResult, SparsityReport]:
+    """The config's sparsity term, the rounds trained with it (the round kept) and the kept
+    network's activations on the validation canvases, logged on `run_id`."""
+    spec = dense_sparsity_spec(config, layouts)
+    tracking.log_metrics(run_id, {f"lambda_{k.replace('.', '_')}": v
+                                  for k, v in spec.lambdas.items()})
+    get_run_logger().info("sparsity term %s on %s", spec.build().describe(), ", ".join(
+        f"{k} (lambda {v:.3g})" for k, v in spec.lambdas.items()))
+    active = any(value > 0 for value in spec.lambdas.values())
+    best = run_rounds(config.epochs, lambda epoch, previous: train_dense_round(
+        config, layouts, epoch, previous, spec if active else None), run_id, config.patience,
+        layouts.sizes["val"], f"val_{SCORE[config.task]}")
+    report = dense_sparsity_report(config, layouts, best.checkpoint, spec)
+    tracking.log_metrics(run_id, report.metrics())
+    return spec, best, report
+
+
+def sweep(config: SparsifyConfig, layouts: LayoutsRef, report: SparsityReport,
+          run_id: str) -> dict[float, SparsityReport]:
+    """`--lambda-sweep`: one more network per lambda (nested runs); the score against the
+    zeros, logged as `sparsity/sweep.json` and plotted."""
+    points = {config.sparsity_lambda: report}
+    for lam in config.lambda_sweep or ():
+        if lam in points:
+            continue
+        varied = config.model_copy(update={"sparsity_lambda": lam, "layer_lambdas": None,
+                                           "lambda_sweep": None})
+        with tracking.tracked_run(FLOW_NAME, f"lambda-{lam:g}", varied,
+                                  parent_run_id=run_id) as child:
+            points[lam] = train_sparse(varied, layouts, child)[2]
+            tracking.log_metrics(child, {f"val_{points[lam].score_name}":
+                                         points[lam].val_score})
+    if len(points) > 1:
+        log_sweep(run_id, points, config.network_name())
+    return points
+
+
+def sparsify_dense(config: SparsifyConfig, name: str, run_id: str) -> DenseSummary:
+    """A detection or contour run inside the flow's MLflow run `run_id`; registers as
+    `name`."""
+    layouts = layouts_of(config, run_id)
+    spec, best, report = train_sparse(config, layouts, run_id)
+    tracking.log_dict(run_id, report.model_dump(), "sparsity/report.json")
+    tracking.log_figure(run_id, sparsity_figure(report, f"{config.network_name()}, "
+                                                f"{spec.build().describe()}"),
+                        "sparsity/layers.png")
+    points = sweep(config, layouts, report, run_id)
+    test = test_dense(config, layouts, best.checkpoint)
+    tracking.log_metrics(run_id, test | {f"val_{report.score_name}": report.val_score})
+    tracking.log_artifact_refs(run_id, {"checkpoint.final": best.checkpoint})
+    registration = register_dense(run_id, name, config, layouts, best.checkpoint)
+    score = SCORE[config.task]
+    publish_summary("sparsify-summary", f"sparsify ({config.task}): {config.network_name()}",
+                    {f"test {score}": f"{test[f'test_{score}']:.4f}",
+                     "sparsity term": f"{spec.build().describe()}, " + ", ".join(
+                         f"{k}: lambda {v:.3g}" for k, v in spec.lambdas.items()),
+                     "exact zeros (validation)": ", ".join(
+                         f"{k} {v.zero_fraction:.3f}" for k, v in report.layers.items()),
+                     "stored as bitmap + values":
+                         f"{report.metrics()['memory_bitmap_ratio']:.3f} of dense",
+                     "canvases": "synthetic layouts of real images: " + ", ".join(
+                         f"{k} {v}" for k, v in layouts.sizes.items()),
+                     "best round (validation)": f"{best.epoch + 1} ({report.val_score:.4f})",
+                     "model": f"{registration.name} version {registration.version}, alias "
+                              f"`{registration.alias}`",
+                     "decision": registration.decision, "MLflow run": run_id})
+    return DenseSummary(run_id=run_id, task=config.task, best_epoch=best.epoch + 1,
+                        val_score=report.val_score, test=test, spec=spec, report=report,
+                        sweep=points, registration=registration)

@@ -1,0 +1,241 @@
+"""The `sparsify` flow's detection and contour tasks: the layout canvases built from the data's
+images and versioned, rounds of training with the sparsity term (checkpointed, resumable),
+scoring, and the activations of the regularized layers.
+
+The canvases depend on the data and `split_seed` only, never on the training seed, so every
+run of the same data is scored on the same test canvases (the champion comparison needs that).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from prefect import task
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+from models.dense import build_task_model
+from tasks import tracking
+from tasks.caching import computation_key, result_fields
+from tasks.checkpoints import load_checkpoint, save_checkpoint, torch_save
+from tasks.config import SparsifyConfig, SparsitySpec
+from tasks.data import DatasetRef, load_dataset
+from tasks.dense_serving import served_scores
+from tasks.environment import PROJECT_ROOT
+from tasks.registration import Registration, pip_requirements, promote, transient
+from tasks.sparsify import SparsityReport, measured_report
+from tasks.training import EpochResult, setup_device
+from tasks.versioning import ArtifactRef, ArtifactStore
+from training.contours import contour_scores, contour_step
+from training.detection import as_rgb, detect, detection_step, mean_average_precision
+from training.device import place_model
+from training.layouts import LayoutBatches, Layouts, LayoutSpec, make_layouts
+from training.loops import cosine_lr, train_epoch
+from training.recipe import sgd
+from training.sparsity import (
+    activation_stats,
+    layer_lambdas,
+    layer_shapes,
+    map_area,
+    sparsity_regularized,
+)
+
+SPLITS = ("train", "val", "test")
+TARGET = {"detection": "boxes", "contour": "contours"}
+SCORE = {"detection": "map_50", "contour": "boundary_f"}
+EVAL_BATCH = 32
+
+
+class LayoutsRef(BaseModel):
+    """The versioned canvases of a run (`training.layouts`), with what they were made of."""
+
+    model_config = ConfigDict(frozen=True)
+
+    artifact: ArtifactRef
+    classes: list[str]
+    canvas: int
+    sizes: dict[str, int]
+    objects: dict[str, int]
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name="build-layouts")
+def build_layouts(dataset: DatasetRef, canvas: int, counts: tuple[int, int, int],
+                  max_objects: int, seed: int) -> LayoutsRef:
+    """Canvases of the data set's train, validation and test images (each split's canvases
+    hold only that split's images), written, renamed and versioned in DVC."""
+    if dataset.channels != 1 or dataset.image_size != 28:
+        raise ValueError(f"layouts need 28-pixel gray items, got {dataset.channels} channels "
+                         f"at {dataset.image_size} pixels")
+    data = load_dataset(dataset)
+    spec = LayoutSpec(canvas=canvas, max_objects=max_objects)
+    parts = {}
+    for index, (split, count) in enumerate(zip(SPLITS, counts, strict=True)):
+        rows = data.splits[split]
+        parts[split] = make_layouts(data.images[rows, 0], data.labels[rows], count, spec,
+                                    seed=seed * len(SPLITS) + index).state()
+    key = hashlib.md5(json.dumps([dataset.artifact.md5, canvas, list(counts), max_objects,
+                                  seed]).encode()).hexdigest()[:16]
+    ref = ArtifactStore().write(f"layouts/{key}.pt", lambda path: torch_save(parts, path))
+    return LayoutsRef(artifact=ref, classes=dataset.classes, canvas=canvas,
+                      sizes={s: len(parts[s]["images"]) for s in SPLITS},
+                      objects={s: sum(len(b) for b in parts[s]["boxes"]) for s in SPLITS})
+
+
+def load_layouts(ref: LayoutsRef, split: str) -> Layouts:
+    """One split's canvases (pulled by hash if missing)."""
+    parts = torch.load(ArtifactStore().fetch(ref.artifact), map_location="cpu",
+                       weights_only=True)
+    return Layouts.from_state(parts[split])
+
+
+def new_network(config: SparsifyConfig, layouts: LayoutsRef) -> nn.Module:
+    """The config's untrained network for the layouts' classes, initialised from the seed."""
+    torch.manual_seed(config.seed)
+    return build_task_model(config.task, config.network_name(), len(layouts.classes),
+                            layouts.canvas, config.width)
+
+
+def dense_sparsity_spec(config: SparsifyConfig, layouts: LayoutsRef) -> SparsitySpec:
+    """The sparsity term for the network on a canvas: each layer's lambda by its map's area
+    (`training.sparsity.layer_lambdas`)."""
+    model = new_network(config, layouts).eval()
+    example = torch.zeros(1, 1, layouts.canvas, layouts.canvas)
+    if config.task == "detection":
+        example = torch.stack(as_rgb(example))
+    shapes = layer_shapes(model, config.layers(), example)
+    lambdas = layer_lambdas({name: map_area(shape) for name, shape in shapes.items()},
+                            config.sparsity_lambda, config.lambda_gamma, config.layer_lambdas)
+    return SparsitySpec(lambdas=lambdas, transform=config.transform, power=config.power,
+                        abs_power=config.abs_power, base=config.base)
+
+
+def trained_network(config: SparsifyConfig, layouts: LayoutsRef, checkpoint: ArtifactRef
+                    ) -> nn.Module:
+    """The network with a checkpoint's weights, on the CPU."""
+    model = new_network(config, layouts)
+    model.load_state_dict(load_checkpoint(ArtifactStore(), checkpoint)["model"])
+    return model
+
+
+def score(config: SparsifyConfig, model: nn.Module, layouts: Layouts,
+          device: torch.device) -> dict[str, float]:
+    """The task's scores on canvases: `map_50`, `map` (detection) or `boundary_f`, its
+    precision and recall, and `mask_iou` (contour)."""
+    batches = LayoutBatches(layouts, TARGET[config.task], EVAL_BATCH, device)
+    if config.task == "detection":
+        return mean_average_precision(*detect(model, batches, device))
+    return contour_scores(model, batches, device, config.boundary_tolerance)
+
+
+def _round_name() -> str:
+    from prefect.runtime import task_run
+
+    parameters = task_run.parameters
+    return f"{parameters['config'].task}-{parameters['epoch'] + 1}"
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name=_round_name)
+def train_dense_round(config: SparsifyConfig, layouts: LayoutsRef, epoch: int,
+                      previous: ArtifactRef | None, sparsity: SparsitySpec | None
+                      ) -> EpochResult:
+    """Round `epoch` (0-based) of `config.epochs` from `previous`: one shuffled, flipped pass
+    over the training canvases on the cosine schedule of the whole run, with the sparsity term
+    when given; then the validation canvases are scored (`val_map_50` or `val_boundary_f`)."""
+    device = setup_device(config)
+    model = new_network(config, layouts)
+    optimizer = sgd(model.parameters(), config.lr, config.momentum, config.weight_decay)
+    if previous is not None:
+        state = load_checkpoint(ArtifactStore(), previous)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    model = place_model(model, device)
+    for values in optimizer.state.values():
+        for key, value in values.items():
+            if torch.is_tensor(value):
+                values[key] = value.to(device)
+    generator = torch.Generator().manual_seed(config.seed * 100_003 + epoch)
+    train = LayoutBatches(load_layouts(layouts, "train"), TARGET[config.task],
+                          config.batch_size, device, generator)
+    total = config.epochs * len(train)
+    warmup = round(config.warmup_epochs * len(train))
+    step = detection_step() if config.task == "detection" else contour_step()
+    with (sparsity_regularized(step, model, sparsity.lambdas, sparsity.build())
+          if sparsity is not None else nullcontext(step)) as step:
+        metrics = train_epoch(model, optimizer, train, step, device,
+                              lambda i: cosine_lr(config.lr, i, total, warmup),
+                              first_step=epoch * len(train), grad_clip=config.grad_clip,
+                              progress=f"{config.task} {epoch + 1}" if config.progress else None)
+    scores = score(config, model, load_layouts(layouts, "val"), device)
+    key = hashlib.md5(json.dumps([result_fields(config), layouts.artifact.md5,
+                                  sparsity.model_dump() if sparsity else None],
+                                 sort_keys=True).encode()).hexdigest()[:12]
+    checkpoint = save_checkpoint(ArtifactStore(), f"sparsify/{key}/round-{epoch + 1:03d}.pt",
+                                 {"model": {k: v.cpu() for k, v in model.state_dict().items()},
+                                  "optimizer": optimizer.state_dict(), "epoch": epoch})
+    return EpochResult(epoch=epoch, checkpoint=checkpoint,
+                       metrics=metrics | {f"val_{k}": v for k, v in scores.items()})
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name="sparsity-report")
+def dense_sparsity_report(config: SparsifyConfig, layouts: LayoutsRef, checkpoint: ArtifactRef,
+                          spec: SparsitySpec) -> SparsityReport:
+    """The checkpoint's regularized layers on the validation canvases (zeros, dead channels,
+    bytes stored sparse), with its validation score."""
+    device = setup_device(config)
+    model = place_model(trained_network(config, layouts, checkpoint), device)
+    val = load_layouts(layouts, "val")
+    batches = LayoutBatches(val, TARGET[config.task], EVAL_BATCH, device)
+    if config.task == "detection":
+        batches = [(ids, torch.stack(as_rgb(x)), y) for ids, x, y in batches]
+    stats = activation_stats(model, list(spec.lambdas), batches, device)
+    name = SCORE[config.task]
+    return measured_report(stats, spec, name, score(config, model, val, device)[name])
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name="test-canvases")
+def test_dense(config: SparsifyConfig, layouts: LayoutsRef, checkpoint: ArtifactRef
+               ) -> dict[str, float]:
+    """The checkpoint's scores on the test canvases (`test_map_50`, `test_boundary_f`, ...)."""
+    device = setup_device(config)
+    model = place_model(trained_network(config, layouts, checkpoint), device)
+    return {f"test_{k}": v for k, v in score(config, model, load_layouts(layouts, "test"),
+                                               device).items()}
+
+
+@task(task_run_name="register-and-promote", retries=2, retry_delay_seconds=10,
+      retry_condition_fn=lambda _task, _run, state: transient(state))
+def register_dense(run_id: str, name: str, config: SparsifyConfig, layouts: LayoutsRef,
+                   checkpoint: ArtifactRef) -> Registration:
+    """Logs the network as a pyfunc (`tasks.dense_serving`), scores it and the champion
+    through their pyfuncs on the same test canvases (`test_map_50` or `test_boundary_f`),
+    registers it and makes it champion only if it scores higher."""
+    meta = {"task": config.task, "model": config.network_name(), "width": config.width,
+            "classes": layouts.classes, "canvas": layouts.canvas}
+    weights = trained_network(config, layouts, checkpoint).state_dict()
+    with tempfile.TemporaryDirectory() as folder:
+        meta_path, weights_path = Path(folder) / "meta.json", Path(folder) / "weights.pt"
+        meta_path.write_text(json.dumps(meta, indent=2))
+        torch_save(weights, weights_path)
+        model_uri = tracking.log_pyfunc_model(
+            run_id, str(PROJECT_ROOT / "tasks" / "dense_pyfunc_model.py"),
+            artifacts={"weights": str(weights_path), "meta": str(meta_path)},
+            pip_requirements=pip_requirements(),
+            code_paths=[str(PROJECT_ROOT / package) for package in ("tasks", "training",
+                                                                    "models")])
+    test = load_layouts(layouts, "test")
+    images = test.images[:, 0].numpy()
+    metric = SCORE[config.task]
+
+    def served(uri: str) -> float:
+        predictions = tracking.load_pyfunc(uri).predict(images)
+        return served_scores(config.task, predictions, test, layouts.classes,
+                             config.boundary_tolerance)[metric]
+
+    return promote(run_id, name, model_uri, served, layouts.classes, checkpoint.md5,
+                   {"dataset": layouts.artifact.md5, "task": config.task},
+                   metric=f"test_{metric}")
