@@ -73,8 +73,11 @@ def test_deploy_then_run_from_the_server(server):
     _cli(env, "work-pool", "create", "local", "--type", "process", "--overwrite")
     _cli(env, "--no-prompt", "deploy", "--all")
     deployments = {d["name"]: d for d in _api(url, "/deployments/filter", {})}
-    assert set(deployments) == {"train", "train-nightly", "distill", "pbt", "sparsify"}
+    assert set(deployments) == {"train", "train-nightly", "distill", "pbt", "sparsify",
+                                "sparsify-detection", "sparsify-contour"}
     assert deployments["sparsify"]["parameters"] == {"config": {"profile": "quick"}}
+    assert deployments["sparsify-contour"]["parameters"] == {
+        "config": {"profile": "quick", "task": "contour"}}
     assert deployments["distill"]["parameters"] == {"config": {"profile": "quick"}}
     assert deployments["train"]["parameters"] == {"config": {"profile": "quick"}}
     schedules = deployments["train-nightly"]["schedules"]
