@@ -89,11 +89,11 @@ def sparsify(config: SparsifyConfig) -> SparsifySummary | DenseSummary:
                                   else f"{FLOW_NAME}-{config.task}")
     config = config.model_copy(update={"model": config.network_name()})
     run_name = f"{FLOW_NAME}-{config.model}-{config.transform}-seed{config.seed}"
-    if config.task != "classification":
-        with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)
-                                  | {"task": config.task}) as run_id:
+    dense = config.task != "classification"
+    with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)
+                              | ({"task": config.task} if dense else {})) as run_id:
+        if dense:
             return sparsify_dense(config, name, run_id)
-    with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
         prepared = prepare(config, run_id)
         config = prepared.apply(config)
         classifier, budget = budgeted_classifier(config, prepared, run_id, config.epochs)

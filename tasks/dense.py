@@ -8,6 +8,7 @@ run of the same data is scored on the same test canvases (the champion compariso
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import tempfile
@@ -29,14 +30,14 @@ from tasks.dense_serving import served_scores
 from tasks.environment import PROJECT_ROOT
 from tasks.registration import Registration, pip_requirements, promote, transient
 from tasks.sparsify import SparsityReport, measured_report
-from tasks.training import EpochResult, setup_device
+from tasks.training import EpochResult, make_optimizer, setup_device
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.contours import contour_scores, contour_step
 from training.detection import as_rgb, detect, detection_step, mean_average_precision
 from training.device import place_model
 from training.layouts import LayoutBatches, Layouts, LayoutSpec, make_layouts
 from training.loops import cosine_lr, train_epoch
-from training.recipe import sgd
+from training.recipe import optimizer_to
 from training.sparsity import (
     activation_stats,
     layer_lambdas,
@@ -87,10 +88,13 @@ def build_layouts(dataset: DatasetRef, canvas: int, counts: tuple[int, int, int]
 
 
 def load_layouts(ref: LayoutsRef, split: str) -> Layouts:
-    """One split's canvases (pulled by hash if missing)."""
-    parts = torch.load(ArtifactStore().fetch(ref.artifact), map_location="cpu",
-                       weights_only=True)
-    return Layouts.from_state(parts[split])
+    """One split's canvases (pulled by hash if missing; the file is read once per process)."""
+    return Layouts.from_state(_layout_parts(ref.artifact)[split])
+
+
+@functools.lru_cache(maxsize=2)
+def _layout_parts(artifact: ArtifactRef) -> dict:
+    return torch.load(ArtifactStore().fetch(artifact), map_location="cpu", weights_only=True)
 
 
 def new_network(config: SparsifyConfig, layouts: LayoutsRef) -> nn.Module:
@@ -148,16 +152,13 @@ def train_dense_round(config: SparsifyConfig, layouts: LayoutsRef, epoch: int,
     when given; then the validation canvases are scored (`val_map_50` or `val_boundary_f`)."""
     device = setup_device(config)
     model = new_network(config, layouts)
-    optimizer = sgd(model.parameters(), config.lr, config.momentum, config.weight_decay)
+    optimizer = make_optimizer(model, config)
     if previous is not None:
         state = load_checkpoint(ArtifactStore(), previous)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     model = place_model(model, device)
-    for values in optimizer.state.values():
-        for key, value in values.items():
-            if torch.is_tensor(value):
-                values[key] = value.to(device)
+    optimizer_to(optimizer, device)
     generator = torch.Generator().manual_seed(config.seed * 100_003 + epoch)
     train = LayoutBatches(load_layouts(layouts, "train"), TARGET[config.task],
                           config.batch_size, device, generator)
