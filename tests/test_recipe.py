@@ -99,5 +99,6 @@ def test_the_shift_of_the_augmentation_is_a_fraction_of_the_image():
     from training.batches import max_shift_for
 
     assert [max_shift_for(a, 28) for a in (0.0, 0.5, 1.0)] == [0, 2, 4]  # as before at 28
-    assert max_shift_for(0.5, 8) == 0 and max_shift_for(1.0, 8) == 1  # never past size / 7
+    assert max_shift_for(0.5, 8) == pytest.approx(4 / 7)  # below a pixel: kept as a fraction
+    assert max_shift_for(1.0, 8) == 1  # never past size / 7
     assert max_shift_for(0.5, 16) == 1 and max_shift_for(1.0, 64) == 9

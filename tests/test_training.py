@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import models
-from training.batches import Batches, Normalize, random_shift_flip
+from training.batches import Batches, Normalize, random_shift_flip, shift_flip, warp
 from training.loops import (
     NonFiniteLossError,
     classification_step,
@@ -45,6 +45,32 @@ def test_shift_flip_moves_pixels_within_the_padding():
     assert set(rows.tolist()) == {1, 2, 3} and set(cols.tolist()) == {1, 2, 3}
     same = random_shift_flip(x, 1, torch.Generator().manual_seed(0))
     assert torch.equal(out, same)
+
+
+def test_a_shift_below_a_pixel_interpolates_and_keeps_the_ink():
+    x = torch.zeros(256, 1, 8, 8)
+    x[:, :, 3:5, 3:5] = 200.0  # a 2 x 2 blob in the middle: no shift below 1 pixel loses it
+    out = random_shift_flip(x, 0.5, torch.Generator().manual_seed(0))
+    assert out.dtype == torch.float32 and torch.allclose(out.sum((1, 2, 3)), x.sum((1, 2, 3)))
+    assert (out[..., 3:5, 3:5] < 200).any() and (out[..., :2, :].abs() < 1e-4).all()
+    half = shift_flip(x[:1], torch.zeros(1, dtype=torch.bool), torch.tensor([[0, 0.5, 0, 1]]))
+    # out(c) = x(c + 0.5): the blob (columns 3-4) spreads over columns 2-4, half at the edges
+    assert torch.allclose(half[0, 0, 3, 1:6], torch.tensor([0.0, 100.0, 200.0, 100.0, 0.0]))
+    assert torch.equal(out, random_shift_flip(x, 0.5, torch.Generator().manual_seed(0)))
+
+
+def test_the_warp_turns_and_zooms_about_the_centre():
+    x = torch.arange(16.0).view(1, 1, 4, 4)
+    turned = warp(x, torch.tensor([[0.0, 0.0, math.pi / 2, 1.0]]))
+    assert torch.allclose(turned, torch.rot90(x, 1, (2, 3)), atol=1e-4)  # centres onto centres
+    zoomed = warp(torch.ones(1, 1, 8, 8), torch.tensor([[0.0, 0.0, 0.0, 0.5]]))
+    assert zoomed[0, 0, 2:6, 2:6].eq(1).all() and zoomed[0, 0, 0].abs().max() < 1e-6  # shrunk
+    images = torch.full((64, 1, 8, 8), 255, dtype=torch.uint8)
+    (_, batch, _), = Batches(images, torch.zeros(64, dtype=torch.long), torch.arange(64), 64,
+                             Normalize([0.0], [1.0]), shuffle=True, seed=0, augment=0.8)
+    corners = batch[:, 0, [0, 0, -1, -1], [0, -1, 0, -1]]  # 0.91 pixels: warped, not shifted
+    assert (corners < 0.999).any(1).float().mean() > 0.9  # nearly all turned or moved
+    assert ((batch > 0.01) & (batch < 0.99)).any()  # partly covered pixels: interpolated
 
 
 def test_batches_without_flips_shift_alike_and_never_mirror():

@@ -26,45 +26,86 @@ class Normalize:
         return (images.float().div_(255) - mean) / std
 
 
-def draw_shift_flip(n: int, max_shift: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Random flips (n,) and shifts (n, 2) for `shift_flip`, from `generator` on the CPU."""
+WARP_TURN = math.radians(20.0)  # the warp's largest rotation at strength 1 (10 degrees at 0.5)
+WARP_ZOOM = 0.2  # the warp's largest change of scale at strength 1 (10% at 0.5)
+
+
+def draw_shift_flip(n: int, max_shift: float, generator: torch.Generator,
+                    max_turn: float = 0.0, max_zoom: float = 0.0) -> tuple[Tensor, Tensor]:
+    """Random flips (n,) and moves for `shift_flip`, from `generator` on the CPU.
+
+    Where `max_shift` m >= 1 the moves are whole-pixel shifts (n, 2) (rows, columns) in
+    [-m, m]; where 0 < m < 1 they are warps (n, 4) (rows, columns, radians, scale): a shift
+    uniform in [-m, m] pixels, a rotation in [-max_turn, max_turn] and a scale in
+    1 +- max_zoom (see `max_shift_for`)."""
     flips = torch.rand(n, generator=generator) < 0.5
-    shifts = torch.randint(0, 2 * max_shift + 1, (n, 2), generator=generator) if max_shift > 0 \
-        else torch.zeros(n, 2, dtype=torch.long)
-    return flips, shifts
+    if max_shift >= 1:
+        whole = int(max_shift)
+        moves = torch.randint(0, 2 * whole + 1, (n, 2), generator=generator) - whole
+    elif max_shift > 0:
+        spread = torch.tensor([max_shift, max_shift, max_turn, max_zoom])
+        moves = (torch.rand(n, 4, generator=generator) * 2 - 1) * spread
+        moves[:, 3] += 1.0
+    else:
+        moves = torch.zeros(n, 2, dtype=torch.long)
+    return flips, moves
 
 
-def random_shift_flip(x: Tensor, max_shift: int, generator: torch.Generator) -> Tensor:
+def random_shift_flip(x: Tensor, max_shift: float, generator: torch.Generator,
+                      max_turn: float = 0.0, max_zoom: float = 0.0) -> Tensor:
     """Random crop after zero padding by `max_shift` pixels, and a horizontal flip half the time.
 
     The standard small-image augmentation (pad-and-crop plus flip), done for the whole batch
-    with one gather. Random numbers come from `generator` on the CPU, so a seed gives the same
-    batch on every device.
+    with one gather (a warp below one pixel). Random numbers come from `generator` on the CPU,
+    so a seed gives the same batch on every device.
     """
-    flips, shifts = draw_shift_flip(len(x), max_shift, generator)
-    return shift_flip(x, flips, shifts, max_shift)
+    flips, moves = draw_shift_flip(len(x), max_shift, generator, max_turn, max_zoom)
+    return shift_flip(x, flips, moves)
 
 
-def shift_flip(x: Tensor, flips: Tensor, shifts: Tensor, max_shift: int) -> Tensor:
-    """Applies drawn flips and shifts (see `draw_shift_flip`) to a batch."""
+def shift_flip(x: Tensor, flips: Tensor, moves: Tensor) -> Tensor:
+    """Applies drawn flips and moves (see `draw_shift_flip`) to a batch. A whole-pixel shift
+    makes image `i` `x_i(r + shift_r, c + shift_c)`, zero outside, by one gather from the
+    zero-padded batch (the result keeps `x`'s dtype); warps interpolate (`warp`, float)."""
     n, _, h, w = x.shape
-    if max_shift > 0:
-        padded = torch.nn.functional.pad(x, (max_shift,) * 4)
-        rows = (shifts[:, :1] + torch.arange(h)).to(x.device)
-        cols = (shifts[:, 1:] + torch.arange(w)).to(x.device)
+    if moves.is_floating_point():
+        x = warp(x, moves.to(x.device))
+    elif len(moves) and moves.abs().max() > 0:
+        pad = int(moves.abs().max())
+        padded = torch.nn.functional.pad(x, (pad,) * 4)
+        rows = (moves[:, :1] + pad + torch.arange(h)).to(x.device)
+        cols = (moves[:, 1:] + pad + torch.arange(w)).to(x.device)
         batch = torch.arange(n, device=x.device)[:, None, None, None]
         chan = torch.arange(x.shape[1], device=x.device)[None, :, None, None]
         x = padded[batch, chan, rows[:, None, :, None], cols[:, None, None, :]]
     return torch.where(flips.to(x.device).view(n, 1, 1, 1), x.flip(-1), x)
 
 
-def max_shift_for(augment: float, size: int) -> int:
-    """The largest shift of the pad-and-crop augmentation: `augment * size / 7` pixels rounded
-    down, a fraction of the image never exceeded (4 pixels at strength 1 on 28 pixels, like
-    CIFAR's 4 of 32). A whole pixel is an eighth of an 8-pixel image: at the default strength
-    such an image is only flipped (a 1-pixel shift cost `lenet` 4 points on 8-pixel
-    Fashion-MNIST)."""
-    return math.floor(augment * size / 7 + 1e-9)
+def warp(x: Tensor, moves: Tensor) -> Tensor:
+    """`x` (N, C, H, W) under the affine warps `moves` (N, 4): rows and columns to shift by (in
+    pixels, fractions allowed), a rotation (radians) and a scale about the centre; bilinear,
+    zero outside. Output pixel p samples the input at R(turn) p / scale + shift."""
+    n, _, h, w = x.shape
+    shift_r, shift_c, turn, scale = moves.float().unbind(1)
+    cos, sin = torch.cos(turn) / scale, torch.sin(turn) / scale
+    theta = torch.stack([torch.stack([cos, -sin, shift_c * 2 / w], 1),
+                         torch.stack([sin, cos, shift_r * 2 / h], 1)], 1)
+    grid = torch.nn.functional.affine_grid(theta, [n, 1, h, w], align_corners=False)
+    return torch.nn.functional.grid_sample(x.float(), grid, mode="bilinear",
+                                           padding_mode="zeros", align_corners=False)
+
+
+def max_shift_for(augment: float, size: int) -> float:
+    """The largest shift of the pad-and-crop augmentation, a fraction of the image never
+    exceeded: `augment * size / 7` pixels, rounded down to whole pixels where that is at least
+    one (4 pixels at strength 1 on 28 pixels, like CIFAR's 4 of 32). Below one pixel (0.57 at
+    the default 0.5 on 8 pixels) it stays a fraction, and the image is warped instead: that
+    shift, a rotation of up to `WARP_TURN` and a scale of up to `WARP_ZOOM` (times `augment`),
+    bilinear. A whole pixel is an eighth of an 8-pixel image (it cost `lenet` 4 points on
+    8-pixel Fashion-MNIST); no move at all left the 8 x 8 digits below 3-NN on their pixels
+    (docs/train.md)."""
+    shift = augment * size / 7
+    return float(math.floor(shift + 1e-9)) if shift >= 1 - 1e-9 else shift
 
 
 class Batches:
@@ -80,7 +121,8 @@ class Batches:
         shuffle: reshuffle every pass, from `seed` and the pass number.
         seed: seed of the shuffling and augmentation generator.
         augment: augmentation strength in [0, 1]: 0 is none; otherwise flips and shifts of up
-            to `max_shift_for(augment, size)` pixels (4 * augment at 28 pixels).
+            to `max_shift_for(augment, size)` pixels (4 * augment at 28 pixels); on images too
+            small for a whole pixel, a warp (a fractional shift, a turn and a zoom).
         flip: whether the augmentation flips (half the images, horizontally); the draws are
             the same either way, so the shifts do not depend on it.
         device: where batches are produced.
@@ -139,12 +181,14 @@ class Batches:
         for start in range(0, len(self) * self.batch_size, self.batch_size):
             ids = order[start:start + self.batch_size]
             if self.augment > 0:
-                flips, shifts = draw_shift_flip(len(ids), max_shift, generator)
+                flips, moves = draw_shift_flip(len(ids), max_shift, generator,
+                                               WARP_TURN * self.augment,
+                                               WARP_ZOOM * self.augment)
                 flips &= self.flip
             mine = slice(self.rank, None, self.world_size)
             ids = ids[mine]
             on_device = ids.to(self.device)
             x = self.images[on_device]
             if self.augment > 0:
-                x = shift_flip(x, flips[mine], shifts[mine], max_shift)
+                x = shift_flip(x, flips[mine], moves[mine])
             yield ids, self.normalize(x), self.labels[on_device]
