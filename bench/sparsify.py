@@ -7,7 +7,12 @@ rounds), every transform; reported: test accuracy, the share of exact zeros per 
 layer (validation images), the bytes a map takes stored as a bitmap plus values as a share of
 dense, and the network with its dead channels removed (parameters and CPU time at batch 1, as
 shares of the original's). The last classification variant is the ablation of the map-size
-rule: one lambda for every layer (gamma 0) against the default gamma 0.5. Detection (SSDlite,
+rule: one lambda for every layer (gamma 0) against the default gamma 0.5, at the same lambda
+and at a lambda that zeros as many values of all maps together (`all maps`: zeros weighted
+by map size). `abs, fine-tuned` starts from the seed's `none` network (registered by that
+variant) and trains 4 more rounds with the term at lr 0.01 (`--init-from`); `thresholds`
+zero each layer's activations below a threshold calibrated to cost at most 0.2 points of
+validation accuracy (`--zero-threshold-tolerance 0.002`). Detection (SSDlite,
 mAP@0.5) and contour recognition (the contour U-Net, boundary F at 1 pixel): without and with
 the default term, on the synthetic layouts of real Fashion-MNIST items.
 
@@ -17,11 +22,13 @@ accuracy lost.
     python -m bench.sparsify                       # every task: ~1 hour on 2 cores
     python -m bench.sparsify --tasks classification --seeds 0 --variants none abs
     python -m bench.sparsify --tasks detection contour
+    python -m bench.sparsify --tasks contour --variants abs --sparsity-lambda 0.1
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 
@@ -41,7 +48,18 @@ VARIANTS: dict[str, dict] = {
     "exp_abs": {"transform": "exp_abs", "base": 2.0},
     "exp_power": {"transform": "exp_power", "base": 2.0, "power": 2},
     "abs, gamma 0": {"transform": "abs", "lambda_gamma": 0.0},
+    # the map-size ablation at equal total sparsity: gamma 0 needs a larger lambda to zero as
+    # many of all the maps' values as gamma 0.5 at the default
+    "abs, gamma 0, lambda 0.4": {"transform": "abs", "lambda_gamma": 0.0, "sparsity_lambda": 0.4},
+    # fine-tuning: the seed's `none` network (registered by that variant, run first), then
+    # FINETUNE's rounds with the term
+    "abs, fine-tuned": {"transform": "abs"},
+    # calibrated activation thresholds (FATReLU) after training: at most TOLERANCE of
+    # validation accuracy
+    "abs, thresholds": {"transform": "abs", "zero_threshold_tolerance": 0.002},
+    "abs, fine-tuned, thresholds": {"transform": "abs", "zero_threshold_tolerance": 0.002},
 }
+FINETUNE = {"epochs": 4, "lr": 0.01}  # added to the `none` run's 8 rounds
 
 
 DENSE_VARIANTS = ("none", "abs")
@@ -49,16 +67,22 @@ SCORES = {"classification": "test_accuracy", "detection": "test_map_50",
           "contour": "test_boundary_f"}
 
 
-def run(task: str, variant: str, seed: int, lam: float) -> dict:
-    """One flow run; its test score, zeros and memory (and, classifiers, the pruned net)."""
+def run(task: str, variant: str, seed: int, lam: float, init_from: str | None = None) -> dict:
+    """One flow run; its test score, zeros and memory (and, classifiers, the pruned net).
+    `init_from`: a registered model to fine-tune (`FINETUNE`'s rounds)."""
     started = time.perf_counter()
     summary = sparsify(SparsifyConfig(**{
         "task": task, "seed": seed, "progress": False, "sparsity_lambda": lam,
-        "model_name": f"bench-sparsify-{task}", **VARIANTS[variant]}))
+        "model_name": f"bench-sparsify-{task}", **VARIANTS[variant],
+        **({"init_from": init_from, **FINETUNE} if init_from else {})}))
     report = summary.report
+    sizes = {k: math.prod(v.shape) for k, v in report.layers.items()}
     return {"score": (summary.test_accuracy if task == "classification"
                       else summary.test[SCORES[task]]),
             "zero_fraction": {k: v.zero_fraction for k, v in report.layers.items()},
+            "total_zero_fraction": sum(report.layers[k].zero_fraction * n
+                                       for k, n in sizes.items()) / sum(sizes.values()),
+            "model_uri": f"models:/{summary.registration.name}/{summary.registration.version}",
             "memory_bitmap_ratio": report.metrics()["memory_bitmap_ratio"],
             "pruned": summary.pruned.metrics() if task == "classification" else None,
             "lambdas": summary.spec.lambdas, "seconds": time.perf_counter() - started}
@@ -69,35 +93,46 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=list(SCORES), choices=list(SCORES))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
-                        help="classification's variants (detection, contour: none and abs)")
+                        help="the variants to run (detection, contour: none and abs only)")
     parser.add_argument("--sparsity-lambda", type=float, default=LAMBDA)
     args = parser.parse_args()
     results, rows = [], []
     for task in args.tasks:
-        for variant in args.variants if task == "classification" else DENSE_VARIANTS:
+        for variant in [v for v in args.variants
+                        if task == "classification" or v in DENSE_VARIANTS]:
             runs = []
             for seed in args.seeds:
-                runs.append(run(task, variant, seed, args.sparsity_lambda))
+                init_from = None
+                if "fine-tuned" in variant:
+                    dense = [r for r in results if r["task"] == task and r["variant"] == "none"]
+                    if not dense:
+                        parser.error(f"variant {variant!r} fine-tunes the `none` networks: "
+                                     "list `none` before it")
+                    init_from = dense[0]["runs"][args.seeds.index(seed)]["model_uri"]
+                runs.append(run(task, variant, seed, args.sparsity_lambda, init_from))
                 print(f"{task} {variant} seed {seed}: {runs[-1]}", flush=True)
             score = mean_std([r["score"] for r in runs])
             layers = list(runs[0]["zero_fraction"])
             zeros = {layer: mean_std([r["zero_fraction"][layer] for r in runs])
                      for layer in layers}
             memory = mean_std([r["memory_bitmap_ratio"] for r in runs])
+            total = mean_std([r["total_zero_fraction"] for r in runs])
             pruned = {key: mean_std([r["pruned"][key] for r in runs])[0]
                       for key in ("pruned_parameter_ratio", "pruned_latency_ratio_b1")
                       } if task == "classification" else None
             results.append({"task": task, "variant": variant, "runs": runs,
                             SCORES[task]: score, "zero_fraction": zeros,
+                            "total_zero_fraction": total,
                             "memory_bitmap_ratio": memory, "pruned": pruned})
             rows.append([task, variant, f"{SCORES[task]} {score[0]:.4f} ± {score[1]:.4f}",
                          " / ".join(f"{layer.split('.')[-3] if '.' in layer else layer} "
                                     f"{zeros[layer][0]:.3f}" for layer in layers),
-                         f"{memory[0]:.3f}",
+                         f"{total[0]:.3f}", f"{memory[0]:.3f}",
                          f"{pruned['pruned_parameter_ratio']:.3f}" if pruned else "-",
                          f"{pruned['pruned_latency_ratio_b1']:.3f}" if pruned else "-"])
     print_table(["task", "variant", "test score", "exact zeros (validation)",
-                 "bitmap bytes / dense", "pruned parameters", "pruned time, batch 1"], rows)
+                 "all maps", "bitmap bytes / dense", "pruned parameters",
+                 "pruned time, batch 1"], rows)
     print_json({"benchmark": "sparsify", "seeds": args.seeds,
                 "sparsity_lambda": args.sparsity_lambda, "results": results})
 

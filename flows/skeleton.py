@@ -158,12 +158,14 @@ def run_rounds(rounds: int, train_round: Callable[[int, ArtifactRef | None], Epo
 
 def train_epochs(classifier: ClassifierConfig, prepared: Prepared, budget: Budget,
                  run_id: str, patience: int | None, run_name: str = "train",
-                 sparsity: SparsitySpec | None = None) -> EpochResult:
+                 sparsity: SparsitySpec | None = None,
+                 start: ArtifactRef | None = None) -> EpochResult:
     """The classifier's rounds of `budget` (`run_rounds`: early stopping on validation
     accuracy); the round to keep. `sparsity` adds the `sparsify` flow's activation-sparsity
-    term to the loss."""
+    term to the loss; `start`: weights to fine-tune instead of a fresh network."""
     return run_rounds(classifier.epochs, lambda epoch, previous: train_classifier_epoch(
-        classifier, prepared.dataset, epoch, previous, run_name, budget.repeats, sparsity),
+        classifier, prepared.dataset, epoch, previous, run_name, budget.repeats, sparsity,
+        start),
         run_id, patience, prepared.dataset.sizes["val"])
 
 

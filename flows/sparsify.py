@@ -27,9 +27,11 @@ from flows.skeleton import (
 from flows.sparsify_dense import FLOW_NAME, DenseSummary, sparsify_dense
 from tasks import tracking
 from tasks.config import SparsifyConfig, SparsitySpec
+from tasks.initial_weights import fetch_initial_weights
 from tasks.sparsify import (
     PruneResult,
     SparsityReport,
+    calibrate_zero_thresholds,
     log_sweep,
     prune_dead_channels,
     sparsity_figure,
@@ -37,6 +39,7 @@ from tasks.sparsify import (
     sparsity_spec,
 )
 from tasks.training import ClassifierConfig, EpochResult
+from tasks.versioning import ArtifactRef
 from training.budget import Budget
 
 
@@ -50,33 +53,59 @@ class SparsifySummary(ClassifierSummary):
 
 
 def train_sparse(config: SparsifyConfig, classifier: ClassifierConfig, prepared: Prepared,
-                 budget: Budget, run_id: str) -> tuple[SparsitySpec, EpochResult,
-                                                       SparsityReport]:
-    """The config's sparsity term, the rounds trained with it (the round kept) and the kept
-    network's activations on the validation split, logged on `run_id`."""
+                 budget: Budget, run_id: str, start: ArtifactRef | None = None
+                 ) -> tuple[SparsitySpec, EpochResult, SparsityReport]:
+    """The config's sparsity term, the rounds trained with it (from `start`'s weights when
+    given: fine-tuning), with `--zero-threshold-tolerance` the kept round's activation
+    thresholds, and the kept network's activations on the validation split, logged on
+    `run_id`."""
     spec = sparsity_spec(config, prepared.dataset)
     tracking.log_metrics(run_id, {f"lambda_{k.replace('.', '_')}": v
                                   for k, v in spec.lambdas.items()})
     get_run_logger().info("sparsity term %s on %s", spec.build().describe(), ", ".join(
         f"{k} (lambda {v:.3g})" for k, v in spec.lambdas.items()))
     best = train_epochs(classifier, prepared, budget, run_id, config.patience, FLOW_NAME,
-                        sparsity=spec)
+                        sparsity=spec, start=start)
+    if config.zero_threshold_tolerance is not None:
+        thresholded = calibrate_zero_thresholds(classifier, prepared.dataset, best.checkpoint,
+                                                tuple(spec.lambdas),
+                                                config.zero_threshold_tolerance)
+        tracking.log_metrics(run_id, thresholded.metrics())
+        best = best.model_copy(update={"checkpoint": thresholded.checkpoint, "metrics": (
+            best.metrics | {"val_accuracy": thresholded.val_accuracy})})
     report = sparsity_report(classifier, prepared.dataset, best.checkpoint, spec)
+    if config.zero_threshold_tolerance is not None:
+        report = report.model_copy(update={"thresholds": thresholded.thresholds})
     tracking.log_metrics(run_id, report.metrics())
     return spec, best, report
 
 
 def sweep_point(config: SparsifyConfig, lam: float, classifier: ClassifierConfig,
-                prepared: Prepared, budget: Budget, run_id: str) -> SparsityReport:
+                prepared: Prepared, budget: Budget, run_id: str,
+                start: ArtifactRef | None) -> SparsityReport:
     """One more network trained with `lam` as `--sparsity-lambda` (a nested MLflow run with
     its own rounds and report); its activations on the validation split."""
     varied = config.model_copy(update={"sparsity_lambda": lam, "layer_lambdas": None,
                                        "lambda_sweep": None})
     with tracking.tracked_run(FLOW_NAME, f"lambda-{lam:g}", varied,
                               parent_run_id=run_id) as child:
-        report = train_sparse(varied, classifier, prepared, budget, child)[2]
+        report = train_sparse(varied, classifier, prepared, budget, child, start)[2]
         tracking.log_metrics(child, {f"val_{report.score_name}": report.val_score})
     return report
+
+
+def initial_weights(config: SparsifyConfig, classifier: ClassifierConfig, prepared: Prepared,
+                    run_id: str) -> ArtifactRef | None:
+    """With `--init-from`, the registered model's weights to fine-tune (the version it
+    resolved to is tagged on the run, the checkpoint versioned); else None."""
+    if config.init_from is None:
+        return None
+    initial = fetch_initial_weights(config.init_from, classifier, prepared.dataset)
+    tracking.set_tags(run_id, {"init_from": f"models:/{initial.name}/{initial.version}"})
+    tracking.log_artifact_refs(run_id, {"checkpoint.init": initial.checkpoint})
+    get_run_logger().info("fine-tuning models:/%s/%s (%s)", initial.name, initial.version,
+                          config.init_from)
+    return initial.checkpoint
 
 
 @flow(name=FLOW_NAME, description="Train a classifier, a detector or a contour network with "
@@ -97,7 +126,8 @@ def sparsify(config: SparsifyConfig) -> SparsifySummary | DenseSummary:
         prepared = prepare(config, run_id)
         config = prepared.apply(config)
         classifier, budget = budgeted_classifier(config, prepared, run_id, config.epochs)
-        spec, best, report = train_sparse(config, classifier, prepared, budget, run_id)
+        start = initial_weights(config, classifier, prepared, run_id)
+        spec, best, report = train_sparse(config, classifier, prepared, budget, run_id, start)
         tracking.log_dict(run_id, report.model_dump(), "sparsity/report.json")
         tracking.log_figure(run_id, sparsity_figure(
             report, f"{config.model}, {spec.build().describe()}"), "sparsity/layers.png")
@@ -107,7 +137,7 @@ def sparsify(config: SparsifyConfig) -> SparsifySummary | DenseSummary:
         sweep = {config.sparsity_lambda: report}
         for lam in config.lambda_sweep or ():
             sweep[lam] = sweep.get(lam) or sweep_point(config, lam, classifier, prepared,
-                                                       budget, run_id)
+                                                       budget, run_id, start)
         if len(sweep) > 1:
             log_sweep(run_id, sweep, f"{config.model}, {spec.build().describe()}")
         finished = finish(run_id, name, classifier, prepared, best.checkpoint,
@@ -123,6 +153,9 @@ def sparsify(config: SparsifyConfig) -> SparsifySummary | DenseSummary:
             f"{k}: lambda {v:.3g}" for k, v in spec.lambdas.items()),
         "exact zeros (validation)": ", ".join(
             f"{k} {v.zero_fraction:.3f}" for k, v in report.layers.items()),
+        **({"activation thresholds": ", ".join(f"{k} {v:.3g}" for k, v in
+                                                report.thresholds.items()) or "none affordable"}
+           if config.zero_threshold_tolerance is not None else {}),
         "stored as bitmap + values": f"{report.metrics()['memory_bitmap_ratio']:.3f} of dense",
         "dead channels removed": f"{pruned.pruned_parameters} of {pruned.parameters} parameters "
                                  f"left, validation {pruned.pruned_val_accuracy:.4f}, CPU time "

@@ -20,6 +20,8 @@ from tasks.environment import data_dir
 
 Profile = Literal["smoke", "quick", "full"]
 FASHION_MNIST = "fashion-mnist"
+# a registered model version: models:/NAME@ALIAS or models:/NAME/VERSION
+MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[\w.-]+)|/(?P<version>\d+))$")
 
 
 class StrictConfig(BaseModel):
@@ -461,6 +463,22 @@ class SparsifyConfig(TrainConfig):
                                                    "and plot validation accuracy against exact "
                                                    "zeros; the model registered is the one of "
                                                    "--sparsity-lambda")
+    zero_threshold_tolerance: float | None = Field(
+        None, ge=0.0, le=1.0, description="classification: after training, zero each "
+        "regularized layer's activations up to a threshold, per layer the largest (of quantiles "
+        "of its nonzero magnitudes) that costs at most this much validation accuracy, e.g. "
+        "0.002; exported with the network; none: no thresholds")
+    init_from: str | None = Field(None, description="fine-tune: start from the weights of a "
+                                  "registered classifier, models:/NAME@ALIAS or "
+                                  "models:/NAME/VERSION (the same --model and width, e.g. "
+                                  "models:/distill@champion with lenet); none: a fresh network")
+
+    @field_validator("init_from")
+    @classmethod
+    def _model_uri(cls, value: str | None) -> str | None:
+        if value is not None and not MODEL_URI.match(value):
+            raise ValueError("not models:/NAME@ALIAS or models:/NAME/VERSION")
+        return value
 
     @field_validator("sparse_layers", "layer_lambdas", "lambda_sweep", "layouts", mode="before")
     @classmethod
@@ -543,6 +561,12 @@ class SparsifyConfig(TrainConfig):
                                              if len(names) > 60 else "")
             raise ValueError(f"sparse_layers {missing} are not modules of "
                              f"{self.network_name()}; it has {shown}")
+        if self.zero_threshold_tolerance is not None and self.task != "classification":
+            raise ValueError(f"zero_threshold_tolerance: thresholds are calibrated for --task "
+                             f"classification, not {self.task}")
+        if self.init_from is not None and self.task != "classification":
+            raise ValueError(f"init_from: fine-tuning is for --task classification, not "
+                             f"{self.task}")
         if self.layer_lambdas is not None and len(self.layer_lambdas) != len(self.layers()):
             raise ValueError(f"layer_lambdas has {len(self.layer_lambdas)} values for "
                              f"{len(self.layers())} sparse_layers ({', '.join(self.layers())})")

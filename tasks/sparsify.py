@@ -1,14 +1,18 @@
-"""The `sparsify` flow's tasks: the sparsity term fitted to the network, what the trained
-network's activations look like (zeros, dead channels, memory when stored sparse), and the
-network with its dead channels removed (smaller, re-validated, timed)."""
+"""The `sparsify` flow's tasks: the sparsity term fitted to the network, activation thresholds
+calibrated on validation, what the trained network's activations look like (zeros, dead
+channels, memory when stored sparse), and the network with its dead channels removed (smaller,
+re-validated, timed)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from prefect import task
 from pydantic import BaseModel, ConfigDict
 
 from tasks.caching import computation_key
+from tasks.checkpoints import save_checkpoint
 from tasks.config import SparsifyConfig, SparsitySpec
 from tasks.data import DatasetRef, load_dataset
 from tasks.training import (
@@ -31,6 +35,7 @@ from training.sparsity import (
     layer_shapes,
     map_area,
 )
+from training.thresholds import calibrate_thresholds
 
 DEAD = 0.99  # a channel all zero on at least this share of the validation images is dead
 
@@ -71,6 +76,7 @@ class SparsityReport(BaseModel):
     score_name: str = "accuracy"  # the task's score: accuracy, map_50, boundary_f
     val_score: float
     layers: dict[str, LayerReport]
+    thresholds: dict[str, float] = {}  # the calibrated activation thresholds, if any
 
     def metrics(self) -> dict[str, float]:
         """Flat MLflow metrics: `zero_fraction_<layer>`, `near_zero_fraction_<layer>`,
@@ -106,6 +112,44 @@ def sparsity_report(config: ClassifierConfig, dataset: DatasetRef, checkpoint: A
     accuracy = evaluate(model, val, device)["accuracy"]
     stats = activation_stats(model, list(spec.lambdas), val, device)
     return measured_report(stats, spec, "accuracy", accuracy)
+
+
+class Thresholded(BaseModel):
+    """A checkpoint with calibrated activation thresholds (`training.thresholds`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    thresholds: dict[str, float]
+    val_accuracy_before: float
+    val_accuracy: float
+    checkpoint: ArtifactRef
+
+    def metrics(self) -> dict[str, float]:
+        """`zero_threshold_<layer>` and the validation accuracy without them."""
+        return {f"zero_threshold_{k.replace('.', '_')}": v for k, v in self.thresholds.items()
+                } | {"val_accuracy_unthresholded": self.val_accuracy_before}
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name="calibrate-thresholds")
+def calibrate_zero_thresholds(config: ClassifierConfig, dataset: DatasetRef,
+                              checkpoint: ArtifactRef, layers: tuple[str, ...],
+                              tolerance: float) -> Thresholded:
+    """Per layer, the largest activation threshold that keeps validation accuracy within
+    `tolerance` of the checkpoint's (`training.thresholds.calibrate_thresholds`), written
+    with the weights as a new checkpoint versioned in DVC."""
+    device = setup_device(config)
+    model = place_model(trained_model(config, dataset, checkpoint), device)
+    data = load_dataset(dataset)
+    val = split_batches(data, dataset, "val", 1024, device)
+    thresholds, before, after = calibrate_thresholds(
+        model, layers, val, device, lambda net: evaluate(net, val, device)["accuracy"],
+        tolerance)
+    payload = {"model": {k: v.cpu() for k, v in model.state_dict().items()},
+               "thresholds": thresholds}
+    relpath = str(Path(checkpoint.path).with_name(Path(checkpoint.path).stem +
+                                                  f"-thresholds-{tolerance:g}.pt"))
+    return Thresholded(thresholds=thresholds, val_accuracy_before=before, val_accuracy=after,
+                       checkpoint=save_checkpoint(ArtifactStore(), relpath, payload))
 
 
 def measured_report(stats: ActivationStats, spec: SparsitySpec, score_name: str,

@@ -37,6 +37,7 @@ from training.features import WithEmbedding
 from training.loops import classification_step, evaluate
 from training.recipe import optimizer_to, set_momentum_and_decay, sgd, train_round
 from training.sparsity import sparsity_regularized
+from training.thresholds import install_thresholds
 
 
 class ClassifierConfig(ModelSection, OptimSection, RunSection):
@@ -193,20 +194,23 @@ def _epoch_run_name() -> str:
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name=_epoch_run_name)
 def train_classifier_epoch(config: ClassifierConfig, dataset: DatasetRef, epoch: int,
                            previous: ArtifactRef | None, run_name: str = "train",
-                           repeats: int = 1, sparsity: SparsitySpec | None = None
-                           ) -> EpochResult:
+                           repeats: int = 1, sparsity: SparsitySpec | None = None,
+                           start: ArtifactRef | None = None) -> EpochResult:
     """Trains round `epoch` (0-based) of `config.epochs` from `previous`: `repeats` passes
     over the training images (`training.budget`; 1 on a large data set) on the cosine schedule
     of the whole run, then scores the validation split. `sparsity`: the `sparsify` flow's
-    activation-sparsity term, added to the loss."""
+    activation-sparsity term, added to the loss. `start`: the weights the first round starts
+    from (fine-tuning, `tasks.initial_weights`; its optimizer starts afresh), instead of the
+    seed's initialization."""
     device = setup_device(config)
     store = ArtifactStore()
     data = load_dataset(dataset)
     key = run_key(config, dataset) + (f"-x{repeats}" if repeats > 1 else "") + (
-        "" if sparsity is None else "-" + run_key(sparsity, dataset))
+        "" if sparsity is None else "-" + run_key(sparsity, dataset)) + (
+        "" if start is None else f"-from-{start.md5[:12]}")
     model, optimizer = _take_warm(previous, key)
     if model is None:
-        model, optimizer = resume(config, dataset, store, previous, device)
+        model, optimizer = resume(config, dataset, store, previous or start, device)
 
     started = time.perf_counter()
     passes = range(epoch * repeats, (epoch + 1) * repeats)
@@ -251,12 +255,15 @@ class TestResult(BaseModel):
 
 def trained_model(config: ClassifierConfig, dataset: DatasetRef, checkpoint: ArtifactRef,
                   weights: str = "model") -> ImageClassifier:
-    """The config's network with the checkpoint entry `weights` loaded, on the CPU."""
+    """The config's network with the checkpoint entry `weights` loaded, on the CPU. A
+    checkpoint with activation `thresholds` (`sparsify`) gets them as forward hooks
+    (`training.thresholds`), so testing, measuring and the exported program all see them."""
     model = new_model(config, dataset)
     payload = load_checkpoint(ArtifactStore(), checkpoint)
     if weights not in payload:
         raise ValueError(f"checkpoint {checkpoint.path} has no {weights!r} weights")
     model.load_state_dict(payload[weights])
+    install_thresholds(model, payload.get("thresholds", {}))
     return model
 
 

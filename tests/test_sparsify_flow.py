@@ -84,6 +84,36 @@ def test_metrics_report_and_plots_are_in_mlflow(sparse):
     assert len(run.data.tags["dvc.program.pruned"]) == 32
 
 
+def test_init_from_fine_tunes_the_registered_weights_and_thresholds_add_zeros(sparse):
+    """A near-zero learning rate keeps the registered network: the fine-tuned copy scores
+    what it scored (a fresh network would be at chance; the thresholds cost at most their
+    tolerance), the run records its origin, and the calibrated thresholds only add zeros."""
+    from flows.sparsify import sparsify
+    from training.datasets import DataError
+
+    version = sparse.registration.version
+    assert sparse.registration.alias == "champion"  # the first of its name in this session
+    tuned = sparsify(smoke_sparsify(init_from="models:/smoke-sparsify@champion", lr=1e-9,
+                                    epochs=1, sparsity_lambda=0.0, lambda_sweep=None,
+                                    zero_threshold_tolerance=0.03,
+                                    model_name="smoke-sparsify-tuned"))
+    assert tuned.test_accuracy == pytest.approx(sparse.test_accuracy, abs=0.06)
+    assert tuned.test_accuracy > 0.25
+    metrics = MlflowClient().get_run(tuned.run_id).data.metrics
+    assert {"zero_threshold_block1", "zero_threshold_block2"} & set(metrics)
+    assert metrics["val_accuracy"] >= metrics["val_accuracy_unthresholded"] - 0.03 - 1e-9
+    for layer, report in tuned.report.layers.items():
+        assert report.zero_fraction >= sparse.report.layers[layer].zero_fraction - 1e-3, layer
+    assert tuned.registration.accuracy == pytest.approx(tuned.test_accuracy)  # as served
+    tags = MlflowClient().get_run(tuned.run_id).data.tags
+    assert tags["init_from"] == f"models:/smoke-sparsify/{version}"  # the alias resolved
+    assert "dvc.checkpoint.init" in tags
+    with pytest.raises(DataError, match="does not fit --model resnet18"):
+        sparsify(smoke_sparsify(model="resnet18", init_from=f"models:/smoke-sparsify/{version}"))
+    with pytest.raises(DataError, match="no registered model version models:/no-such-model"):
+        sparsify(smoke_sparsify(init_from="models:/no-such-model@champion"))
+
+
 @pytest.fixture(scope="module", params=["detection", "contour"])
 def dense(request):
     """A detector and a contour network, each 2 rounds on 48 small canvases; the contour
@@ -172,6 +202,9 @@ def client_classes(summary) -> list[str]:
                                                    "ssdlite320_mobilenet_v3_large"]),
     (["--task", "contour", "--sparse-layers", "enc9"], ["sparse_layers", "enc9", "dec1"]),
     (["--task", "contour", "--layouts", "10,0,5"], ["layouts", "every layout count"]),
+    (["--init-from", "runs:/abc/model"], ["init_from", "models:/NAME@ALIAS"]),
+    (["--task", "contour", "--init-from", "models:/train@champion"],
+     ["init_from: fine-tuning is for --task classification"]),
 ])
 def test_bad_input_is_one_error_line_before_any_work(flags, names):
     done = subprocess.run([sys.executable, "-m", "flows", "sparsify", "--profile", "smoke",

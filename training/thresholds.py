@@ -1,0 +1,101 @@
+"""Calibrated activation thresholds: a layer's values at or below t become exact zeros.
+
+A sparsity term makes many activations small without making them zero (ReLU gives exact zeros
+only below its kink). A forced activation threshold (Kurtz et al., "Inducing and Exploiting
+Activation Sparsity for Fast Neural Network Inference", ICML 2020: FATReLU) zeros every value
+of the map whose magnitude is at most t. `calibrate_thresholds` picks, layer after layer, the
+largest t among quantiles of the layer's nonzero magnitudes that keeps the score within a
+tolerance of the network without thresholds; `install_thresholds` adds them as forward hooks,
+which `torch.export` traces into the exported program (the served network zeros alike).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from training.features import FeatureHooks
+
+QUANTILES = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+SAMPLE = 1 << 20  # magnitudes kept per layer to take the quantiles from
+
+
+def zero_at_most(threshold: float) -> Callable[[nn.Module, tuple, Tensor], Tensor]:
+    """A forward hook that replaces the module's output x by x where |x| > threshold, else 0."""
+    def hook(_module: nn.Module, _inputs: tuple, output: Tensor) -> Tensor:
+        return output * (output.abs() > threshold)
+    return hook
+
+
+def install_thresholds(model: nn.Module, thresholds: dict[str, float]) -> list[RemovableHandle]:
+    """Hooks on `model`'s modules named in `thresholds` (module name -> t); their handles."""
+    modules = dict(model.named_modules())
+    missing = sorted(set(thresholds) - set(modules))
+    if missing:
+        raise KeyError(f"no layer {missing} in {type(model).__name__}")
+    return [modules[name].register_forward_hook(zero_at_most(t))
+            for name, t in thresholds.items()]
+
+
+@torch.no_grad()
+def candidate_thresholds(model: nn.Module, layer: str, batches: Iterable, device: torch.device,
+                         quantiles: Sequence[float] = QUANTILES) -> list[float]:
+    """Quantiles of the nonzero magnitudes of `layer`'s output over `batches`, ascending."""
+    model.eval()
+    kept: list[Tensor] = []
+    generator = torch.Generator().manual_seed(0)
+    with FeatureHooks(model, [layer], detach=True) as hooks:
+        for _, x, _ in batches:
+            model(x.to(device))
+            values = hooks[layer].abs().flatten().float().cpu()
+            values = values[values > 0]
+            if len(values) > SAMPLE // 8:
+                values = values[torch.randperm(len(values), generator=generator)[:SAMPLE // 8]]
+            kept.append(values)
+    values = torch.cat(kept) if kept else torch.zeros(0)
+    if len(values) == 0:
+        return []
+    if len(values) > SAMPLE:
+        values = values[torch.randperm(len(values), generator=generator)[:SAMPLE]]
+    return sorted(set(torch.quantile(values, torch.tensor(quantiles)).tolist()))
+
+
+def calibrate_thresholds(model: nn.Module, layers: Sequence[str], batches: Iterable,
+                         device: torch.device, score: Callable[[nn.Module], float],
+                         tolerance: float) -> tuple[dict[str, float], float, float]:
+    """Per layer, in order, the largest candidate threshold (`candidate_thresholds`, taken with
+    the earlier layers' thresholds in place) whose network still scores at least the
+    unthresholded score minus `tolerance` (bisection: the score falls as t grows).
+
+    Returns the thresholds (a layer where none is affordable is left out), the score without
+    and the score with them. `model` is left without hooks."""
+    base = score(model)
+    floor = base - tolerance
+    chosen: dict[str, float] = {}
+    final = base
+    for layer in layers:
+        handles = install_thresholds(model, chosen)
+        try:
+            candidates = candidate_thresholds(model, layer, batches, device)
+        finally:
+            for handle in handles:
+                handle.remove()
+        low, high, best = 0, len(candidates) - 1, None
+        while low <= high:
+            middle = (low + high) // 2
+            handles = install_thresholds(model, chosen | {layer: candidates[middle]})
+            try:
+                value = score(model)
+            finally:
+                for handle in handles:
+                    handle.remove()
+            if value >= floor:
+                best, low = (candidates[middle], value), middle + 1
+            else:
+                high = middle - 1
+        if best is not None:
+            chosen[layer], final = best
+    return chosen, base, final
