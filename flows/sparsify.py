@@ -66,16 +66,17 @@ def train_sparse(config: SparsifyConfig, classifier: ClassifierConfig, prepared:
         f"{k} (lambda {v:.3g})" for k, v in spec.lambdas.items()))
     best = train_epochs(classifier, prepared, budget, run_id, config.patience, FLOW_NAME,
                         sparsity=spec, start=start)
+    thresholds: dict[str, float] = {}
     if config.zero_threshold_tolerance is not None:
         thresholded = calibrate_zero_thresholds(classifier, prepared.dataset, best.checkpoint,
                                                 tuple(spec.lambdas),
                                                 config.zero_threshold_tolerance)
         tracking.log_metrics(run_id, thresholded.metrics())
+        thresholds = thresholded.thresholds
         best = best.model_copy(update={"checkpoint": thresholded.checkpoint, "metrics": (
             best.metrics | {"val_accuracy": thresholded.val_accuracy})})
-    report = sparsity_report(classifier, prepared.dataset, best.checkpoint, spec)
-    if config.zero_threshold_tolerance is not None:
-        report = report.model_copy(update={"thresholds": thresholded.thresholds})
+    report = sparsity_report(classifier, prepared.dataset, best.checkpoint, spec
+                             ).model_copy(update={"thresholds": thresholds})
     tracking.log_metrics(run_id, report.metrics())
     return spec, best, report
 
