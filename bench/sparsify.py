@@ -39,7 +39,6 @@ from bench.common import mean_std, print_json, print_table  # noqa: E402
 from flows.sparsify import sparsify  # noqa: E402
 from tasks.config import SparsifyConfig  # noqa: E402
 
-LAMBDA = SparsifyConfig.model_fields["sparsity_lambda"].default
 VARIANTS: dict[str, dict] = {
     "none": {"sparsity_lambda": 0.0},
     "abs": {"transform": "abs"},
@@ -67,12 +66,15 @@ SCORES = {"classification": "test_accuracy", "detection": "test_map_50",
           "contour": "test_boundary_f"}
 
 
-def run(task: str, variant: str, seed: int, lam: float, init_from: str | None = None) -> dict:
+def run(task: str, variant: str, seed: int, lam: float | None,
+        init_from: str | None = None) -> dict:
     """One flow run; its test score, zeros and memory (and, classifiers, the pruned net).
-    `init_from`: a registered model to fine-tune (`FINETUNE`'s rounds)."""
+    `lam` None: the task's default lambda. `init_from`: a registered model to fine-tune
+    (`FINETUNE`'s rounds)."""
     started = time.perf_counter()
     summary = sparsify(SparsifyConfig(**{
-        "task": task, "seed": seed, "progress": False, "sparsity_lambda": lam,
+        "task": task, "seed": seed, "progress": False,
+        **({} if lam is None else {"sparsity_lambda": lam}),
         "model_name": f"bench-sparsify-{task}", **VARIANTS[variant],
         **({"init_from": init_from, **FINETUNE} if init_from else {})}))
     report = summary.report
@@ -94,7 +96,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                         help="the variants to run (detection, contour: none and abs only)")
-    parser.add_argument("--sparsity-lambda", type=float, default=LAMBDA)
+    parser.add_argument("--sparsity-lambda", type=float, default=None,
+                        help="default: each task's (0.3; contour 0.02)")
     args = parser.parse_args()
     results, rows = [], []
     for task in args.tasks:

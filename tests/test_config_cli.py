@@ -80,3 +80,14 @@ def test_a_prefect_server_that_does_not_start_in_time_ends_in_one_error_line(tmp
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" in errors[0]
     assert "Traceback" not in done.stderr
+
+
+def test_each_sparsify_task_has_its_defaults_below_the_profile_and_the_given_values():
+    from tasks.config import SparsifyConfig
+
+    assert SparsifyConfig().sparsity_lambda == 0.3  # classification
+    contour = SparsifyConfig(task="contour")
+    assert (contour.sparsity_lambda, contour.batch_size, contour.epochs) == (0.02, 16, 6)
+    assert SparsifyConfig(task="contour", sparsity_lambda=0.3).sparsity_lambda == 0.3
+    assert SparsifyConfig(task="detection").sparsity_lambda == 0.3
+    assert SparsifyConfig(task="contour", profile="smoke").layouts == (64, 32, 32)
