@@ -99,6 +99,10 @@ def main() -> None:
     parser.add_argument("--sparsity-lambda", type=float, default=None,
                         help="default: each task's (0.3; contour 0.02)")
     args = parser.parse_args()
+    for variant in args.variants:  # each fine-tuning starts from its seed's `none` network
+        if "fine-tuned" in variant and "none" not in args.variants[:args.variants.index(variant)]:
+            parser.error(f"variant {variant!r} fine-tunes the `none` networks: list `none` "
+                         "before it")
     results, rows = [], []
     for task in args.tasks:
         for variant in [v for v in args.variants
@@ -107,11 +111,9 @@ def main() -> None:
             for seed in args.seeds:
                 init_from = None
                 if "fine-tuned" in variant:
-                    dense = [r for r in results if r["task"] == task and r["variant"] == "none"]
-                    if not dense:
-                        parser.error(f"variant {variant!r} fine-tunes the `none` networks: "
-                                     "list `none` before it")
-                    init_from = dense[0]["runs"][args.seeds.index(seed)]["model_uri"]
+                    dense = next(r for r in results if r["task"] == task
+                                 and r["variant"] == "none")
+                    init_from = dense["runs"][args.seeds.index(seed)]["model_uri"]
                 runs.append(run(task, variant, seed, args.sparsity_lambda, init_from))
                 print(f"{task} {variant} seed {seed}: {runs[-1]}", flush=True)
             score = mean_std([r["score"] for r in runs])

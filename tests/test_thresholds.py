@@ -12,17 +12,16 @@ from training.thresholds import (
     calibrate_thresholds,
     candidate_thresholds,
     install_thresholds,
+    thresholds_in_place,
 )
 
 
 def test_a_threshold_zeros_every_value_at_most_it_and_keeps_the_rest():
     layer = nn.Identity()
     model = nn.Sequential(layer)
-    handles = install_thresholds(model, {"0": 0.5})
     x = torch.tensor([[-2.0, -0.5, -0.25, 0.0, 0.25, 0.5, 0.75]])
-    assert model(x).tolist() == [[-2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.75]]
-    for handle in handles:
-        handle.remove()
+    with thresholds_in_place(model, {"0": 0.5}):
+        assert model(x).tolist() == [[-2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.75]]
     assert torch.equal(model(x), x)
     with pytest.raises(KeyError, match="no layer"):
         install_thresholds(model, {"block9": 0.1})
@@ -77,10 +76,8 @@ def test_calibration_keeps_the_score_within_the_tolerance_and_leaves_no_hooks():
     assert all(not m._forward_hooks for m in model.modules())  # no hook left behind
     for tolerance, (thresholds, before, after) in results.items():
         assert before == base and after >= base - tolerance - 1e-9
-        handles = install_thresholds(model, thresholds)
-        assert score(model) == pytest.approx(after)
-        for handle in handles:
-            handle.remove()
+        with thresholds_in_place(model, thresholds):
+            assert score(model) == pytest.approx(after)
     chosen = [results[t][0].get("1", 0.0) for t in (0.0, 0.02, 1.0)]
     assert chosen == sorted(chosen)  # a looser tolerance never picks a smaller threshold
     assert chosen[-1] == pytest.approx(candidates[-1])  # anything goes: the 0.9 quantile

@@ -11,7 +11,8 @@ which `torch.export` traces into the exported program (the served network zeros 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -38,6 +39,17 @@ def install_thresholds(model: nn.Module, thresholds: dict[str, float]) -> list[R
         raise KeyError(f"no layer {missing} in {type(model).__name__}")
     return [modules[name].register_forward_hook(zero_at_most(t))
             for name, t in thresholds.items()]
+
+
+@contextmanager
+def thresholds_in_place(model: nn.Module, thresholds: dict[str, float]) -> Iterator[nn.Module]:
+    """`install_thresholds` for the `with` block only (the hooks are removed after it)."""
+    handles = install_thresholds(model, thresholds)
+    try:
+        yield model
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @torch.no_grad()
@@ -77,21 +89,13 @@ def calibrate_thresholds(model: nn.Module, layers: Sequence[str], batches: Itera
     chosen: dict[str, float] = {}
     final = base
     for layer in layers:
-        handles = install_thresholds(model, chosen)
-        try:
+        with thresholds_in_place(model, chosen):
             candidates = candidate_thresholds(model, layer, batches, device)
-        finally:
-            for handle in handles:
-                handle.remove()
         low, high, best = 0, len(candidates) - 1, None
         while low <= high:
             middle = (low + high) // 2
-            handles = install_thresholds(model, chosen | {layer: candidates[middle]})
-            try:
+            with thresholds_in_place(model, chosen | {layer: candidates[middle]}):
                 value = score(model)
-            finally:
-                for handle in handles:
-                    handle.remove()
             if value >= floor:
                 best, low = (candidates[middle], value), middle + 1
             else:
