@@ -10,9 +10,9 @@ method on the same stage images. Every method's test accuracy, per seed.
 
 The defaults are the flow's (`DistillConfig`): teacher resnet18, student lenet, 10 stages
 drawing 80% of the training images each, batch 128, learning rate 0.05, and each role's batch
-and passes per stage fitted to the data set by `training.budget.fit_budget` (at least 1,000
-optimizer steps, at most 400 passes). On the default 20,000 images that is batch 128 and one
-pass per stage.
+and passes per stage fitted to the data set by `training.budget.fit_budget` (at least 3,000
+optimizer steps up to 4,096 training images, in proportion fewer above, at most 400
+passes). On the default 20,000 images that is batch 128 and one pass per stage.
 
     python bench/distill_methods.py --data data/fashion-mnist --device cuda
 """
@@ -191,8 +191,10 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, default=0.8,
                         help="share of the training images each role draws per stage")
     parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--min-steps", type=optional_int, default=1000,
+    parser.add_argument("--min-steps", type=optional_int, default=3000,
                         help="fit_budget's min_steps per role; none: the batch and one pass")
+    parser.add_argument("--min-steps-full-below", type=optional_int, default=4096,
+                        help="fit_budget's full_below")
     parser.add_argument("--max-epochs", type=int, default=400)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--teacher", default="resnet18")
@@ -213,7 +215,8 @@ def main() -> None:
     test_batches = Batches(data[0], data[1], test_ids, EVAL_BATCH, normalize, device=device)
     roles: tuple[Role, ...] = ("teacher", "student")
     budgets = {role: fit_budget(len(train_ids), args.batch_size, args.stages, args.min_steps,
-                                args.max_epochs, round(args.fraction * len(train_ids)))
+                                args.max_epochs, round(args.fraction * len(train_ids)),
+                                args.min_steps_full_below)
                for role in roles}
     example = data[0][train_ids[:1]].float()
     bank_layers = sorted({METHODS[m][1] for m in args.methods

@@ -11,7 +11,7 @@ is set beside:
 - the raw-pixel baselines of the same splits (3-NN and a linear classifier, `training.baselines`);
 - a long run of the same network: the `train` flow's recipe with that flow's network
   (`resnet18` for `train`, the `lenet` student for `distill` and `pbt`), `--long-factor` times
-  the minimum steps and no early stopping (the network trained long enough).
+  the minimum steps and the most passes, no early stopping (the network trained long enough).
 
 Targets: every flow above both baselines on every set, and within 1 point of the long run.
 A test split of 300 images moves by 2 points between splits, so `--split-per-seed` gives each
@@ -120,7 +120,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--flows", nargs="*", default=list(FLOWS), choices=FLOWS)
     parser.add_argument("--long-factor", type=int, default=4, help="the long run's minimum "
-                        "steps, as a multiple of the default's (0: no long run)")
+                        "steps and most passes, as multiples of the default's (0: no long run)")
     parser.add_argument("--long-seeds", type=int, nargs="+", default=None,
                         help="seeds of the long run (default: --seeds)")
     parser.add_argument("--long-models", nargs="*", default=None, help="networks given a long "
@@ -145,11 +145,12 @@ def main() -> None:
                 runs.setdefault(flow, []).append(run_flow(flow, folder, size, seed, split))
                 print(f"{spec} seed {seed} {flow}: {runs[flow][-1]}", flush=True)
             for model in long_models if args.long_factor and seed in long_seeds else []:
-                default_steps = TrainConfig.model_fields["min_steps"].default
+                fields = TrainConfig.model_fields
                 runs.setdefault(f"long {model}", []).append(run_flow(
                     "train", folder, size, seed, seed if args.split_per_seed else 0,
                     model=model, patience=None,
-                    min_steps=default_steps * args.long_factor,
+                    min_steps=fields["min_steps"].default * args.long_factor,
+                    max_epochs=fields["max_epochs"].default * args.long_factor,
                     model_name=f"bench-small-long-{model}-{folder.name}"))
                 print(f"{spec} seed {seed} long {model}: {runs[f'long {model}'][-1]}",
                       flush=True)

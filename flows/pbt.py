@@ -29,7 +29,7 @@ from tasks.pbt import (
     SCORED_WEIGHTS,
     MemberResult,
     member_config,
-    search_spaces,
+    population_scheduler,
     train_member,
     write_lineage,
 )
@@ -37,7 +37,7 @@ from tasks.registration import Registration
 from tasks.runners import submitter, task_runner, worker_threads
 from tasks.training import classifier_config, run_key
 from tasks.versioning import ArtifactRef
-from training.pbt import PBTScheduler, PopulationFailed
+from training.pbt import PopulationFailed
 
 FLOW_NAME = "pbt"
 
@@ -52,6 +52,7 @@ class PopulationResult(BaseModel):
     stages: int
     lineage: list[dict[str, Any]]
     lineage_log: ArtifactRef
+    val_images: int  # what the scores were measured on (their ties, `training.pbt`)
 
 
 class PBTSummary(BaseModel):
@@ -157,8 +158,7 @@ def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str
     # stages: a new cosine at each member's own rate, decaying to zero at the last stage
     stages_from = epoch * repeats
     cycle = (stages_from, stages_from + config.stages * config.round_epochs * repeats)
-    scheduler = PBTScheduler(search_spaces(config), members, burn_in_values, config.seed,
-                             *config.explore_factors, linear_step=config.explore_step)
+    scheduler = population_scheduler(config, members, burn_in_values, dataset.sizes["val"])
     hyperparameters = scheduler.hyperparameters  # every member starts from different values
     first, best_score, stale, stage = stages_from, -1.0, 0, 0
     best_result, best_hyperparameters = None, hyperparameters[0]
@@ -171,8 +171,8 @@ def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str
         best_result = results[decision.best]
         best_hyperparameters = hyperparameters[decision.best]
         score = decision.score
-        logger.info("stage %d: best member %d (%s weights), validation %.4f, %s", stage,
-                    decision.best, best_result.kept, score,
+        logger.info("stage %d: best member %d (%s weights), validation %.4f (ties within "
+                    "%.4f), %s", stage, decision.best, best_result.kept, score, decision.margin,
                     ", ".join(f"{k}={v:.4g}" for k, v in best_hyperparameters.items()))
         tracking.log_dict(member_runs[decision.best], {"stage": stage, **best_hyperparameters},
                           f"best/stage-{stage:03d}.json")
@@ -188,7 +188,8 @@ def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str
         parents = [decision.best] * members
         hyperparameters = list(decision.hyperparameters)
     return PopulationResult(best=best_result, hyperparameters=best_hyperparameters,
-                            stages=stage, lineage=lineage, lineage_log=lineage_log)
+                            stages=stage, lineage=lineage, lineage_log=lineage_log,
+                            val_images=dataset.sizes["val"])
 
 
 @flow(name=FLOW_NAME, description="Population-based training: members train in stages, the "

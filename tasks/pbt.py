@@ -29,7 +29,7 @@ from tasks.training import (
     train_passes,
 )
 from tasks.versioning import ArtifactRef, ArtifactStore
-from training.pbt import SearchSpace
+from training.pbt import PBTScheduler, SearchSpace
 from training.recipe import choose_weights, start_average
 
 HYPERPARAMETERS = ("lr", "weight_decay", "momentum", "augment")
@@ -53,6 +53,16 @@ def search_spaces(config: Any) -> list[SearchSpace]:
             SearchSpace("weight_decay", *config.weight_decay_range, "log"),
             SearchSpace("momentum", *config.momentum_range, "linear"),
             SearchSpace("augment", *config.augment_range, "linear")]
+
+
+def population_scheduler(config: Any, members: int, base: dict[str, float],
+                         val_images: int) -> PBTScheduler:
+    """The `pbt` config's scheduler: its search space and perturbations, member 0 at `base`'s
+    values, the incumbent kept within `--tie-margin` (none: one standard error on
+    `val_images`)."""
+    return PBTScheduler(search_spaces(config), members, base, config.seed,
+                        *config.explore_factors, linear_step=config.explore_step,
+                        margin=config.tie_margin, val_images=val_images, keep_base=True)
 
 
 # The checkpoint entry a member round scored and that gets tested and exported.

@@ -129,7 +129,7 @@ def fit_to_data(config: BaseModel, dataset: DatasetRef, rounds: int,
     """The budget of a run of `rounds` configured epochs (or stages) of `config` on
     `dataset`'s training split (`training.budget.fit_budget`)."""
     return fit_budget(dataset.sizes["train"], config.batch_size, rounds, config.min_steps,
-                      config.max_epochs, images_per_round)
+                      config.max_epochs, images_per_round, config.min_steps_full_below)
 
 
 # The live model and optimizer of the last epoch this process finished, keyed by the checkpoint

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from training.budget import fit_budget, fitted_batch_size
+from training.budget import fit_budget, fitted_batch_size, needed_steps
 
 
 def test_a_large_data_set_keeps_the_configured_batch_and_epochs():
@@ -35,6 +35,18 @@ def test_rounds_that_draw_a_subset_and_no_minimum():
     assert (budget.batch_size, budget.steps_per_epoch, budget.repeats) == (64, 12, 9)
     assert fit_budget(1000, 64, 10, None, 400) == fit_budget(1000, 64, 10, None, 1)
     assert fit_budget(1000, 64, 10, None, 400).repeats == 1
+
+
+def test_the_minimum_shrinks_in_proportion_above_full_below():
+    assert needed_steps(1080, 3000, 4096) == 3000  # in full up to 4,096 images
+    assert needed_steps(8192, 3000, 4096) == 1500  # twice the images: half the steps
+    assert needed_steps(18000, 3000, 4096) == 683  # ceil(3000 * 4096 / 18000)
+    assert needed_steps(18000, 3000, None) == 3000
+    small = fit_budget(1080, 128, 8, 3000, 400, full_below=4096)  # 8 steps an epoch
+    assert small.repeats == 47 and small.steps == 3008  # ceil(3000 / 64)
+    large = fit_budget(18000, 128, 8, 3000, 400, full_below=4096)  # 1,120 steps >= 683
+    assert (large.batch_size, large.repeats, large.steps) == (128, 1, 1120)
+    assert fit_budget(18000, 128, 8, 3000, 400).repeats == 3  # ceil(3000 / 1120) in full
 
 
 def test_bad_budgets_are_refused():

@@ -7,7 +7,14 @@ import random
 
 import pytest
 
-from training.pbt import SearchSpace, best_member, explore, initial_hyperparameters
+from training.pbt import (
+    PBTScheduler,
+    SearchSpace,
+    best_member,
+    explore,
+    initial_hyperparameters,
+    standard_error,
+)
 
 SPACES = [SearchSpace("lr", 0.01, 0.4), SearchSpace("momentum", 0.5, 0.99, "linear"),
           SearchSpace("batch_size", 32, 256, "log", integer=True)]
@@ -47,3 +54,34 @@ def test_best_member_takes_the_first_of_equals_and_skips_failed_members():
         best_member([None, None])
     with pytest.raises(ValueError, match="positive low bound"):
         SearchSpace("wd", 0.0, 1.0)
+
+
+def test_the_incumbent_stays_the_best_unless_beaten_by_more_than_the_margin():
+    scores = [0.80, 0.825, 0.79]
+    assert best_member(scores, 0.03, incumbent=0) == 0  # 2.5 points ahead: within 3
+    assert best_member(scores, 0.02, incumbent=0) == 1  # beyond 2
+    assert best_member(scores, 0.03, incumbent=2) == 1  # 3.5 points behind
+    assert best_member([None, 0.9, 0.7], 0.5, incumbent=0) == 1  # a failed incumbent
+    assert standard_error(0.8, 100) == pytest.approx(0.04)  # sqrt(0.8 * 0.2 / 100)
+
+
+def test_member_0_starts_at_the_configured_values_and_noise_does_not_move_it():
+    spaces = [SearchSpace("lr", 0.01, 1.0), SearchSpace("augment", 0.0, 1.0, "linear")]
+    base = {"lr": 0.05, "augment": 0.5, "momentum": 0.9}
+    plain = PBTScheduler(spaces, 3, base, seed=4)
+    anchored = PBTScheduler(spaces, 3, base, seed=4, margin=None, val_images=100,
+                            keep_base=True)
+    assert anchored.hyperparameters[0] == base
+    assert anchored.hyperparameters[1:] == plain.hyperparameters[1:]  # the draws unchanged
+    # one standard error of 0.84 on 100 images is 3.7 points: 3 points ahead is noise
+    decision = anchored.decide([0.81, 0.84, 0.80])
+    assert (decision.best, decision.score) == (0, 0.81)
+    assert decision.margin == pytest.approx(math.sqrt(0.84 * 0.16 / 100))
+    assert decision.hyperparameters[0] == base  # the incumbent keeps its values
+    # 10 points ahead is not: member 2 becomes the incumbent and keeps its values
+    decision = anchored.decide([0.80, 0.78, 0.90])
+    assert decision.best == 2 and anchored.incumbent == 2
+    assert decision.hyperparameters[2] == anchored.decisions[0].hyperparameters[2]
+    assert plain.decide([0.81, 0.84, 0.80]).best == 1  # margin 0: the highest
+    with pytest.raises(ValueError, match="validation images"):
+        PBTScheduler(spaces, 3, base, seed=4, margin=None)

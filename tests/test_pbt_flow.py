@@ -16,9 +16,9 @@ from flows.commands import COMMANDS
 from flows.pbt import pbt
 from tasks.checkpoints import load_checkpoint
 from tasks.config import PBTConfig
-from tasks.pbt import HYPERPARAMETERS, search_spaces
+from tasks.pbt import HYPERPARAMETERS, population_scheduler
 from tasks.versioning import ArtifactStore
-from training.pbt import PBTScheduler, replay
+from training.pbt import replay
 
 NAME = "pbt-smoke"
 
@@ -90,9 +90,8 @@ def test_the_lineage_replays_through_the_scheduler(first_pbt):
     members = config.members
     scores = [[r["score"] for r in rows[i:i + members]] for i in range(0, len(rows), members)]
     burn_in = {name: getattr(config, name) for name in HYPERPARAMETERS}
-    replayed = replay(PBTScheduler(search_spaces(config), members, burn_in, config.seed,
-                                   *config.explore_factors, linear_step=config.explore_step),
-                      scores)
+    replayed = replay(population_scheduler(config, members, burn_in,
+                                           first_pbt.population.val_images), scores)
     following = [rows[i:i + members] for i in range(members, len(rows), members)]
     assert len(following) == len(replayed) - 1  # the last stage's decision has no stage after
     for decision, next_rows in zip(replayed, following, strict=False):

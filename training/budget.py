@@ -9,6 +9,12 @@ epochs for a large data set and, for a small one,
 - repeats every configured epoch `repeats` times, the smallest whole number that gives at
   least `min_steps` optimizer steps in all, capped so that no run exceeds `max_epochs` passes.
 
+The minimum is `min_steps` in full up to `full_below` training images and shrinks in
+proportion above them (`min_steps x full_below / images`), so the passes grow faster than the
+data shrinks: a set of 1,000 images needs hundreds of passes to learn what it can (on 8-pixel
+Fashion-MNIST, 1,000 steps left the `distill` student 2.8 points below `lenet` trained long,
+3,000 steps 0.2), while 18,000 images at the configured 8 epochs (1,120 steps) are past it.
+
 `repeats` is one number per run, so every schedule built on epochs (a cosine over the run, PBT
 rounds, distillation stages) stretches alike: a flow trains `epochs x repeats` passes as
 `epochs` rounds of `repeats` passes each, and checks validation (early stopping, PBT's choice)
@@ -62,8 +68,17 @@ def fitted_batch_size(images: int, batch_size: int, min_batches: int = 8,
     return max(min(fitting, batch_size), min(min_batch, batch_size, images))
 
 
+def needed_steps(images: int, min_steps: int, full_below: int | None) -> int:
+    """The minimum steps for `images` training images: `min_steps` up to `full_below` images,
+    `min_steps x full_below / images` above (`None`: `min_steps` whatever the size)."""
+    if full_below is None or images <= full_below:
+        return min_steps
+    return math.ceil(min_steps * full_below / images)
+
+
 def fit_budget(images: int, batch_size: int, rounds: int, min_steps: int | None,
-               max_epochs: int, images_per_round: int | None = None) -> Budget:
+               max_epochs: int, images_per_round: int | None = None,
+               full_below: int | None = None) -> Budget:
     """The budget of a run of `rounds` configured epochs on `images` training images.
 
     Args:
@@ -75,6 +90,8 @@ def fit_budget(images: int, batch_size: int, rounds: int, min_steps: int | None,
         max_epochs: never more passes than this in all (repeats are capped to fit).
         images_per_round: images one round passes over, when a round draws a subset (a
             distillation stage draws a fraction of the training images); default `images`.
+        full_below: `min_steps` holds in full up to this many training images and shrinks in
+            proportion above (`needed_steps`); `None`: in full whatever the size.
     """
     if rounds < 1 or max_epochs < 1:
         raise ValueError(f"need rounds >= 1 and max_epochs >= 1, got {rounds}, {max_epochs}")
@@ -83,6 +100,7 @@ def fit_budget(images: int, batch_size: int, rounds: int, min_steps: int | None,
         return Budget(batch_size, max(seen // batch_size, 1), 1, rounds)
     batch = fitted_batch_size(seen, batch_size)
     per_round = max(seen // batch, 1)
-    repeats = max(1, math.ceil(min_steps / (rounds * per_round)))
+    repeats = max(1, math.ceil(needed_steps(images, min_steps, full_below)
+                               / (rounds * per_round)))
     repeats = max(1, min(repeats, max_epochs // rounds))
     return Budget(batch, per_round, repeats, rounds)

@@ -2,8 +2,9 @@
 
 A member's hyperparameters are a dict of floats. Each searched hyperparameter has bounds and a
 scale. `initial_hyperparameters` spreads the members over the space, `best_member` picks the
-most accurate member of a stage (exploit: its weights are copied to the others), and `explore`
-draws a member's new values around the best's:
+most accurate member of a stage (exploit: its weights are copied to the others; the incumbent
+stays the best unless beaten by more than a margin), and `explore` draws a member's new values
+around the best's:
 
 - log scale: `best * f` with `log f` uniform in `[log low_factor, log high_factor]`
   (0.5 to 2 by default);
@@ -100,35 +101,53 @@ def explore(best: Mapping[str, float], spaces: Sequence[SearchSpace], rng: rando
     return values
 
 
-def best_member(scores: Sequence[float | None]) -> int:
-    """The index of the highest score (the first on ties); `None` marks a failed member.
+def best_member(scores: Sequence[float | None], margin: float = 0.0,
+                incumbent: int | None = None) -> int:
+    """The index of the highest score (the first on ties), or `incumbent` where its score is
+    within `margin` of the highest; `None` marks a failed member.
 
     Raises:
         ValueError: no member has a score.
     """
-    ranked = [(score, -index) for index, score in enumerate(scores) if score is not None
-              and not math.isnan(score)]
-    if not ranked:
+    valid = {index: score for index, score in enumerate(scores) if score is not None
+             and not math.isnan(score)}
+    if not valid:
         raise ValueError("no member of the stage has a score: every member failed")
-    return -max(ranked)[1]
+    top = max(valid.values())
+    if incumbent in valid and valid[incumbent] >= top - margin:
+        return incumbent
+    return min(index for index, score in valid.items() if score == top)
+
+
+def standard_error(accuracy: float, images: int) -> float:
+    """The standard error of an accuracy measured on `images` images (binomial)."""
+    return math.sqrt(max(accuracy * (1 - accuracy), 0.0) / images)
 
 
 @dataclass(frozen=True)
 class Decision:
     """What the scheduler decided after a stage: the best member (exploit: every member starts
     the next stage from its weights) and each member's hyperparameters for the next stage
-    (explore: the best keeps its own, the others draw around them)."""
+    (explore: the best keeps its own, the others draw around them). `score` is the best's;
+    `margin` how much better than the incumbent another member had to score."""
 
     stage: int
     best: int
     score: float
     hyperparameters: tuple[dict[str, float], ...]
+    margin: float = 0.0
 
 
 class PBTScheduler:
     """Population-based training's decisions from scores alone (Ray Tune's exploit / explore
     split): no weights, no I/O. The same seed and the same scores give the same decisions, so a
     run's history is replayed from its scores (`replay`).
+
+    A noisy score must not move the search (a validation split of 120 images measures to 3.6
+    points): the incumbent (the last stage's best, who kept its values; at stage 1 member 0,
+    which with `keep_base` starts from `base`'s values) stays the best unless another member
+    beats it by more than `margin`. The search then leaves the configured values only on
+    evidence.
 
     Args:
         spaces: the searched hyperparameters.
@@ -137,30 +156,54 @@ class PBTScheduler:
             carried along.
         seed: seed of the scheduler's own random generator.
         low_factor, high_factor, linear_step: `explore`'s perturbation sizes.
+        margin: how much better than the incumbent a member must score to replace it;
+            `None`: one standard error of the highest score on `val_images` images.
+        val_images: the validation images the scores are measured on (for `margin=None`).
+        keep_base: member 0 starts from `base`'s values (clipped to the bounds) instead of a
+            draw; the others' draws are unchanged.
     """
 
     def __init__(self, spaces: Sequence[SearchSpace], members: int, base: Mapping[str, float],
                  seed: int, low_factor: float = 0.5, high_factor: float = 2.0,
-                 linear_step: float = 0.25) -> None:
+                 linear_step: float = 0.25, margin: float | None = 0.0,
+                 val_images: int | None = None, keep_base: bool = False) -> None:
+        if margin is None and not val_images:
+            raise ValueError("a margin of one standard error needs the validation images")
         self.spaces, self.members = list(spaces), members
         self.rng = random.Random(seed)
         self.perturbation = (low_factor, high_factor, linear_step)
+        self.margin, self.val_images = margin, val_images
         self.hyperparameters = [dict(base) | drawn for drawn in initial_hyperparameters(
             self.spaces, members, self.rng)]
+        self.incumbent: int | None = None
+        if keep_base:
+            self.hyperparameters[0] = dict(base) | {
+                space.name: space.clip(base[space.name]) for space in self.spaces}
+            self.incumbent = 0
         self.decisions: list[Decision] = []
+
+    def tie_margin(self, scores: Sequence[float | None]) -> float:
+        """How much better than the incumbent a member must score (`margin`, or one standard
+        error of the highest of `scores`)."""
+        valid = [s for s in scores if s is not None and not math.isnan(s)]
+        if self.margin is not None or not valid:
+            return self.margin or 0.0
+        return standard_error(max(valid), self.val_images)
 
     def decide(self, scores: Sequence[float | None]) -> Decision:
         """The decision after a stage whose members scored `scores` (`None`: failed)."""
         if len(scores) != self.members:
             raise ValueError(f"{len(scores)} scores for {self.members} members")
-        best = best_member(scores)
+        margin = self.tie_margin(scores)
+        best = best_member(scores, margin, self.incumbent)
+        self.incumbent = best  # it keeps its values; the others explore around them
         kept = self.hyperparameters[best]
         low, high, step = self.perturbation
         self.hyperparameters = [kept if m == best else explore(
             kept, self.spaces, self.rng, low, high, linear_step=step)
             for m in range(self.members)]
         decision = Decision(len(self.decisions) + 1, best, float(scores[best]),
-                            tuple(self.hyperparameters))
+                            tuple(self.hyperparameters), margin)
         self.decisions.append(decision)
         return decision
 
