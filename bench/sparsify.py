@@ -23,6 +23,7 @@ accuracy lost.
     python -m bench.sparsify --tasks classification --seeds 0 --variants none abs
     python -m bench.sparsify --tasks detection contour
     python -m bench.sparsify --tasks contour --variants abs --sparsity-lambda 0.1
+    python -m bench.sparsify --tasks classification --width 32 --variants none abs
 """
 
 from __future__ import annotations
@@ -67,14 +68,15 @@ SCORES = {"classification": "test_accuracy", "detection": "test_map_50",
 
 
 def run(task: str, variant: str, seed: int, lam: float | None,
-        init_from: str | None = None) -> dict:
+        init_from: str | None = None, classifier: dict | None = None) -> dict:
     """One flow run; its test score, zeros and memory (and, classifiers, the pruned net).
     `lam` None: the task's default lambda. `init_from`: a registered model to fine-tune
-    (`FINETUNE`'s rounds)."""
+    (`FINETUNE`'s rounds). `classifier`: `model` and `width` of a classifier, where given."""
     started = time.perf_counter()
     summary = sparsify(SparsifyConfig(**{
         "task": task, "seed": seed, "progress": False,
         **({} if lam is None else {"sparsity_lambda": lam}),
+        **((classifier or {}) if task == "classification" else {}),
         "model_name": f"bench-sparsify-{task}", **VARIANTS[variant],
         **({"init_from": init_from, **FINETUNE} if init_from else {})}))
     report = summary.report
@@ -98,11 +100,16 @@ def main() -> None:
                         help="the variants to run (detection, contour: none and abs only)")
     parser.add_argument("--sparsity-lambda", type=float, default=None,
                         help="default: each task's (0.3; contour 0.02)")
+    parser.add_argument("--model", default=None, help="the classifier (default: lenet)")
+    parser.add_argument("--width", type=int, default=None,
+                        help="the classifier's width (default: the model's, lenet 16)")
     args = parser.parse_args()
     for variant in args.variants:  # each fine-tuning starts from its seed's `none` network
         if "fine-tuned" in variant and "none" not in args.variants[:args.variants.index(variant)]:
             parser.error(f"variant {variant!r} fine-tunes the `none` networks: list `none` "
                          "before it")
+    classifier = {k: v for k, v in (("model", args.model), ("width", args.width))
+                  if v is not None}
     results, rows = [], []
     for task in args.tasks:
         for variant in [v for v in args.variants
@@ -114,7 +121,8 @@ def main() -> None:
                     dense = next(r for r in results if r["task"] == task
                                  and r["variant"] == "none")
                     init_from = dense["runs"][args.seeds.index(seed)]["model_uri"]
-                runs.append(run(task, variant, seed, args.sparsity_lambda, init_from))
+                runs.append(run(task, variant, seed, args.sparsity_lambda, init_from,
+                                classifier))
                 print(f"{task} {variant} seed {seed}: {runs[-1]}", flush=True)
             score = mean_std([r["score"] for r in runs])
             layers = list(runs[0]["zero_fraction"])
