@@ -13,8 +13,8 @@ from training.pbt import (
     best_member,
     explore,
     initial_hyperparameters,
-    standard_error,
 )
+from training.scores import standard_error
 
 SPACES = [SearchSpace("lr", 0.01, 0.4), SearchSpace("momentum", 0.5, 0.99, "linear"),
           SearchSpace("batch_size", 32, 256, "log", integer=True)]

@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from training.scores import standard_error
+
 Scale = Literal["log", "linear"]
 
 
@@ -101,6 +103,12 @@ def explore(best: Mapping[str, float], spaces: Sequence[SearchSpace], rng: rando
     return values
 
 
+def scored(scores: Sequence[float | None]) -> dict[int, float]:
+    """The members that have a score (`None`: failed; NaN: diverged), by index."""
+    return {index: score for index, score in enumerate(scores) if score is not None
+            and not math.isnan(score)}
+
+
 def best_member(scores: Sequence[float | None], margin: float = 0.0,
                 incumbent: int | None = None) -> int:
     """The index of the highest score (the first on ties), or `incumbent` where its score is
@@ -109,19 +117,13 @@ def best_member(scores: Sequence[float | None], margin: float = 0.0,
     Raises:
         ValueError: no member has a score.
     """
-    valid = {index: score for index, score in enumerate(scores) if score is not None
-             and not math.isnan(score)}
+    valid = scored(scores)
     if not valid:
         raise ValueError("no member of the stage has a score: every member failed")
     top = max(valid.values())
     if incumbent in valid and valid[incumbent] >= top - margin:
         return incumbent
     return min(index for index, score in valid.items() if score == top)
-
-
-def standard_error(accuracy: float, images: int) -> float:
-    """The standard error of an accuracy measured on `images` images (binomial)."""
-    return math.sqrt(max(accuracy * (1 - accuracy), 0.0) / images)
 
 
 @dataclass(frozen=True)
@@ -185,10 +187,10 @@ class PBTScheduler:
     def tie_margin(self, scores: Sequence[float | None]) -> float:
         """How much better than the incumbent a member must score (`margin`, or one standard
         error of the highest of `scores`)."""
-        valid = [s for s in scores if s is not None and not math.isnan(s)]
+        valid = scored(scores)
         if self.margin is not None or not valid:
             return self.margin or 0.0
-        return standard_error(max(valid), self.val_images)
+        return standard_error(max(valid.values()), self.val_images)
 
     def decide(self, scores: Sequence[float | None]) -> Decision:
         """The decision after a stage whose members scored `scores` (`None`: failed)."""

@@ -10,7 +10,6 @@ the round's result (`choose_weights`), so an average never makes a model worse. 
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
 
 from training.loops import Step, cosine_lr, evaluate, train_epoch, weight_average
+from training.scores import standard_error
 
 Batches = Iterable[tuple[Tensor, Tensor, Tensor]]
 
@@ -165,7 +165,7 @@ class EarlyStopping:
         """One standard error of the best score on `val_images` images (0 if unknown)."""
         if not self.val_images or self.best_score is None:
             return 0.0
-        return math.sqrt(self.best_score * (1 - self.best_score) / self.val_images)
+        return standard_error(self.best_score, self.val_images)
 
     def update(self, round_index: int, score: float) -> bool:
         """Records a round's score; returns whether this round is now the one to keep."""
