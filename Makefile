@@ -51,6 +51,7 @@ bench: setup data  ## the benchmarks (tables, then one JSON line each)
 	$(PY) -m bench.pbt
 	$(PY) -m bench.small_data
 	$(PY) -m bench.sparsify
+	$(PY) -m bench.cascade
 
 deploy: setup  ## register prefect.yaml's deployments with the server at PREFECT_API_URL
 	$(VENV)/bin/prefect work-pool create local --type process --overwrite

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+from tasks.cascade_config import CascadeConfig
 from tasks.config import DistillConfig, PBTConfig, SparsifyConfig, TrainConfig
 from tasks.data import install_fashion_mnist
 from tasks.features import FeaturesConfig
@@ -95,6 +96,21 @@ def run_sparsify(config: SparsifyConfig) -> None:
     _print_registration(summary)
 
 
+def run_cascade(config: CascadeConfig) -> None:
+    """Train a cascaded early-exit network with super-network modules; calibrate, measure and
+    register it."""
+    from flows.cascade import cascade
+
+    summary = _exit_on_data_error(lambda: cascade(config))
+    metrics = summary.test.metrics
+    print(f"\ntest accuracy {summary.test_accuracy:.4f} (full network "
+          f"{metrics['full_test_accuracy']:.4f}); {metrics['speedup_b1']:.2f}x faster than the "
+          f"full network at batch 1, {metrics['speedup_serving']:.2f}x at batch "
+          f"{config.serving_batch}; exits " + ", ".join(
+              f"{metrics[f'exit_share_{k}']:.2f}" for k in range(len(config.widths))))
+    _print_registration(summary)
+
+
 def _exit_on_model_error(config, call):
     """Runs `call()`; a model version that does not load, like bad input, exits with code 2."""
     from mlflow.exceptions import MlflowException
@@ -168,6 +184,7 @@ COMMANDS = [
     ("distill", DistillConfig, run_distill),
     ("pbt", PBTConfig, run_pbt),
     ("sparsify", SparsifyConfig, run_sparsify),
+    ("cascade", CascadeConfig, run_cascade),
     ("predict", PredictConfig, run_predict),
     ("features", FeaturesConfig, run_features),
     ("prepare-data", None, prepare_data),

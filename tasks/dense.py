@@ -11,9 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import tempfile
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 from prefect import task
@@ -27,8 +25,7 @@ from tasks.checkpoints import load_checkpoint, save_checkpoint, torch_save
 from tasks.config import SparsifyConfig, SparsitySpec
 from tasks.data import DatasetRef, load_dataset
 from tasks.dense_serving import served_scores
-from tasks.environment import PROJECT_ROOT
-from tasks.registration import Registration, pip_requirements, promote, transient
+from tasks.registration import Registration, log_weights_pyfunc, promote, transient
 from tasks.sparsify import SparsityReport, measured_report
 from tasks.training import EpochResult, make_optimizer, setup_device
 from tasks.versioning import ArtifactRef, ArtifactStore
@@ -217,17 +214,8 @@ def register_dense(run_id: str, name: str, config: SparsifyConfig, layouts: Layo
     registers it and makes it champion only if it scores higher."""
     meta = {"task": config.task, "model": config.network_name(), "width": config.width,
             "classes": layouts.classes, "canvas": layouts.canvas}
-    weights = trained_network(config, layouts, checkpoint).state_dict()
-    with tempfile.TemporaryDirectory() as folder:
-        meta_path, weights_path = Path(folder) / "meta.json", Path(folder) / "weights.pt"
-        meta_path.write_text(json.dumps(meta, indent=2))
-        torch_save(weights, weights_path)
-        model_uri = tracking.log_pyfunc_model(
-            run_id, str(PROJECT_ROOT / "tasks" / "dense_pyfunc_model.py"),
-            artifacts={"weights": str(weights_path), "meta": str(meta_path)},
-            pip_requirements=pip_requirements(),
-            code_paths=[str(PROJECT_ROOT / package) for package in ("tasks", "training",
-                                                                    "models")])
+    model_uri = log_weights_pyfunc(run_id, "dense_pyfunc_model.py", meta,
+                                   trained_network(config, layouts, checkpoint).state_dict())
     test = load_layouts(layouts, "test")
     images = test.images[:, 0].numpy()
     metric = SCORE[config.task]

@@ -19,6 +19,7 @@ import tempfile
 from collections.abc import Callable
 from importlib.metadata import version as package_version
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from mlflow.exceptions import MlflowException
@@ -26,6 +27,7 @@ from prefect import task
 from pydantic import BaseModel, ConfigDict
 
 from tasks import tracking
+from tasks.checkpoints import torch_save
 from tasks.data import DatasetRef, load_dataset
 from tasks.environment import PROJECT_ROOT
 from tasks.versioning import ArtifactRef, ArtifactStore
@@ -52,6 +54,24 @@ class Registration(BaseModel):
 def pip_requirements() -> list[str]:
     """Exact pins of what the served model imports (torch without its local build tag)."""
     return [f"{name}=={package_version(name).split('+')[0]}" for name in SERVING_PACKAGES]
+
+
+def log_weights_pyfunc(run_id: str, model_file: str, meta: dict,
+                       weights: dict[str, Any]) -> str:
+    """Logs a pyfunc that rebuilds its network from code (`tasks/<model_file>`, with `tasks`,
+    `training` and `models` as its code) and carries `meta` (JSON) and the `weights` (a state
+    dict); returns its URI. For networks that no exported program can hold (a detector's
+    post-processing, a cascade's per-image exits)."""
+    with tempfile.TemporaryDirectory() as folder:
+        meta_path, weights_path = Path(folder) / "meta.json", Path(folder) / "weights.pt"
+        meta_path.write_text(json.dumps(meta, indent=2))
+        torch_save(weights, weights_path)
+        return tracking.log_pyfunc_model(
+            run_id, str(PROJECT_ROOT / "tasks" / model_file),
+            artifacts={"weights": str(weights_path), "meta": str(meta_path)},
+            pip_requirements=pip_requirements(),
+            code_paths=[str(PROJECT_ROOT / package) for package in ("tasks", "training",
+                                                                    "models")])
 
 
 def test_images(dataset: DatasetRef) -> tuple[np.ndarray, list[str]]:

@@ -26,3 +26,13 @@ def publish_summary(key: str, title: str, rows: dict[str, object]) -> str:
     markdown = summary_markdown(title, rows)
     create_markdown_artifact(markdown=markdown, key=key, description=title)
     return markdown
+
+
+def figure_pyplot():
+    """matplotlib's pyplot drawing to files only, never a window (for the runs' figures)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    return pyplot

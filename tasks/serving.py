@@ -69,12 +69,18 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
     """Raw images in, `label` and `confidence` out (see the module docstring)."""
 
     def load_context(self, context):  # noqa: ANN001 (MLflow reads type hints as a schema)
+        self.read_meta(context)
+        self.program = torch.export.load(context.artifacts["program"]).module()
+
+    def read_meta(self, context) -> dict:  # noqa: ANN001
+        """The stored preprocessing and class names (set on the instance), and the whole
+        meta JSON."""
         meta = json.loads(Path(context.artifacts["meta"]).read_text())
         self.classes: list[str] = meta["classes"]
         self.size: int = meta["image_size"]
         self.channels: int = meta["channels"]
         self.normalize = Normalize(meta["mean"], meta["std"])
-        self.program = torch.export.load(context.artifacts["program"]).module()
+        return meta
 
     def _outputs(self, model_input: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Softmax probabilities and embeddings (None for programs exported without them)."""

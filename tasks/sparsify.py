@@ -15,6 +15,7 @@ from tasks.caching import computation_key
 from tasks.checkpoints import save_checkpoint
 from tasks.config import SparsifyConfig, SparsitySpec
 from tasks.data import DatasetRef, load_dataset
+from tasks.reporting import figure_pyplot
 from tasks.training import (
     ClassifierConfig,
     export_program,
@@ -169,19 +170,9 @@ def measured_report(stats: ActivationStats, spec: SparsitySpec, score_name: str,
     return SparsityReport(score_name=score_name, val_score=score, layers=layers)
 
 
-def _pyplot():
-    """matplotlib's pyplot drawing to files only, never a window."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot
-
-    return pyplot
-
-
 def sparsity_figure(report: SparsityReport, title: str):
     """A bar chart of each layer's share of exact zeros and of |x| < 1e-3."""
-    pyplot = _pyplot()
+    pyplot = figure_pyplot()
     names = list(report.layers)
     figure, axis = pyplot.subplots(figsize=(1.6 + 1.2 * len(names), 3.2))
     positions = range(len(names))
@@ -252,7 +243,7 @@ def prune_dead_channels(config: ClassifierConfig, dataset: DatasetRef, checkpoin
 
 def sweep_figure(points: dict[float, SparsityReport], title: str):
     """The validation score against the mean share of exact zeros, one point per lambda."""
-    pyplot = _pyplot()
+    pyplot = figure_pyplot()
     lambdas = sorted(points)
     zeros = [points[lam].metrics()["zero_fraction"] for lam in lambdas]
     scores = [points[lam].val_score for lam in lambdas]

@@ -1,0 +1,139 @@
+"""The `cascade` flow: a cascaded early-exit network with super-network modules.
+
+An image goes through K modules and leaves at the first exit that is confident enough; a
+super-network module runs, per image, the sub-network its predictor picks (`models.cascade`).
+The flow: prepare the data; split the training images into a first and a second training set
+and score each image's difficulty; measure every part's time on this device (the latency
+table); train the modules input side first, each on the easiest share of the first set that
+its position allows (a super-network module with the latency-aware loss), fitting each
+super-network module's predictor on the second set right after it; calibrate the exit
+thresholds on validation; test the real cascade beside the full network, the plain confidence
+cascade and the oracle; register it (a pyfunc that runs the real cascade) and promote it like
+`train`'s models.
+"""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+from pydantic import BaseModel, ConfigDict
+
+from flows.skeleton import Finished, log_budget, prepare, publish, run_rounds, run_tags
+from tasks import tracking
+from tasks.cascade import (
+    Calibration,
+    CascadeSets,
+    CascadeTest,
+    calibrate_thresholds,
+    difficulty_sets,
+    fit_predictor,
+    measure_latency,
+    module_budget,
+    read_table,
+    register_cascade,
+    sweep_figure,
+    test_cascade,
+    train_module_round,
+)
+from tasks.cascade_config import CascadeConfig
+from tasks.registration import Baseline, Registration
+from tasks.training import TestResult
+from training.baselines import best_baseline
+
+FLOW_NAME = "cascade"
+
+
+class CascadeSummary(BaseModel):
+    """What a `cascade` run gives back."""
+
+    model_config = ConfigDict(frozen=True)
+
+    run_id: str
+    sets: CascadeSets
+    calibration: Calibration
+    test: CascadeTest
+    baselines: dict[str, float]
+    registration: Registration
+
+    @property
+    def test_accuracy(self) -> float:
+        return self.test.metrics["test_accuracy"]
+
+
+@flow(name=FLOW_NAME, description="Train a cascaded early-exit network with super-network "
+      "modules module by module on sets of rising difficulty, calibrate its exits, measure it "
+      "against the full network, register it and promote it if it beats the champion.")
+def cascade(config: CascadeConfig) -> CascadeSummary:
+    """Trains the config's cascade on `config.data`; registers it as `config.model_name`."""
+    name = config.registered_name(FLOW_NAME)
+    logger = get_run_logger()
+    run_name = f"{FLOW_NAME}-{'-'.join(map(str, config.widths))}-seed{config.seed}"
+    with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
+        prepared = prepare(config, run_id)
+        config = prepared.apply(config)
+        dataset = prepared.dataset
+        sets = difficulty_sets(config, dataset)
+        tracking.log_artifact_refs(run_id, {"difficulty_sets": sets.artifact})
+        tracking.log_metrics(run_id, {"second_set_images": sets.second_images} | {
+            f"module{k}_images": n for k, n in enumerate(sets.module_images)} | {
+            f"module{k}_mean_difficulty": d for k, d in enumerate(sets.mean_difficulty)})
+        latency = measure_latency(config, dataset)
+        tracking.log_artifact_refs(run_id, {"latency_table": latency})
+        tracking.log_dict(run_id, read_table(latency), "cascade/latency.json")
+        checkpoint = None
+        frozen = config.stage_training == "frozen"
+        modules = range(len(config.widths))
+        for k in modules:
+            log_budget(run_id, module_budget(config, sets.module_images[k]), f"module{k}_")
+            best = run_rounds(
+                config.epochs, lambda epoch, previous, k=k, start=checkpoint: train_module_round(
+                    config, dataset, sets, latency, k, epoch, previous, start),
+                run_id, config.patience, dataset.sizes["val"], key=f"module{k}_val_accuracy",
+                name=f"checkpoint.module-{k}")
+            checkpoint = best.checkpoint
+            # frozen: a module is final once trained; joint: once the last one is
+            for j in [k] if frozen else ([] if k < modules[-1] else modules):
+                if j in config.super_modules:
+                    fitted = fit_predictor(config, dataset, sets, latency, j, checkpoint)
+                    tracking.log_metrics(run_id, fitted.metrics)
+                    tracking.log_artifact_refs(run_id, {f"checkpoint.module-{j}.predictor":
+                                                        fitted.checkpoint})
+                    checkpoint = fitted.checkpoint
+                    logger.info("module %d predictor (%s): %s", j, config.predictor,
+                                ", ".join(f"{key}={value:.3f}"
+                                          for key, value in fitted.metrics.items()))
+        calibration = calibrate_thresholds(config, dataset, latency, checkpoint)
+        tracking.log_metrics(run_id, calibration.metrics)
+        tracking.log_artifact_refs(run_id, {"checkpoint.calibrated": calibration.checkpoint})
+        test = test_cascade(config, dataset, latency, calibration.checkpoint)
+        tracking.log_metrics(run_id, test.metrics)
+        tracking.log_dict(run_id, {"sweep": test.sweep}, "cascade/sweep.json")
+        tracking.log_figure(run_id, sweep_figure(test.sweep, test.metrics["full_test_accuracy"],
+                                                 f"cascade {config.widths} on {config.data}"),
+                            "cascade/accuracy_latency.png")
+        baseline_name, baseline_val = best_baseline(prepared.baselines)
+        baseline = Baseline(name=baseline_name, val_accuracy=baseline_val,
+                            model_val_accuracy=calibration.metrics["val_accuracy"])
+        tracking.set_tags(run_id, {"baseline.beaten": str(baseline.beaten).lower()})
+        refusal = baseline.refusal() if config.baseline_gate and not baseline.beaten else None
+        registration = register_cascade(run_id, name, config, dataset, calibration.checkpoint,
+                                        refusal)
+        summary = CascadeSummary(run_id=run_id, sets=sets, calibration=calibration, test=test,
+                                 baselines=prepared.baselines, registration=registration)
+    metrics = test.metrics
+    finished = Finished(test=TestResult(metrics=metrics, program=calibration.checkpoint),
+                        registration=registration, baseline=baseline)
+    publish("cascade-summary", f"cascade: {config.widths} on {config.data}", run_id, finished, {
+        "full network (no exits)": f"test {metrics['full_test_accuracy']:.4f}",
+        "measured time per image": f"batch 1: {metrics['ms_per_image_b1']:.3f} ms, "
+                                   f"{metrics['speedup_b1']:.2f}x faster than the full "
+                                   f"network; batch {config.serving_batch}: "
+                                   f"{metrics['speedup_serving']:.2f}x",
+        "plain confidence cascade": f"test {metrics['plain_test_accuracy']:.4f}, "
+                                    f"{metrics['plain_speedup_b1']:.2f}x at batch 1",
+        "share of test images leaving at each exit": ", ".join(
+            f"{metrics[f'exit_share_{k}']:.2f}" for k in range(len(config.widths))),
+        "thresholds": ", ".join(f"{t:.3f}" for t in calibration.thresholds),
+        "oracle": f"accuracy {metrics['oracle_accuracy']:.4f}, the cascade's cost "
+                  f"{metrics['cost_over_oracle']:.2f}x the oracle's",
+    })
+    return summary

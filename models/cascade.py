@@ -1,0 +1,274 @@
+"""The cascade: K modules in a row, each with its own exit; an image leaves at the first exit
+that is confident enough.
+
+A module is a block of two 3x3 conv-BN-ReLU layers (`hidden` channels, then the module's
+`out` channels; the first has stride 2, so each module halves the map: 28, 14, 7, 4 pixels)
+followed by an exit head (global average pooling, linear). A super-network module holds two or
+more such blocks with the same input and output shapes but different hidden widths (cost),
+and a predictor, a small network on the incoming feature map, that picks one per image.
+
+`CascadeNet.infer` runs the real cascade: the images still in play are regrouped after every
+exit and only they run the next module; inside a super-network module each image runs only
+the sub-network chosen for it. Nothing is computed for an image after it has left.
+`forward` is the full network (every super-network module at its most expensive sub-network,
+no exits), the reference the cascade is measured against.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torchvision.ops import Conv2dNormActivation
+
+from models.registry import ImageClassifier
+
+CONFIDENCE = ("max_softmax", "entropy")
+
+
+@dataclass(frozen=True)
+class CascadeSpec:
+    """The cascade's shape.
+
+    Attributes:
+        widths: each module's output channels; K = len(widths).
+        super_modules: the 0-based indices of the super-network modules.
+        sub_widths: each sub-network's hidden width as a multiple of its module's output
+            width, cheapest first (two or more).
+        confidence: `max_softmax` (the largest class probability) or `entropy` (1 minus the
+            prediction's entropy over log C); both in [0, 1].
+    """
+
+    widths: tuple[int, ...] = (16, 32, 64)
+    super_modules: tuple[int, ...] = (1, 2)
+    sub_widths: tuple[float, ...] = (0.5, 2.0)
+    confidence: str = "max_softmax"
+
+    def __post_init__(self) -> None:
+        if len(self.widths) < 2:
+            raise ValueError(f"a cascade needs at least 2 modules, got widths {self.widths}")
+        if not self.super_modules:
+            raise ValueError("a cascade needs at least one super-network module")
+        bad = [k for k in self.super_modules if not 0 <= k < len(self.widths)]
+        if bad:
+            raise ValueError(f"super_modules {bad} are not module indices "
+                             f"0..{len(self.widths) - 1}")
+        if len(self.sub_widths) < 2:
+            raise ValueError(f"a super-network module needs two or more sub-networks, got "
+                             f"sub_widths {self.sub_widths}")
+        if self.confidence not in CONFIDENCE:
+            raise ValueError(f"confidence must be one of {CONFIDENCE}, got {self.confidence!r}")
+
+
+def block(in_channels: int, hidden: int, out_channels: int, stride: int) -> nn.Sequential:
+    """Two 3x3 conv-BN-ReLU layers, the first with `stride`."""
+    return nn.Sequential(Conv2dNormActivation(in_channels, hidden, 3, stride=stride),
+                         Conv2dNormActivation(hidden, out_channels, 3))
+
+
+class ExitHead(nn.Module):
+    """An exit: global average pooling and a linear classifier."""
+
+    def __init__(self, channels: int, num_classes: int) -> None:
+        super().__init__()
+        self.pool = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.fc = nn.Linear(channels, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(self.pool(x))
+
+
+class SuperModule(nn.Module):
+    """Interchangeable sub-networks (same input and output shapes, different cost, cheapest
+    first) and a predictor that picks one per image from the incoming feature map.
+
+    `fixed` (a buffer, so checkpoints carry it) is -1 while the predictor chooses; a
+    sub-network's index when one was chosen for good (`training.cascade.fixed_choice`).
+    """
+
+    def __init__(self, subnets: list[nn.Module], in_channels: int) -> None:
+        super().__init__()
+        self.subnets = nn.ModuleList(subnets)
+        self.predictor = nn.Sequential(nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+                                       nn.Linear(4 * in_channels, 32), nn.ReLU(inplace=True),
+                                       nn.Linear(32, len(subnets)))
+        self.register_buffer("fixed", torch.tensor(-1))
+
+    def route(self, x: Tensor) -> Tensor:
+        """The sub-network index for each image (the fixed one, or the predictor's choice)."""
+        if int(self.fixed) >= 0:
+            return torch.full((len(x),), int(self.fixed), dtype=torch.long, device=x.device)
+        return self.predictor(x).argmax(1)
+
+    def forward(self, x: Tensor, choice: Tensor | int) -> Tensor:
+        """Each image through its chosen sub-network only (`choice`: one index for all, or
+        one per image)."""
+        if isinstance(choice, int):
+            return self.subnets[choice](x)
+        out: Tensor | None = None
+        for index in choice.unique().tolist():
+            rows = (choice == index).nonzero().squeeze(1)
+            part = self.subnets[index](x.index_select(0, rows))
+            if out is None:
+                out = part.new_empty((len(x), *part.shape[1:]))
+            out.index_copy_(0, rows, part)
+        assert out is not None, "an empty batch has no sub-network to run"
+        return out
+
+
+@dataclass
+class CascadeOutput:
+    """Per image: the predicted class, its confidence, the exit it left at (0-based) and the
+    sub-network chosen in each module (-1: a plain module, or one the image never reached)."""
+
+    labels: Tensor
+    confidence: Tensor
+    exits: Tensor
+    choices: Tensor
+
+
+def confidence_of(logits: Tensor, measure: str = "max_softmax") -> tuple[Tensor, Tensor]:
+    """The confidence in [0, 1] and the predicted class of each row of `logits`."""
+    probs = logits.float().softmax(1)
+    top, labels = probs.max(1)
+    if measure == "max_softmax":
+        return top, labels
+    entropy = -(probs * probs.clamp_min(1e-12).log()).sum(1)
+    return 1.0 - entropy / math.log(logits.shape[1]), labels
+
+
+class CascadeNet(ImageClassifier):
+    """K modules with exits (see the module docstring); `thresholds` (a buffer of K - 1
+    values in (0, 1]) holds each exit's calibrated threshold: an image leaves at exit k when
+    its confidence is above it (1: the exit is never taken); the last exit takes every image
+    still in play."""
+
+    def __init__(self, spec: CascadeSpec, in_channels: int, num_classes: int) -> None:
+        super().__init__()
+        self.spec = spec
+        blocks, exits = [], []
+        channels = in_channels
+        for k, out in enumerate(spec.widths):
+            if k in spec.super_modules:
+                subnets = [block(channels, max(1, round(out * m)), out, 2)
+                           for m in spec.sub_widths]
+                blocks.append(SuperModule(subnets, channels))
+            else:
+                blocks.append(block(channels, out, out, 2))
+            exits.append(ExitHead(out, num_classes))
+            channels = out
+        self.blocks = nn.ModuleList(blocks)
+        self.exits = nn.ModuleList(exits)
+        self.register_buffer("thresholds", torch.ones(len(spec.widths) - 1))
+        self.feature_layers = tuple(f"blocks.{k}" for k in range(len(blocks)))
+
+    @property
+    def modules_count(self) -> int:
+        return len(self.blocks)
+
+    def is_super(self, k: int) -> bool:
+        return isinstance(self.blocks[k], SuperModule)
+
+    def sub_count(self, k: int) -> int:
+        """The number of sub-networks of module k (1 for a plain module)."""
+        module = self.blocks[k]
+        return len(module.subnets) if isinstance(module, SuperModule) else 1
+
+    def run_module(self, k: int, x: Tensor, choice: Tensor | int | None = None) -> Tensor:
+        """Module k's block on `x`: a super-network module runs `choice` (None: its own
+        route)."""
+        module = self.blocks[k]
+        if not isinstance(module, SuperModule):
+            return module(x)
+        return module(x, module.route(x) if choice is None else choice)
+
+    def most_expensive(self, k: int) -> int:
+        return self.sub_count(k) - 1
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The full network: every module, each super-network module at its most expensive
+        sub-network; the last exit's logits."""
+        x = self.fit_input(x)
+        for k in range(self.modules_count):
+            x = self.run_module(k, x, self.most_expensive(k) if self.is_super(k) else None)
+        return self.exits[-1](x)
+
+    def prefix(self, x: Tensor, upto: int, random_routes: bool = False) -> Tensor:
+        """The feature map entering module `upto`: the modules before it, routed as in
+        inference, or (`random_routes`, for training the modules after a super-network
+        module on every sub-network's output) each image through a sub-network drawn at
+        random (torch's global generator)."""
+        x = self.fit_input(x)
+        for k in range(upto):
+            choice = None
+            if random_routes and self.is_super(k):
+                choice = torch.randint(self.sub_count(k), (len(x),), device=x.device)
+            x = self.run_module(k, x, choice)
+        return x
+
+    @torch.no_grad()
+    def infer(self, x: Tensor, thresholds: Tensor | None = None,
+              fixed: dict[int, int] | None = None) -> CascadeOutput:
+        """The real cascade on a batch (see the module docstring). `thresholds` overrides the
+        calibrated ones; `fixed` runs sub-network `fixed[k]` in super-network module k
+        instead of routing (the benchmark's full network and plain cascade)."""
+        thresholds = self.thresholds if thresholds is None else thresholds
+        count, device = len(x), x.device
+        labels = torch.zeros(count, dtype=torch.long, device=device)
+        confidence = torch.zeros(count, device=device)
+        exits = torch.full((count,), -1, dtype=torch.long, device=device)
+        choices = torch.full((count, self.modules_count), -1, dtype=torch.long, device=device)
+        alive = torch.arange(count, device=device)
+        x = self.fit_input(x)
+        for k in range(self.modules_count):
+            if self.is_super(k):
+                module = self.blocks[k]
+                choice = (module.route(x) if fixed is None or k not in fixed
+                          else torch.full((len(x),), fixed[k], dtype=torch.long, device=device))
+                choices[alive, k] = choice
+                x = module(x, choice)
+            else:
+                x = self.blocks[k](x)
+            conf, pred = confidence_of(self.exits[k](x), self.spec.confidence)
+            last = k == self.modules_count - 1
+            leave = torch.ones_like(conf, dtype=torch.bool) if last else conf > thresholds[k]
+            gone = alive[leave]
+            labels[gone], confidence[gone], exits[gone] = pred[leave], conf[leave], k
+            stay = ~leave
+            if not bool(stay.any()):
+                break
+            alive, x = alive[stay], x[stay]
+        return CascadeOutput(labels, confidence, exits, choices)
+
+    def paths(self) -> list[tuple[int, ...]]:
+        """Every combination of sub-networks, one index per module (0 for a plain one)."""
+        return list(itertools.product(*(range(self.sub_count(k))
+                                         for k in range(self.modules_count))))
+
+    @torch.no_grad()
+    def exit_logits_of_paths(self, x: Tensor) -> dict[tuple[int, ...], list[Tensor]]:
+        """For analysis, not inference: every path's logits at every exit, the whole batch
+        through every sub-network (shared prefixes computed once)."""
+        x = self.fit_input(x)
+        frontier: dict[tuple[int, ...], Tensor] = {(): x}
+        logits: dict[tuple[int, ...], list[Tensor]] = {}
+        for k in range(self.modules_count):
+            nxt = {}
+            for prefix, feats in frontier.items():
+                for s in range(self.sub_count(k)):
+                    out = self.run_module(k, feats, s if self.is_super(k) else None)
+                    nxt[(*prefix, s)] = out
+                    logits[(*prefix, s)] = [*logits.get(prefix, []), self.exits[k](out)]
+            frontier = nxt
+        return {path: logits[path] for path in frontier}
+
+
+def build_cascade(spec: CascadeSpec, in_channels: int, num_classes: int) -> CascadeNet:
+    """The cascade of `spec` for images of `in_channels` channels and `num_classes` classes."""
+    if in_channels < 1 or num_classes < 2:
+        raise ValueError(f"need in_channels >= 1 and num_classes >= 2, got {in_channels}, "
+                         f"{num_classes}")
+    return CascadeNet(spec, in_channels, num_classes)

@@ -1,0 +1,437 @@
+"""The `cascade` flow's tasks: difficulty sets, the latency table, module rounds, predictor
+fitting, threshold calibration and the test. Each loads its inputs by reference, calls
+`training.cascade` / `training.latency`, writes and versions its output, and returns the
+reference with its metrics; each is cached on its inputs, so a killed run resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+from prefect import task
+from prefect.runtime import task_run
+from pydantic import BaseModel, ConfigDict
+
+from models.cascade import CascadeNet, build_cascade
+from tasks.caching import computation_key
+from tasks.cascade_config import CascadeConfig
+from tasks.checkpoints import load_checkpoint, save_checkpoint
+from tasks.data import DatasetRef, LoadedDataset, load_dataset
+from tasks.registration import (
+    Registration,
+    log_weights_pyfunc,
+    promote,
+    pyfunc_accuracy,
+    test_images,
+    transient,
+)
+from tasks.reporting import figure_pyplot
+from tasks.training import EpochResult, run_key, setup_device, split_batches
+from tasks.versioning import ArtifactRef, ArtifactStore
+from training.baselines import fit_linear, flatten_pixels
+from training.batches import Batches, Normalize
+from training.budget import Budget, fit_budget
+from training.cascade import (
+    ExitTable,
+    StageModel,
+    calibrate_for_accuracy,
+    calibrate_for_budget,
+    curriculum,
+    difficulty,
+    exit_table,
+    fixed_choice,
+    module_step,
+    oracle,
+    predictor_step,
+    relative_costs,
+    split_disjoint,
+)
+from training.latency import (
+    check_device,
+    interleaved_ms_per_image,
+    latency_table,
+    part_costs,
+    path_costs,
+)
+from training.loops import evaluate
+from training.recipe import optimizer_to, sgd, train_round
+
+
+class CascadeSets(BaseModel):
+    """The training sets: the first (module k's easiest share), the second (predictors)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    artifact: ArtifactRef
+    module_images: list[int]
+    second_images: int
+    mean_difficulty: list[float]
+
+
+class Calibration(BaseModel):
+    """The thresholds written into the checkpoint, and the cascade on validation."""
+
+    model_config = ConfigDict(frozen=True)
+
+    checkpoint: ArtifactRef
+    thresholds: list[float]
+    metrics: dict[str, float]
+
+
+class CascadeTest(BaseModel):
+    """The test split's metrics, and the accuracy-latency curve over the sweep's tolerances."""
+
+    model_config = ConfigDict(frozen=True)
+
+    metrics: dict[str, float]
+    sweep: list[dict[str, float]]
+
+
+SWEEP = (0.0, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)  # accuracy given up on validation
+
+
+def out_of_fold_logits(images: torch.Tensor, labels: torch.Tensor, seed: int,
+                       l2: float = 1e-3) -> torch.Tensor:
+    """A linear classifier's logits on the raw pixels of each image, fitted on the other half
+    of the images (two folds), so no image is scored by a model that saw it."""
+    x = flatten_pixels(images)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    halves = (order[: len(x) // 2], order[len(x) // 2:])
+    logits = torch.zeros(len(x), int(labels.max()) + 1)
+    for fit, score in (halves, halves[::-1]):
+        mean, std = x[fit].mean(0), x[fit].std(0).clamp_min(1e-3)
+        weight, bias = fit_linear((x[fit] - mean) / std, labels[fit], l2, logits.shape[1])
+        logits[score] = (x[score] - mean) / std @ weight + bias
+    return logits
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name="difficulty-sets")
+def difficulty_sets(config: CascadeConfig, dataset: DatasetRef) -> CascadeSets:
+    """Splits the training images into the first and the second training set, scores every
+    image's difficulty (`CascadeConfig.difficulty`) and gives module k the easiest
+    `fractions()[k]` of the first set; versioned as one file of dataset rows."""
+    torch.manual_seed(config.seed)
+    data = load_dataset(dataset)
+    train = data.splits["train"]
+    labels = data.labels[train].long()
+    scores = difficulty(out_of_fold_logits(data.images[train], labels, config.seed), labels,
+                        config.difficulty)
+    first, second = split_disjoint(len(train), config.predictor_fraction, config.seed)
+    modules = [first[positions] for positions in curriculum(scores[first], config.fractions())]
+    payload = {"difficulty": scores, "rows": train, "first": train[first],
+               "second": train[second], "modules": [train[m] for m in modules]}
+    relpath = f"cascade/{run_key(config, dataset)}/difficulty-sets.pt"
+    artifact = save_checkpoint(ArtifactStore(), relpath, payload)
+    return CascadeSets(artifact=artifact, module_images=[len(m) for m in modules],
+                       second_images=len(second),
+                       mean_difficulty=[float(scores[m].mean()) for m in modules])
+
+
+def new_cascade(config: CascadeConfig, dataset: DatasetRef) -> CascadeNet:
+    """The config's cascade for the data set, initialised from the seed."""
+    torch.manual_seed(config.seed)
+    return build_cascade(config.spec(), dataset.channels, len(dataset.classes))
+
+
+def trained_cascade(config: CascadeConfig, dataset: DatasetRef, checkpoint: ArtifactRef
+                    ) -> CascadeNet:
+    """The cascade with the checkpoint's weights (and thresholds, fixed choices), in eval mode
+    on the CPU."""
+    net = new_cascade(config, dataset)
+    net.load_state_dict(load_checkpoint(ArtifactStore(), checkpoint)["model"])
+    return net.eval()
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name="latency-table")
+def measure_latency(config: CascadeConfig, dataset: DatasetRef) -> ArtifactRef:
+    """Every part's measured time on the serving device (`training.latency`), versioned; or the
+    table given as `--latency-table` (checked to come from this device)."""
+    device = setup_device(config)
+    if config.latency_table is not None:
+        with open(config.latency_table) as handle:
+            table = json.load(handle)
+        check_device(table, device)
+    else:
+        net = new_cascade(config, dataset).to(device)
+        table = latency_table(net, (dataset.channels, dataset.image_size, dataset.image_size),
+                              device, (1, config.serving_batch), config.latency_repeats)
+    relpath = f"cascade/{run_key(config, dataset)}/latency.json"
+    return ArtifactStore().write(relpath, lambda path: path.write_text(json.dumps(table,
+                                                                                  indent=1)))
+
+
+def read_table(ref: ArtifactRef) -> dict:
+    return json.loads(ArtifactStore().fetch(ref).read_text())
+
+
+def module_budget(config: CascadeConfig, images: int) -> Budget:
+    """Module training's budget on its set of `images` (`training.budget.fit_budget`)."""
+    return fit_budget(images, config.batch_size, config.epochs, config.min_steps,
+                      config.max_epochs, None, config.min_steps_full_below)
+
+
+def _batches(config: CascadeConfig, dataset: DatasetRef, data: LoadedDataset,
+             rows: torch.Tensor, batch_size: int, device: torch.device, seed: int) -> Batches:
+    return Batches(data.images, data.labels, rows, batch_size, Normalize(dataset.mean,
+                   dataset.std), shuffle=True, seed=seed, augment=config.augment,
+                   drop_last=True, device=device, flip=config.flips())
+
+
+def _round_name() -> str:
+    params = task_run.parameters
+    return f"module-{params['k']}-round-{params['epoch'] + 1}"
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name=_round_name)
+def train_module_round(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
+                       latency: ArtifactRef, k: int, epoch: int, previous: ArtifactRef | None,
+                       start: ArtifactRef | None) -> EpochResult:
+    """Round `epoch` of module k on its curriculum set (`--stage-training`: the modules before
+    it train along, or stay frozen), from `start` (the cascade as module k - 1 left it) or
+    `previous` (this module's last round); then module k's exit scored on validation
+    (`module{k}_val_accuracy`: its most expensive sub-network)."""
+    device = setup_device(config)
+    store = ArtifactStore()
+    data = load_dataset(dataset)
+    rows = load_checkpoint(store, sets.artifact)["modules"][k]
+    budget = module_budget(config, len(rows))
+    net = new_cascade(config, dataset)
+    frozen = config.stage_training == "frozen"
+    stage = StageModel(net, k, frozen)
+    optimizer = sgd(stage.trainable_parameters(), config.lr, config.momentum,
+                    config.weight_decay)
+    source = previous or start
+    if source is not None:
+        payload = load_checkpoint(store, source)
+        net.load_state_dict(payload["model"])
+        if previous is not None:
+            optimizer.load_state_dict(payload["optimizer"])
+    net.to(device)
+    optimizer_to(optimizer, device)
+    relative = (relative_costs(net, part_costs(read_table(latency)), k) if net.is_super(k)
+                else None)
+    step = module_step(net, k, relative, config.latency_weight, config.label_smoothing, frozen)
+    passes = range(epoch * budget.repeats, (epoch + 1) * budget.repeats)
+    started = time.perf_counter()
+    losses = train_round(stage, optimizer, lambda n: _batches(
+        config, dataset, data, rows, budget.batch_size, device, config.seed * 1000 + n + 100 * k),
+        step, device, passes, config.lr, (0, budget.epochs), config.warmup_epochs *
+        budget.repeats, config.grad_clip)
+    seconds = time.perf_counter() - started
+    val = evaluate(stage, split_batches(data, dataset, "val", 1024, device), device)
+    metrics = {f"module{k}_{name}": value for name, value in losses.items()} | {
+        f"module{k}_val_accuracy": val["accuracy"], f"module{k}_train_seconds": seconds}
+    payload = {"model": net.state_dict(), "optimizer": optimizer.state_dict(), "module": k,
+               "epoch": epoch}
+    relpath = f"checkpoints/cascade/{run_key(config, dataset)}/module-{k}-round-{epoch + 1:03d}.pt"
+    return EpochResult(epoch=epoch, checkpoint=save_checkpoint(store, relpath, payload),
+                       metrics=metrics)
+
+
+@task(cache_key_fn=computation_key, persist_result=True,
+      task_run_name=lambda: f"fit-predictor-{task_run.parameters['k']}")
+def fit_predictor(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
+                  latency: ArtifactRef, k: int, checkpoint: ArtifactRef) -> EpochResult:
+    """Super-network module k's predictor, fitted on the second training set by the
+    latency-aware loss (`--predictor fitted`), or one sub-network chosen for good there
+    (`--predictor fixed`). Metrics: `predictor{k}_share_{s}`, the share of validation images
+    routed to sub-network s, and (fixed) each sub-network's error rate on the second set."""
+    device = setup_device(config)
+    store = ArtifactStore()
+    data = load_dataset(dataset)
+    second = load_checkpoint(store, sets.artifact)["second"]
+    net = new_cascade(config, dataset)
+    net.load_state_dict(load_checkpoint(store, checkpoint)["model"])
+    net.to(device)
+    relative = relative_costs(net, part_costs(read_table(latency)), k)
+    metrics: dict[str, float] = {}
+    if config.predictor == "fixed":
+        held_out = Batches(data.images, data.labels, second, 1024, Normalize(dataset.mean,
+                           dataset.std), device=device)
+        choice, rates = fixed_choice(net, k, held_out, relative, config.latency_weight)
+        net.blocks[k].fixed.fill_(choice)
+        metrics |= {f"predictor{k}_error_rate_{s}": r for s, r in enumerate(rates)}
+    else:
+        stage = StageModel(net, k, predictor_only=True)
+        optimizer = sgd(stage.trainable_parameters(), config.lr, config.momentum, 0.0)
+        batch = min(config.batch_size, max(16, len(second) // 8))
+        losses = train_round(stage, optimizer, lambda n: _batches(
+            config, dataset, data, second, batch, device, config.seed * 1000 + 7 * n + 1),
+            predictor_step(net, k, relative, config.latency_weight), device,
+            range(config.predictor_epochs), config.lr, (0, config.predictor_epochs))
+        metrics |= {f"predictor{k}_{name}": value for name, value in losses.items()}
+    net.eval()
+    routed = []
+    with torch.no_grad():
+        for _, x, _ in split_batches(data, dataset, "val", 1024, device):
+            routed.append(net.blocks[k].route(net.prefix(x, k)).cpu())
+    shares = torch.bincount(torch.cat(routed), minlength=net.sub_count(k)).float()
+    metrics |= {f"predictor{k}_share_{s}": v for s, v in enumerate(
+        (shares / shares.sum()).tolist())}
+    relpath = f"checkpoints/cascade/{run_key(config, dataset)}/module-{k}-predictor.pt"
+    payload = {"model": net.state_dict(), "module": k}
+    return EpochResult(epoch=0, checkpoint=save_checkpoint(store, relpath, payload),
+                       metrics=metrics)
+
+
+def validation_table(config: CascadeConfig, dataset: DatasetRef, net: CascadeNet,
+                     costs: dict[str, float], split: str = "val",
+                     fixed: dict[int, int] | None = None) -> ExitTable:
+    device = setup_device(config)
+    data = load_dataset(dataset)
+    return exit_table(net.to(device), split_batches(data, dataset, split, 1024, device), costs,
+                      fixed)
+
+
+def full_network(net: CascadeNet) -> dict[int, int]:
+    """Every super-network module at its most expensive sub-network."""
+    return {k: net.most_expensive(k) for k in range(net.modules_count) if net.is_super(k)}
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name="calibrate-thresholds")
+def calibrate_thresholds(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRef,
+                         checkpoint: ArtifactRef) -> Calibration:
+    """The exit thresholds (given, or calibrated on validation for the full network's accuracy
+    minus `accuracy_tolerance`, or for `latency_budget`), written into a new checkpoint beside
+    the thresholds of two references measured by the test: the plain confidence cascade
+    (every super-network module at its most expensive sub-network, calibrated alike) and the
+    sweep of accuracy tolerances (`SWEEP`, the accuracy-latency curve)."""
+    net = trained_cascade(config, dataset, checkpoint)
+    costs = part_costs(read_table(latency))
+    table = validation_table(config, dataset, net, costs)
+    plain = validation_table(config, dataset, net, costs, fixed=full_network(net))
+    full_accuracy, full_cost = plain.full_accuracy(), plain.cost[:, -1].mean().item()
+    if config.thresholds is not None:
+        thresholds = torch.tensor(config.thresholds)
+    elif config.calibrate == "budget":
+        thresholds = calibrate_for_budget(table, config.latency_budget * full_cost)
+    else:
+        thresholds = calibrate_for_accuracy(table, full_accuracy - config.accuracy_tolerance)
+    net.thresholds.copy_(thresholds)
+    outcome = table.outcome(thresholds)
+    plain_thresholds = calibrate_for_accuracy(plain, full_accuracy - config.accuracy_tolerance)
+    sweep = {str(t): calibrate_for_accuracy(table, full_accuracy - t) for t in SWEEP}
+    metrics = {"val_accuracy": outcome["accuracy"], "val_full_accuracy": full_accuracy,
+               "val_routed_accuracy": table.full_accuracy(),
+               "val_cost_ratio": outcome["mean_cost"] / full_cost,
+               "val_plain_cost_ratio": plain.outcome(plain_thresholds)["mean_cost"] / full_cost,
+               **{f"val_{k}": v for k, v in outcome.items() if k.startswith("exit_share")},
+               **{f"threshold_{k}": t for k, t in enumerate(thresholds.tolist())}}
+    relpath = f"checkpoints/cascade/{run_key(config, dataset)}/calibrated.pt"
+    payload = {"model": net.state_dict(), "plain_thresholds": plain_thresholds,
+               "sweep": sweep}
+    return Calibration(checkpoint=save_checkpoint(ArtifactStore(), relpath, payload),
+                       thresholds=thresholds.tolist(), metrics=metrics)
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name="test-cascade")
+def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRef,
+                 calibrated: ArtifactRef, latency_images: int = 1000) -> CascadeTest:
+    """The calibrated cascade on the test split beside the full network (`full_`: no exits,
+    every super-network module at its most expensive sub-network) and the plain confidence
+    cascade (`plain_`: those sub-networks, exits calibrated alike): accuracy of the real
+    cascade, each exit's share, milliseconds per image measured at batch 1 (the first
+    `latency_images` test images) and at the serving batch (interleaved passes), the latency
+    table's predicted cost and FLOPs per image, and the oracle (`oracle_`). Then the sweep's
+    accuracy and time at batch 1 (on 300 images)."""
+    device = setup_device(config)
+    net = trained_cascade(config, dataset, calibrated).to(device)
+    payload = load_checkpoint(ArtifactStore(), calibrated)
+    data = load_dataset(dataset)
+    test = data.splits["test"]
+    images = Normalize(dataset.mean, dataset.std)(data.images[test].to(device))
+    labels = data.labels[test].to(device)
+    full = full_network(net)
+    never = torch.ones_like(net.thresholds)
+    variants = {"": {}, "full_": {"thresholds": never, "fixed": full},
+                "plain_": {"thresholds": payload["plain_thresholds"].to(device), "fixed": full}}
+    table = read_table(latency)
+    costs, flops = part_costs(table), part_costs(table, key="flops")
+    full_path = tuple(full.get(k, 0) for k in range(net.modules_count))
+    full_cost = path_costs(net, costs, full_path, routed=False)[-1]
+    full_flops = path_costs(net, flops, full_path, routed=False)[-1]
+    metrics: dict[str, float] = {}
+    for prefix, kwargs in variants.items():
+        out = [net.infer(images[i:i + 1024], **kwargs) for i in range(0, len(images), 1024)]
+        predicted, exits = torch.cat([o.labels for o in out]), torch.cat([o.exits for o in out])
+        shares = torch.bincount(exits.cpu(), minlength=net.modules_count).float() / len(exits)
+        fixed = kwargs.get("fixed")
+        batches = split_batches(data, dataset, "test", 1024, device)
+        spent = exit_table(net, batches, costs, fixed).outcome(
+            kwargs.get("thresholds", net.thresholds).cpu())
+        spent_flops = exit_table(net, split_batches(data, dataset, "test", 1024, device), flops,
+                                 fixed).outcome(kwargs.get("thresholds", net.thresholds).cpu())
+        metrics |= {f"{prefix}test_accuracy": (predicted == labels).float().mean().item(),
+                    f"{prefix}table_cost_ratio": spent["mean_cost"] / full_cost,
+                    f"{prefix}flops_per_image": spent_flops["mean_cost"],
+                    **{f"{prefix}exit_share_{k}": v for k, v in enumerate(shares.tolist())}}
+    for batch, suffix in ((1, "b1"), (config.serving_batch, "serving")):
+        sample = images[:latency_images] if batch == 1 else images
+        measured = interleaved_ms_per_image({prefix: lambda x, kw=kwargs: net.infer(x, **kw)
+                                             for prefix, kwargs in variants.items()}, sample, batch)
+        metrics |= {f"{prefix}ms_per_image_{suffix}": ms for prefix, ms in measured.items()}
+        metrics |= {f"{prefix}speedup_{suffix}": measured["full_"] / ms
+                    for prefix, ms in measured.items() if prefix != "full_"}
+    best = oracle(net, split_batches(data, dataset, "test", 1024, device), costs)
+    metrics |= {"oracle_accuracy": best["accuracy"],
+                "oracle_table_cost_ratio": best["mean_cost"] / full_cost,
+                "cost_over_oracle": metrics["table_cost_ratio"] * full_cost / best["mean_cost"],
+                "full_flops": full_flops}
+    sweep = []
+    sample = images[:300]
+    for tolerance, thresholds in payload["sweep"].items():
+        thresholds = thresholds.to(device)
+        predicted = torch.cat([net.infer(images[i:i + 1024], thresholds).labels
+                               for i in range(0, len(images), 1024)])
+        measured = interleaved_ms_per_image({"cascade": lambda x, t=thresholds: net.infer(x, t),
+                                             "full": lambda x: net.infer(x, never, full)},
+                                            sample, 1)
+        sweep.append({"tolerance": float(tolerance),
+                      "test_accuracy": (predicted == labels).float().mean().item(),
+                      "ms_per_image_b1": measured["cascade"],
+                      "speedup_b1": measured["full"] / measured["cascade"],
+                      **{f"threshold_{k}": t for k, t in enumerate(thresholds.tolist())}})
+    return CascadeTest(metrics=metrics, sweep=sweep)
+
+
+@task(task_run_name="register-and-promote", retries=2, retry_delay_seconds=10,
+      retry_condition_fn=lambda _task, _run, state: transient(state))
+def register_cascade(run_id: str, name: str, config: CascadeConfig, dataset: DatasetRef,
+                     calibrated: ArtifactRef, refusal: str | None) -> Registration:
+    """Logs the calibrated cascade as a pyfunc (`tasks.cascade_serving`: the real cascade on
+    raw images), scores it and the champion through their pyfuncs on the same test images,
+    registers it, and makes it champion only if it scores higher and nothing refuses it
+    (`refusal`: the raw-pixel baseline gate)."""
+    spec = config.spec()
+    meta = {"classes": dataset.classes, "image_size": dataset.image_size,
+            "channels": dataset.channels, "mean": dataset.mean, "std": dataset.std,
+            "spec": {"widths": spec.widths, "super_modules": spec.super_modules,
+                     "sub_widths": spec.sub_widths, "confidence": spec.confidence}}
+    model_uri = log_weights_pyfunc(run_id, "cascade_pyfunc_model.py", meta,
+                                   trained_cascade(config, dataset, calibrated).state_dict())
+    images, labels = test_images(dataset)
+    return promote(run_id, name, model_uri, lambda uri: pyfunc_accuracy(uri, images, labels),
+                   dataset.classes, calibrated.md5, {"dataset": dataset.artifact.md5},
+                   refusal)
+
+
+def sweep_figure(sweep: list[dict[str, float]], full_accuracy: float, title: str):
+    """Test accuracy against measured milliseconds per image at batch 1 over the sweep of
+    accuracy tolerances, the full network marked."""
+    pyplot = figure_pyplot()
+    figure, axis = pyplot.subplots(figsize=(5.0, 3.4))
+    times = [point["ms_per_image_b1"] for point in sweep]
+    axis.plot(times, [point["test_accuracy"] for point in sweep], "o-", label="cascade")
+    for point in sweep:
+        axis.annotate(f"{point['tolerance']:g}", (point["ms_per_image_b1"],
+                                                  point["test_accuracy"]), fontsize=7)
+    full_ms = sweep[0]["ms_per_image_b1"] * sweep[0]["speedup_b1"]
+    axis.plot([full_ms], [full_accuracy], "s", label="full network")
+    axis.set_xlabel("ms per image, batch 1 (measured)")
+    axis.set_ylabel("test accuracy")
+    axis.set_title(title)
+    axis.legend(loc="lower right")
+    figure.tight_layout()
+    return figure

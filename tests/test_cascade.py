@@ -1,0 +1,235 @@
+"""The cascade's pure parts: real per-image exits, routing, difficulty sets, the latency-aware
+loss, threshold calibration, the oracle and the latency table (seeded, CPU, hand-worked)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from models.cascade import CascadeSpec, build_cascade, confidence_of
+from training.cascade import (
+    ExitTable,
+    StageModel,
+    calibrate_for_accuracy,
+    calibrate_for_budget,
+    curriculum,
+    difficulty,
+    exit_table,
+    module_step,
+    oracle,
+    routing_loss,
+    split_disjoint,
+)
+from training.latency import check_device, latency_table, part_costs, path_costs
+
+
+def small_net(seed: int = 0, **spec):
+    torch.manual_seed(seed)
+    return build_cascade(CascadeSpec(**{"widths": (4, 8, 8), **spec}), 1, 3).eval()
+
+
+def test_exits_are_real_later_modules_see_only_the_images_still_in_play():
+    net = small_net()
+    x = torch.randn(64, 1, 28, 28)
+    seen = {k: [] for k in range(3)}
+    for k in range(3):
+        net.exits[k].register_forward_hook(lambda _m, inputs, _o, k=k: seen[k].append(
+            len(inputs[0])))
+    reference = exit_table(net, [(None, x, torch.zeros(64, dtype=torch.long))],
+                           {name: 1.0 for name in ("0.block", "0.exit", "1.predictor", "1.sub0",
+                                                   "1.sub1", "1.exit", "2.predictor", "2.sub0",
+                                                   "2.sub1", "2.exit")})
+    threshold = reference.confidence[:, 0].median().item()
+    for k in range(3):
+        seen[k].clear()
+    out = net.infer(x, torch.tensor([threshold, 1.0]))
+    left_first = int((reference.confidence[:, 0] > threshold).sum())
+    assert 0 < left_first < 64
+    assert seen[0] == [64] and seen[1] == [64 - left_first] and seen[2] == [64 - left_first]
+    assert (out.exits == torch.where(reference.confidence[:, 0] > threshold, 0, 2)).all()
+    # the images that left at exit 0 never reached a super-network module
+    assert (out.choices[out.exits == 0, 1:] == -1).all()
+    assert (out.choices[out.exits == 2, 1:] >= 0).all()
+    assert (out.choices[:, 0] == -1).all()  # module 0 is plain
+
+
+def test_each_image_runs_only_its_chosen_sub_network_and_gets_the_same_result():
+    net = small_net()
+    module = net.blocks[1]
+    x = torch.randn(10, 4, 28, 28)
+    choice = torch.tensor([0, 1, 1, 0, 1, 0, 0, 1, 1, 1])
+    calls = []
+    for s, subnet in enumerate(module.subnets):
+        subnet.register_forward_hook(lambda _m, inputs, _o, s=s: calls.append((s, len(inputs[0]))))
+    routed = module(x, choice)
+    assert sorted(calls) == [(0, 4), (1, 6)]
+    for row in range(10):
+        alone = module.subnets[int(choice[row])](x[row:row + 1])
+        assert torch.allclose(routed[row:row + 1], alone, atol=1e-5)
+
+
+def test_the_full_network_is_the_last_exit_of_the_most_expensive_path():
+    net = small_net()
+    x = torch.randn(8, 1, 28, 28)
+    out = net.infer(x, torch.ones(2), fixed={1: 1, 2: 1})
+    assert (out.exits == 2).all() and (out.choices[:, 1:] == 1).all()
+    assert (out.labels == net(x).argmax(1)).all()
+
+
+def test_confidence_measures_by_hand():
+    logits = torch.tensor([[0.0, 0.0, 0.0], [math.log(2.0), 0.0, 0.0]])
+    top, labels = confidence_of(logits, "max_softmax")
+    assert top.tolist() == pytest.approx([1 / 3, 0.5]) and labels.tolist() == [0, 0]
+    entropy, _ = confidence_of(logits, "entropy")
+    # p = (1/2, 1/4, 1/4): H = 1.5 ln 2; 1 - H / ln 3
+    assert entropy.tolist() == pytest.approx([0.0, 1 - 1.5 * math.log(2) / math.log(3)],
+                                             abs=1e-6)
+
+
+def test_difficulty_measures_by_hand():
+    logits = torch.tensor([[math.log(2.0), 0.0, 0.0], [0.0, 0.0, 0.0]])
+    labels = torch.tensor([0, 2])
+    # p = (1/2, 1/4, 1/4) and (1/3, 1/3, 1/3)
+    assert difficulty(logits, labels, "loss").tolist() == pytest.approx([math.log(2),
+                                                                         math.log(3)])
+    assert difficulty(logits, labels, "margin").tolist() == pytest.approx([0.25 - 0.5, 0.0],
+                                                                           abs=1e-6)
+    with pytest.raises(ValueError, match="difficulty measure"):
+        difficulty(logits, labels, "rank")
+
+
+def test_curriculum_gives_nearer_modules_easier_nested_sets():
+    scores = torch.tensor([0.9, 0.1, 0.5, 0.3, 0.7, 0.2])
+    sets = curriculum(scores, (0.5, 0.5, 1.0))
+    assert [s.tolist() for s in sets] == [[1, 3, 5], [1, 3, 5], [0, 1, 2, 3, 4, 5]]
+    with pytest.raises(ValueError, match="rise"):
+        curriculum(scores, (1.0, 0.5, 1.0))
+    with pytest.raises(ValueError, match="must be 1"):
+        curriculum(scores, (0.5, 0.75))
+    first, second = split_disjoint(10, 0.2, seed=3)
+    assert len(second) == 2 and set(first.tolist()).isdisjoint(second.tolist())
+    assert sorted(first.tolist() + second.tolist()) == list(range(10))
+
+
+def test_routing_loss_is_the_expected_error_plus_weighted_time():
+    logits = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]])  # (1/2, 1/2), (3/4, 1/4)
+    errors = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    time = torch.tensor([0.25, 1.0])
+    # image 0: 0.5 (1 + 0.1 x 0.25) + 0.5 (0 + 0.1) = 0.5625; image 1: 0.75 x 0.025 + 0.25 x 0.1
+    expected = (0.5 * 1.025 + 0.5 * 0.1 + 0.75 * 0.025 + 0.25 * 0.1) / 2
+    assert routing_loss(logits, errors, time, 0.1).item() == pytest.approx(expected)
+    # the gradient moves the predictor toward the cheaper right sub-network on image 1
+    logits.requires_grad_(True)
+    routing_loss(logits, errors, time, 0.1).backward()
+    assert logits.grad[1, 0] < 0 < logits.grad[1, 1]
+
+
+def hand_table() -> ExitTable:
+    # four images, three exits; costs 1, 3, 6 at the exits
+    confidence = torch.tensor([[0.9, 0.9, 0.9], [0.6, 0.95, 0.9], [0.7, 0.5, 0.9],
+                               [0.4, 0.8, 0.9]])
+    correct = torch.tensor([[True, True, True], [False, True, True], [False, False, True],
+                            [True, False, False]])
+    return ExitTable(confidence, correct, torch.tensor([[1.0, 3.0, 6.0]] * 4))
+
+
+def test_outcome_and_greedy_calibration_by_hand():
+    table = hand_table()
+    outcome = table.outcome(torch.tensor([0.8, 0.9]))
+    # exits: image 0 at 0 (0.9 > 0.8), image 1 at 1 (0.95 > 0.9), images 2, 3 at 2
+    assert table.exits(torch.tensor([0.8, 0.9])).tolist() == [0, 1, 2, 2]
+    assert outcome["accuracy"] == pytest.approx(0.75)
+    assert outcome["mean_cost"] == pytest.approx((1 + 3 + 6 + 6) / 4)
+    assert [outcome[f"exit_share_{k}"] for k in range(3)] == [0.25, 0.25, 0.5]
+    assert table.full_accuracy() == pytest.approx(0.75)
+    thresholds = calibrate_for_accuracy(table, 0.75)
+    # exit 0 may take image 0 (0.9) but not image 2 (0.7, wrong there): t0 in [0.7, 0.9)
+    assert 0.7 <= thresholds[0] < 0.9
+    # exit 1 then takes image 1 (0.95, right) and may take image 3 (0.8: wrong there, but
+    # wrong at the last exit too), not image 2 (0.5): the lowest candidate, 0.5, is kept
+    assert thresholds[1] == pytest.approx(0.5)
+    assert table.outcome(thresholds)["accuracy"] == pytest.approx(0.75)
+    assert table.outcome(thresholds)["mean_cost"] == pytest.approx((1 + 3 + 6 + 3) / 4)
+    # a budget the greedy can meet only by giving up accuracy
+    cheap = calibrate_for_budget(table, 3.0)
+    assert table.outcome(cheap)["mean_cost"] <= 3.0
+    assert table.outcome(cheap)["accuracy"] < 0.75
+
+
+def test_oracle_is_never_worse_than_any_path_and_exit():
+    net = small_net(seed=1)
+    x, y = torch.randn(32, 1, 28, 28), torch.randint(0, 3, (32,))
+    costs = {name: 1.0 for name in ("0.block", "0.exit", "1.predictor", "1.sub0", "1.sub1",
+                                    "1.exit", "2.predictor", "2.sub0", "2.sub1", "2.exit")}
+    costs |= {"1.sub1": 4.0, "2.sub1": 4.0}
+    best = oracle(net, [(None, x, y)], costs)
+    for logits in net.exit_logits_of_paths(x).values():
+        for exit_logits in logits:
+            assert best["accuracy"] >= (exit_logits.argmax(1) == y).float().mean().item()
+    full = path_costs(net, costs, (0, 1, 1), routed=False)
+    assert full == [2.0, 2.0 + 5.0, 2.0 + 5.0 + 5.0]
+    assert best["mean_cost"] <= full[-1]
+    routed = path_costs(net, costs, (0, 0, 1))
+    assert routed == [2.0, 2.0 + 1 + 1 + 1, 5.0 + 1 + 4 + 1]  # predictors counted
+
+
+def test_stage_training_leaves_the_frozen_modules_untouched():
+    net = small_net()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    stage = StageModel(net, 1)
+    optimizer = torch.optim.SGD(stage.trainable_parameters(), lr=0.1)
+    stage.train()
+    assert not net.blocks[0].training and net.blocks[1].training
+    step = module_step(net, 1, torch.tensor([0.5, 1.0]), 0.1)
+    x, y = torch.randn(16, 1, 28, 28), torch.randint(0, 3, (16,))
+    losses = step(stage, None, x, y)
+    assert set(losses) == {"loss", "loss_ce", "loss_route"}
+    losses["loss"].backward()
+    optimizer.step()
+    after = net.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.startswith(("blocks.1.", "exits.1.")) for k in changed)
+    assert any(k.startswith("blocks.1.predictor") for k in changed)  # the routing loss trains it
+    with pytest.raises(ValueError, match="not a super-network module"):
+        StageModel(net, 0, predictor_only=True)
+
+
+def test_latency_table_times_every_part_and_counts_flops():
+    net = small_net()
+    table = latency_table(net, (1, 28, 28), torch.device("cpu"), (1, 4), repeats=2)
+    assert set(table["parts"]) == {"0.block", "0.exit", "1.predictor", "1.sub0", "1.sub1",
+                                   "1.exit", "2.predictor", "2.sub0", "2.sub1", "2.exit"}
+    assert all(entry["ms"]["1"] > 0 and entry["ms"]["4"] > 0
+               for entry in table["parts"].values())
+    # exit 0: a linear layer 4 -> 3 on the pooled map: 2 x 4 x 3 FLOPs
+    assert table["parts"]["0.exit"]["flops"] == 2 * 4 * 3
+    assert table["parts"]["1.sub1"]["flops"] > table["parts"]["1.sub0"]["flops"]
+    assert part_costs(table, 4)["0.block"] == pytest.approx(table["parts"]["0.block"]["ms"]["4"]
+                                                            / 4)
+    check_device(table, torch.device("cpu"))
+    with pytest.raises(ValueError, match="measured on 'cuda: H200'"):
+        check_device(table | {"device": "cuda: H200"}, torch.device("cpu"))
+
+
+def test_joint_stage_training_trains_the_earlier_modules_on_every_exit():
+    net = small_net()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    stage = StageModel(net, 1, frozen=False)
+    stage.train()
+    assert net.blocks[0].training and net.exits[0].training and not net.blocks[2].training
+    optimizer = torch.optim.SGD(stage.trainable_parameters(), lr=0.1)
+    x, y = torch.randn(16, 1, 28, 28), torch.randint(0, 3, (16,))
+    losses = module_step(net, 1, torch.tensor([0.5, 1.0]), 0.1, frozen=False)(stage, None, x, y)
+    frozen = module_step(net, 1, torch.tensor([0.5, 1.0]), 0.1)(stage, None, x, y)
+    # loss_ce: the mean of exit 0's cross-entropy and module 1's (over its sub-networks)
+    exit0 = torch.nn.functional.cross_entropy(net.exits[0](net.blocks[0](x)), y)
+    assert losses["loss_ce"].item() == pytest.approx((exit0.item() + frozen["loss_ce"].item()) / 2,
+                                                     rel=1e-5)
+    losses["loss"].backward()
+    optimizer.step()
+    changed = {k for k, v in net.state_dict().items() if not torch.equal(before[k], v)}
+    assert any(k.startswith("blocks.0.") for k in changed)
+    assert any(k.startswith("exits.0.") for k in changed)
+    assert not any(k.startswith(("blocks.2.", "exits.2.")) for k in changed)

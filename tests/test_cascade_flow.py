@@ -1,0 +1,148 @@
+"""The `cascade` flow end to end (real Prefect, MLflow, DVC and Fashion-MNIST), its registered
+pyfunc, and its bad input on the command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from tasks.cascade_config import CascadeConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def smoke_cascade(**overrides) -> CascadeConfig:
+    return CascadeConfig(**{"profile": "smoke", "epochs": 2, "train_limit": 768, "lr": 0.1,
+                            "min_steps": 150,
+                            "model_name": "smoke-cascade", **overrides})
+
+
+@pytest.fixture(scope="module")
+def run():
+    from flows.cascade import cascade
+
+    return cascade(smoke_cascade())
+
+
+def test_modules_train_in_order_on_rising_difficulty_and_everything_is_tracked(run):
+    client = MlflowClient()
+    data = client.get_run(run.run_id).data
+    metrics, tags = data.metrics, data.tags
+    images = [metrics[f"module{k}_images"] for k in range(3)]
+    difficulty = [metrics[f"module{k}_mean_difficulty"] for k in range(3)]
+    assert images == sorted(images) and images[0] < images[-1]
+    assert difficulty == sorted(difficulty) and difficulty[0] < difficulty[-1]
+    # the training split: 20% held out for the predictors, the rest the modules' first set
+    assert metrics["second_set_images"] + images[-1] == metrics["data_train_images"]
+    assert metrics["second_set_images"] == round(0.2 * metrics["data_train_images"])
+    for key in ("difficulty_sets", "latency_table", "checkpoint.calibrated",
+                "checkpoint.module-1.predictor", "checkpoint.module-2.epoch-002"):
+        assert len(tags[f"dvc.{key}"]) == 32, key
+    for k in range(3):
+        history = client.get_metric_history(run.run_id, f"module{k}_val_accuracy")
+        assert [m.step for m in history] == [1, 2]
+    assert {"module1_loss_route", "predictor1_share_0", "predictor2_share_1", "val_accuracy",
+            "test_accuracy", "full_test_accuracy", "plain_test_accuracy", "speedup_b1",
+            "oracle_accuracy", "threshold_0", "threshold_1"} <= set(metrics)
+    assert metrics["predictor1_share_0"] + metrics["predictor1_share_1"] == pytest.approx(1)
+    files = {f.path for f in client.list_artifacts(run.run_id, "cascade")}
+    assert files == {"cascade/latency.json", "cascade/sweep.json",
+                     "cascade/accuracy_latency.png"}
+    table = json.loads(Path(client.download_artifacts(run.run_id, "cascade/latency.json"))
+                       .read_text())
+    assert table["batch_sizes"] == [1, 32] and "2.sub1" in table["parts"]
+
+
+def test_the_calibrated_cascade_keeps_its_promise_on_validation(run):
+    metrics = run.test.metrics
+    calibration = run.calibration.metrics
+    # the target, or no early exit at all where the routed network misses it
+    assert calibration["val_accuracy"] >= min(calibration["val_full_accuracy"] - 0.003,
+                                              calibration["val_routed_accuracy"]) - 1e-9
+    assert sum(metrics[f"exit_share_{k}"] for k in range(3)) == pytest.approx(1)
+    assert metrics["test_accuracy"] > 0.3  # it learns (chance: 0.1)
+    assert metrics["full_test_accuracy"] > 0.3
+    assert metrics["oracle_accuracy"] >= max(metrics["test_accuracy"],
+                                             metrics["full_test_accuracy"])
+    assert [point["tolerance"] for point in run.test.sweep] == sorted(
+        point["tolerance"] for point in run.test.sweep)
+
+
+def test_the_registered_pyfunc_runs_the_real_cascade(run):
+    """The served model gives each image the exit and the sub-networks the network itself
+    gives it, and only names the super-network modules the image reached."""
+    import mlflow
+
+    from tasks.cascade import trained_cascade
+    from tasks.data import load_dataset
+    from tasks.registration import test_images
+
+    config = smoke_cascade()
+    prepared = _prepared(config)
+    images, _ = test_images(prepared)
+    model = mlflow.pyfunc.load_model(f"models:/smoke-cascade/{run.registration.version}")
+    out = model.predict(images[:64])
+    assert list(out.columns) == ["label", "confidence", "exit", "subnetworks"]
+    for exit_, routes in zip(out["exit"], out["subnetworks"], strict=True):
+        modules = [int(part.split(":")[0]) for part in routes.split()]
+        assert modules == [m for m in (2, 3) if m <= exit_]  # only the modules it reached
+    net = trained_cascade(config, prepared, run.calibration.checkpoint)
+    data = load_dataset(prepared)
+    shape = (1, -1, 1, 1)
+    x = data.images[data.splits["test"][:64]].float().div(255)
+    direct = net.infer((x - torch.tensor(prepared.mean).view(shape))
+                       / torch.tensor(prepared.std).view(shape))
+    assert (np.array(out["exit"]) == direct.exits.numpy() + 1).all()
+    assert [prepared.classes[i] for i in direct.labels.tolist()] == list(out["label"])
+    assert run.registration.accuracy == pytest.approx(run.test_accuracy)  # as served
+
+
+def _prepared(config: CascadeConfig):
+    from flows.skeleton import data_section
+    from tasks.data import prepare_dataset, source_version
+
+    data = data_section(config)
+    return prepare_dataset(data, source_version(data))
+
+
+@pytest.mark.parametrize(("fields", "names"), [
+    ({"thresholds": "0.5,1.5"}, ["thresholds", "(0, 1]"]),
+    ({"thresholds": "0,0.5"}, ["thresholds", "(0, 1]"]),
+    ({"thresholds": "0.5"}, ["thresholds needs 2 values"]),
+    ({"sub_widths": "1.0"}, ["sub_widths", "two or more sub-networks"]),
+    ({"predictor_fraction": 0}, ["predictor_fraction", "greater than 0"]),
+    ({"widths": "8,16"}, ["widths", "K >= 3"]),
+    ({"super_modules": "5"}, ["super_modules", "0..2"]),
+    ({"curriculum": "0.9,0.5,1"}, ["curriculum", "rising"]),
+    ({"calibrate": "budget"}, ["latency_budget"]),
+])
+def test_bad_config_names_the_field(fields, names):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as error:
+        CascadeConfig(profile="smoke", **fields)
+    for name in names:
+        assert name in str(error.value), (name, str(error.value))
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--thresholds", "0.5,1.5"], "every threshold must be in (0, 1]"),
+    (["--latency-table", "{table}"], "latency_table was measured on 'cuda: NVIDIA H200'"),
+])
+def test_bad_input_is_one_error_line_before_any_work(flags, message, tmp_path):
+    table = tmp_path / "latency.json"
+    table.write_text(json.dumps({"device": "cuda: NVIDIA H200", "parts": {}}))
+    flags = [flag.format(table=table) for flag in flags]
+    done = subprocess.run([sys.executable, "-m", "flows", "cascade", "--profile", "smoke",
+                           *flags], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: invalid configuration:"]  # then one line per bad field
+    assert message in done.stderr, done.stderr

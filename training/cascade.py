@@ -1,0 +1,352 @@
+"""How a cascade (`models.cascade`) learns and is calibrated, in pure torch.
+
+1. Difficulty: each training image gets a documented difficulty (`difficulty`: a reference
+   model's cross-entropy on it, or its softmax margin) and module k trains on the easiest
+   `fractions[k]` of the first training set (`curriculum`), so a module nearer the input never
+   gets a harder set than one after it. Modules train input side first (`StageModel`).
+2. A super-network module trains all its sub-networks on the module's exit (their mean
+   cross-entropy) and its predictor by a latency-aware loss (`routing_loss`): the expected
+   cost, under the predictor's choice, of `error + weight x time`, where error is whether the
+   sub-network's predicted class misses the true one and time its measured computation time
+   over the most expensive one's. A cheaper sub-network wins where it is right. By default
+   (joint) the modules before module k train along on its set, every exit on its own
+   cross-entropy, so the early modules end up trained on every image; `frozen` keeps them.
+3. The predictor is then fitted again on a second training set, disjoint from the first
+   (`predictor_step`: on the first set the sub-networks are right too often to tell them
+   apart), or one sub-network is chosen for good on it (`fixed_choice`).
+4. The exit thresholds are calibrated on validation (`calibrate_for_accuracy`,
+   `calibrate_for_budget`) from an `ExitTable`: every image's confidence, correctness and
+   cost at every exit of the path the predictors choose for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.cascade import CascadeNet, SuperModule, confidence_of
+from training.latency import path_costs
+from training.loops import Step
+
+Batches = Iterable[tuple[Tensor, Tensor, Tensor]]
+DIFFICULTY = ("loss", "margin")
+
+
+def difficulty(logits: Tensor, labels: Tensor, measure: str = "loss") -> Tensor:
+    """Each image's difficulty under a reference model's `logits` (higher: harder): `loss`,
+    its cross-entropy; `margin`, the largest other class's probability minus the true
+    class's (in [-1, 1])."""
+    if measure == "loss":
+        return F.cross_entropy(logits.float(), labels, reduction="none")
+    if measure == "margin":
+        probs = logits.float().softmax(1)
+        true = probs.gather(1, labels[:, None]).squeeze(1)
+        other = probs.scatter(1, labels[:, None], -1.0).max(1).values
+        return other - true
+    raise ValueError(f"difficulty measure must be one of {DIFFICULTY}, got {measure!r}")
+
+
+def curriculum(scores: Tensor, fractions: tuple[float, ...]) -> list[Tensor]:
+    """Module k's training set: the positions of the easiest `fractions[k]` of the images by
+    `scores` (ascending positions). The fractions must not fall and the last must be 1, so a
+    module never gets a harder set than one after it and the last sees every image."""
+    if any(not 0.0 < f <= 1.0 for f in fractions) or list(fractions) != sorted(fractions):
+        raise ValueError(f"curriculum fractions must rise within (0, 1], got {fractions}")
+    if fractions[-1] != 1.0:
+        raise ValueError(f"the last module's curriculum fraction must be 1, got {fractions[-1]}")
+    order = scores.argsort(stable=True)
+    return [order[:max(1, round(f * len(order)))].sort().values for f in fractions]
+
+
+def split_disjoint(count: int, second_fraction: float, seed: int) -> tuple[Tensor, Tensor]:
+    """Positions 0..count-1 split at random into a first and a disjoint second set."""
+    if not 0.0 < second_fraction < 1.0:
+        raise ValueError(f"the second set's fraction must be in (0, 1), got {second_fraction}")
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+    second = max(1, round(second_fraction * count))
+    return order[second:].sort().values, order[:second].sort().values
+
+
+def relative_costs(net: CascadeNet, costs: dict[str, float], k: int) -> Tensor:
+    """Module k's sub-networks' measured times over the most expensive one's."""
+    times = torch.tensor([costs[f"{k}.sub{s}"] for s in range(net.sub_count(k))])
+    return times / times.max()
+
+
+def routing_loss(route_logits: Tensor, errors: Tensor, relative_time: Tensor, weight: float
+                 ) -> Tensor:
+    """The latency-aware loss of a predictor: the expected `error + weight x time` of the
+    sub-network it picks, under its softmax.
+
+    Args:
+        route_logits: (N, S) the predictor's scores for the S sub-networks.
+        errors: (N, S) 1 where sub-network s predicts the wrong class for image n, else 0.
+        relative_time: (S,) each sub-network's time over the most expensive one's.
+        weight: how many errors the most expensive sub-network's time is worth.
+    """
+    cost = errors + weight * relative_time.to(errors.device)[None, :]
+    return (route_logits.float().softmax(1) * cost).sum(1).mean()
+
+
+class StageModel(nn.Module):
+    """Module `k` of a cascade for training. `frozen`: the modules before it stay as they are,
+    in eval mode (their BatchNorm statistics untouched), and module k's block, exit and
+    predictor train; else (joint) the modules before it and their exits train along, on
+    module k's set (`module_step`). `predictor_only`: only module k's predictor trains."""
+
+    def __init__(self, net: CascadeNet, k: int, frozen: bool = True,
+                 predictor_only: bool = False) -> None:
+        super().__init__()
+        self.net, self.k, self.frozen, self.predictor_only = net, k, frozen, predictor_only
+        if predictor_only and not net.is_super(k):
+            raise ValueError(f"module {k} is not a super-network module: it has no predictor")
+
+    def trained(self) -> list[nn.Module]:
+        """The sub-modules whose parameters this stage trains."""
+        if self.predictor_only:
+            return [self.net.blocks[self.k].predictor]
+        first = self.k if self.frozen else 0
+        return [m for j in range(first, self.k + 1) for m in (self.net.blocks[j],
+                                                              self.net.exits[j])]
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.trained() for p in m.parameters()]
+
+    def train(self, mode: bool = True) -> StageModel:
+        self.training = mode
+        self.net.eval()
+        for module in self.trained():
+            module.train(mode)
+        return self
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Module k's exit logits (its most expensive sub-network in a super-network module),
+        the modules before it routed as in inference."""
+        with torch.no_grad():
+            features = self.net.prefix(x, self.k)
+        choice = self.net.most_expensive(self.k) if self.net.is_super(self.k) else None
+        return self.net.exits[self.k](self.net.run_module(self.k, features, choice))
+
+
+def _joint_prefix(net: CascadeNet, k: int, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """The feature map entering module k with gradients, and the summed cross-entropy of the
+    exits before it: a super-network module runs every sub-network on every image (each
+    trained on its exit) and passes on, per image, the output of one drawn at random, so the
+    modules after it learn from every sub-network's output (the full network's path
+    included), not only from those a predictor would pick."""
+    features = net.fit_input(x)
+    losses = []
+    for j in range(k):
+        module = net.blocks[j]
+        if isinstance(module, SuperModule):
+            choice = torch.randint(len(module.subnets), (len(x),), device=x.device)
+            outs = torch.stack([subnet(features) for subnet in module.subnets])
+            losses += [F.cross_entropy(net.exits[j](out), y) / len(outs) for out in outs]
+            features = outs[choice, torch.arange(len(choice), device=choice.device)]
+        else:
+            features = module(features)
+            losses.append(F.cross_entropy(net.exits[j](features), y))
+    return features, (torch.stack(losses).sum() if losses else features.new_zeros(()))
+
+
+def _sub_outputs(net: CascadeNet, k: int, features: Tensor, labels: Tensor
+                 ) -> tuple[Tensor, Tensor]:
+    """Module k's sub-networks on `features`: per-image cross-entropies and errors, (N, S)."""
+    module = net.blocks[k]
+    assert isinstance(module, SuperModule)
+    losses, errors = [], []
+    for subnet in module.subnets:
+        logits = net.exits[k](subnet(features))
+        losses.append(F.cross_entropy(logits, labels, reduction="none"))
+        errors.append((logits.argmax(1) != labels).float())
+    return torch.stack(losses, 1), torch.stack(errors, 1)
+
+
+def module_step(net: CascadeNet, k: int, relative_time: Tensor | None, latency_weight: float,
+                label_smoothing: float = 0.0, frozen: bool = True) -> Step:
+    """The training step of module k (the model given to the step is its `StageModel`):
+    a plain module's exit cross-entropy; a super-network module's mean cross-entropy over its
+    sub-networks plus the predictor's `routing_loss` (`loss_route`). Not `frozen`: the exits
+    before it add theirs (`_joint_prefix`), and `loss_ce` is the mean over the k + 1 exits."""
+
+    def step(_model: nn.Module, _ids: Tensor, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        if frozen:
+            with torch.no_grad():
+                features = net.prefix(x, k, random_routes=True)
+            earlier = features.new_zeros(())
+        else:
+            features, earlier = _joint_prefix(net, k, x, y)
+        route = None
+        if not net.is_super(k):
+            logits = net.exits[k](net.blocks[k](features))
+            own = F.cross_entropy(logits, y, label_smoothing=label_smoothing)
+        else:
+            losses, errors = _sub_outputs(net, k, features, y)
+            own = losses.mean()
+            route = routing_loss(net.blocks[k].predictor(features.detach()), errors,
+                                 relative_time, latency_weight)
+        ce = own if frozen else (earlier + own) / (k + 1)
+        result = {"loss": ce if route is None else ce + route, "loss_ce": ce}
+        return result if route is None else result | {"loss_route": route}
+
+    return step
+
+
+def predictor_step(net: CascadeNet, k: int, relative_time: Tensor, latency_weight: float
+                   ) -> Step:
+    """The step that fits module k's predictor alone (`StageModel(predictor_only=True)`) by
+    `routing_loss`, the sub-networks' errors computed with everything else frozen."""
+
+    def step(_model: nn.Module, _ids: Tensor, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        with torch.no_grad():
+            features = net.prefix(x, k)
+            _, errors = _sub_outputs(net, k, features, y)
+        route = routing_loss(net.blocks[k].predictor(features), errors, relative_time,
+                             latency_weight)
+        return {"loss": route, "loss_route": route}
+
+    return step
+
+
+@torch.no_grad()
+def fixed_choice(net: CascadeNet, k: int, batches: Batches, relative_time: Tensor,
+                 latency_weight: float) -> tuple[int, list[float]]:
+    """The one sub-network of module k with the lowest `error rate + weight x time` on
+    `batches` (a held-out set), and every sub-network's error rate there."""
+    net.eval()
+    wrong, seen = torch.zeros(net.sub_count(k)), 0
+    for _, x, y in batches:
+        _, errors = _sub_outputs(net, k, net.prefix(x, k), y)
+        wrong += errors.sum(0).cpu()
+        seen += len(y)
+    rates = wrong / max(seen, 1)
+    return int((rates + latency_weight * relative_time).argmin()), rates.tolist()
+
+
+@dataclass
+class ExitTable:
+    """Every image's confidence, correctness and cumulative cost at every exit, (N, K), along
+    the path its predictors choose (or the fixed sub-networks)."""
+
+    confidence: Tensor
+    correct: Tensor
+    cost: Tensor
+
+    def outcome(self, thresholds: Tensor) -> dict[str, float]:
+        """What the cascade does with `thresholds` (K - 1 values; an image leaves at the first
+        exit whose confidence is above its threshold, else at the last): `accuracy`,
+        `mean_cost` and each exit's share of the images (`exit_share_k`)."""
+        exits = self.exits(thresholds)
+        rows = torch.arange(len(exits))
+        result = {"accuracy": self.correct[rows, exits].float().mean().item(),
+                  "mean_cost": self.cost[rows, exits].mean().item()}
+        shares = torch.bincount(exits, minlength=self.cost.shape[1]).float() / len(exits)
+        return result | {f"exit_share_{k}": v for k, v in enumerate(shares.tolist())}
+
+    def exits(self, thresholds: Tensor) -> Tensor:
+        """The exit each image leaves at (0-based)."""
+        count, modules = self.confidence.shape
+        leave = torch.cat([self.confidence[:, :-1] > thresholds[None, :],
+                           torch.ones(count, 1, dtype=torch.bool)], 1)
+        return leave.float().argmax(1)  # the first True
+
+    def full_accuracy(self) -> float:
+        """The accuracy with no early exits (every image at the last exit)."""
+        return self.correct[:, -1].float().mean().item()
+
+
+@torch.no_grad()
+def exit_table(net: CascadeNet, batches: Batches, costs: dict[str, float],
+               fixed: dict[int, int] | None = None) -> ExitTable:
+    """The `ExitTable` of `batches` (every image through every module, for calibration and
+    analysis; inference itself is `CascadeNet.infer`). `costs`: each part's cost per image
+    (`training.latency.part_costs`); `fixed`: sub-networks given instead of routing."""
+    net.eval()
+    modules = net.modules_count
+    confidence, correct, paths = [], [], []
+    for _, x, y in batches:
+        features = net.fit_input(x)
+        path = torch.zeros(len(y), modules, dtype=torch.long)
+        conf_k, correct_k = [], []
+        for k in range(modules):
+            choice = None
+            if net.is_super(k):
+                choice = (net.blocks[k].route(features) if fixed is None or k not in fixed
+                          else torch.full((len(y),), fixed[k], device=features.device))
+                path[:, k] = choice.cpu()
+            features = net.run_module(k, features, choice)
+            conf, pred = confidence_of(net.exits[k](features), net.spec.confidence)
+            conf_k.append(conf.cpu())
+            correct_k.append((pred == y).cpu())
+        confidence.append(torch.stack(conf_k, 1))
+        correct.append(torch.stack(correct_k, 1))
+        paths.append(path)
+    path = torch.cat(paths)
+    routed = None if fixed is None else False
+    cost = torch.stack([torch.tensor(path_costs(net, costs, tuple(p), routed)) for p in
+                        path.tolist()]) if len(path) else torch.zeros(0, modules)
+    return ExitTable(torch.cat(confidence), torch.cat(correct), cost)
+
+
+def calibrate_for_accuracy(table: ExitTable, target: float, grid: int = 200) -> Tensor:
+    """Thresholds, exit by exit from the input side, each the lowest candidate (the quantiles
+    of that exit's confidences, and 1: never leave) that keeps the cascade's accuracy on the
+    table at least `target`; the later exits meanwhile take no image. Lower thresholds let
+    more images leave early, so this is the cheapest cascade the greedy order finds."""
+    modules = table.confidence.shape[1]
+    thresholds = torch.ones(modules - 1)
+    levels = torch.linspace(0, 1, grid)
+    for k in range(modules - 1):
+        candidates = torch.cat([table.confidence[:, k].quantile(levels), torch.ones(1)])
+        for t in candidates.unique().clamp(min=1e-6).tolist():
+            trial = thresholds.clone()
+            trial[k] = t
+            if table.outcome(trial)["accuracy"] >= target:
+                thresholds = trial
+                break
+    return thresholds
+
+
+def calibrate_for_budget(table: ExitTable, budget: float, steps: int = 30) -> Tensor:
+    """The most accurate thresholds of the greedy calibration whose mean cost is at most
+    `budget` (in the table's cost unit): a bisection over the accuracy given up."""
+    full = table.full_accuracy()
+    low, high = 0.0, 1.0
+    best = calibrate_for_accuracy(table, full - high)
+    if table.outcome(best)["mean_cost"] > budget:
+        return best  # the cheapest the greedy finds; the caller reports the budget missed
+    for _ in range(steps):
+        middle = (low + high) / 2
+        trial = calibrate_for_accuracy(table, full - middle)
+        if table.outcome(trial)["mean_cost"] <= budget:
+            best, high = trial, middle
+        else:
+            low = middle
+    return best
+
+
+@torch.no_grad()
+def oracle(net: CascadeNet, batches: Batches, costs: dict[str, float]) -> dict[str, float]:
+    """Each image leaves at the cheapest (exit, sub-networks) that gets it right, no
+    predictor run; an image no path gets right costs the cheapest path's last exit. Returns
+    `accuracy` and `mean_cost`."""
+    net.eval()
+    right, spent = 0, []
+    for _, x, y in batches:
+        best = torch.full((len(y),), float("inf"))
+        fallback = float("inf")
+        for path, logits in net.exit_logits_of_paths(x).items():
+            cumulative = path_costs(net, costs, path, routed=False)
+            fallback = min(fallback, cumulative[-1])
+            for k, exit_logits in enumerate(logits):
+                correct = (exit_logits.argmax(1) == y).cpu()
+                best = torch.where(correct, best.clamp(max=cumulative[k]), best)
+        found = torch.isfinite(best)
+        right += int(found.sum())
+        spent.append(torch.where(found, best, torch.full_like(best, fallback)))
+    spent_all = torch.cat(spent)
+    return {"accuracy": right / max(len(spent_all), 1), "mean_cost": spent_all.mean().item()}
