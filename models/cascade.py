@@ -95,7 +95,18 @@ class SuperModule(nn.Module):
         self.predictor = nn.Sequential(nn.AdaptiveAvgPool2d(2), nn.Flatten(),
                                        nn.Linear(4 * in_channels, 32), nn.ReLU(inplace=True),
                                        nn.Linear(32, len(subnets)))
+        self.reset_predictor()
         self.register_buffer("fixed", torch.tensor(-1))
+
+    def reset_predictor(self) -> None:
+        """A fresh predictor whose last layer is zero: every sub-network equally likely, so
+        its softmax starts unsaturated (random weights on unnormalized feature maps give
+        scores so far apart that the gradient of the choice vanishes)."""
+        for layer in self.predictor:
+            if isinstance(layer, nn.Linear):
+                layer.reset_parameters()
+        nn.init.zeros_(self.predictor[-1].weight)
+        nn.init.zeros_(self.predictor[-1].bias)
 
     def route(self, x: Tensor) -> Tensor:
         """The sub-network index for each image (the fixed one, or the predictor's choice)."""

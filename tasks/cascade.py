@@ -254,6 +254,7 @@ def fit_predictor(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
         net.blocks[k].fixed.fill_(choice)
         metrics |= {f"predictor{k}_error_rate_{s}": r for s, r in enumerate(rates)}
     else:
+        net.blocks[k].reset_predictor()  # fitted on this set alone, from the start
         stage = StageModel(net, k, predictor_only=True)
         optimizer = sgd(stage.trainable_parameters(), config.lr, config.momentum, 0.0)
         batch = min(config.batch_size, max(16, len(second) // 8))

@@ -233,3 +233,20 @@ def test_joint_stage_training_trains_the_earlier_modules_on_every_exit():
     assert any(k.startswith("blocks.0.") for k in changed)
     assert any(k.startswith("exits.0.") for k in changed)
     assert not any(k.startswith(("blocks.2.", "exits.2.")) for k in changed)
+
+
+def test_a_fresh_predictor_is_undecided_so_its_choice_can_learn():
+    """Random last-layer weights on unnormalized feature maps saturate the softmax (its
+    gradient vanishes); a reset predictor scores every sub-network alike."""
+    module = small_net().blocks[1]
+    x = torch.randn(8, 4, 14, 14) * 50
+    with torch.no_grad():
+        module.predictor[-1].weight.normal_()
+        module.reset_predictor()
+        scores = module.predictor(x)
+    assert torch.equal(scores, torch.zeros_like(scores))
+    # sub-network 1 is right, 0 wrong: the step lowers the score of 0, raises that of 1
+    routing_loss(module.predictor(x), torch.tensor([[1.0, 0.0]] * 8), torch.tensor([0.5, 1.0]),
+                 0.0).backward()
+    bias = module.predictor[-1].bias.grad
+    assert bias[0] > 0 > bias[1]
