@@ -14,6 +14,8 @@ cascade and the oracle; register it (a pyfunc that runs the real cascade) and pr
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
@@ -30,6 +32,7 @@ from tasks.cascade import (
     module_budget,
     read_table,
     register_cascade,
+    serving_device,
     sweep_figure,
     test_cascade,
     train_module_round,
@@ -37,6 +40,7 @@ from tasks.cascade import (
 from tasks.cascade_config import CascadeConfig
 from tasks.registration import Baseline, Registration
 from tasks.training import TestResult
+from tasks.versioning import md5_of
 from training.baselines import best_baseline
 
 FLOW_NAME = "cascade"
@@ -76,7 +80,9 @@ def cascade(config: CascadeConfig) -> CascadeSummary:
         tracking.log_metrics(run_id, {"second_set_images": sets.second_images} | {
             f"module{k}_images": n for k, n in enumerate(sets.module_images)} | {
             f"module{k}_mean_difficulty": d for k, d in enumerate(sets.mean_difficulty)})
-        latency = measure_latency(config, dataset)
+        given = config.latency_table
+        latency = measure_latency(config, dataset, serving_device(config), None if given is None
+                                  else md5_of(Path(given).expanduser()))
         tracking.log_artifact_refs(run_id, {"latency_table": latency})
         tracking.log_dict(run_id, read_table(latency), "cascade/latency.json")
         checkpoint = None

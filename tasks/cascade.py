@@ -6,8 +6,10 @@ reference with its metrics; each is cached on its inputs, so a killed run resume
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
+from pathlib import Path
 
 import torch
 from prefect import task
@@ -48,8 +50,10 @@ from training.cascade import (
     relative_costs,
     split_disjoint,
 )
+from training.device import resolve_device
 from training.latency import (
     check_device,
+    device_name,
     interleaved_ms_per_image,
     latency_table,
     part_costs,
@@ -144,20 +148,30 @@ def trained_cascade(config: CascadeConfig, dataset: DatasetRef, checkpoint: Arti
     return net.eval()
 
 
+def serving_device(config: CascadeConfig) -> str:
+    """The name of the device the latency table is for (`training.latency.device_name`)."""
+    return device_name(resolve_device(config.device))
+
+
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="latency-table")
-def measure_latency(config: CascadeConfig, dataset: DatasetRef) -> ArtifactRef:
-    """Every part's measured time on the serving device (`training.latency`), versioned; or the
-    table given as `--latency-table` (checked to come from this device)."""
-    device = setup_device(config)
+def measure_latency(config: CascadeConfig, dataset: DatasetRef, device: str,
+                    given_md5: str | None = None) -> ArtifactRef:
+    """Every part's measured time on the serving device `device` (`training.latency`),
+    versioned; or the table given as `--latency-table` (checked to come from this device).
+    The device's name and the given table's content hash are inputs, so a cached table is
+    never reused on another device or after the file changed."""
+    torch_device = setup_device(config)
     if config.latency_table is not None:
-        with open(config.latency_table) as handle:
-            table = json.load(handle)
-        check_device(table, device)
+        table = json.loads(Path(config.latency_table).expanduser().read_text())
+        check_device(table, torch_device)
     else:
-        net = new_cascade(config, dataset).to(device)
+        net = new_cascade(config, dataset).to(torch_device)
         table = latency_table(net, (dataset.channels, dataset.image_size, dataset.image_size),
-                              device, (1, config.serving_batch), config.latency_repeats)
-    relpath = f"cascade/{run_key(config, dataset)}/latency.json"
+                              torch_device, (1, config.serving_batch), config.latency_repeats)
+    if table["device"] != device:
+        raise ValueError(f"latency_table: measured on {table['device']!r}, expected {device!r}")
+    tag = hashlib.md5(device.encode()).hexdigest()[:8]
+    relpath = f"cascade/{run_key(config, dataset)}/latency-{tag}.json"
     return ArtifactStore().write(relpath, lambda path: path.write_text(json.dumps(table,
                                                                                   indent=1)))
 
