@@ -374,10 +374,10 @@ def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRe
         shares = torch.bincount(exits.cpu(), minlength=net.modules_count).float() / len(exits)
         fixed = kwargs.get("fixed")
         batches = split_batches(data, dataset, "test", 1024, device)
-        spent = exit_table(net, batches, costs, fixed).outcome(
-            kwargs.get("thresholds", net.thresholds).cpu())
-        spent_flops = exit_table(net, split_batches(data, dataset, "test", 1024, device), flops,
-                                 fixed).outcome(kwargs.get("thresholds", net.thresholds).cpu())
+        paths = exit_table(net, batches, costs, fixed)
+        thresholds = kwargs.get("thresholds", net.thresholds).cpu()
+        spent = paths.outcome(thresholds)
+        spent_flops = paths.priced(net, flops).outcome(thresholds)
         metrics |= {f"{prefix}test_accuracy": (predicted == labels).float().mean().item(),
                     f"{prefix}table_cost_ratio": spent["mean_cost"] / full_cost,
                     f"{prefix}flops_per_image": spent_flops["mean_cost"],

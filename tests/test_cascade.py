@@ -250,3 +250,17 @@ def test_a_fresh_predictor_is_undecided_so_its_choice_can_learn():
                  0.0).backward()
     bias = module.predictor[-1].bias.grad
     assert bias[0] > 0 > bias[1]
+
+
+def test_an_exit_table_is_priced_again_per_part():
+    net = small_net()
+    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 3, (8,))
+    names = ("0.block", "0.exit", "1.predictor", "1.sub0", "1.sub1", "1.exit", "2.predictor",
+             "2.sub0", "2.sub1", "2.exit")
+    timed = exit_table(net, [(None, x, y)], dict.fromkeys(names, 1.0))
+    priced = timed.priced(net, {name: 2.0 for name in names} | {"1.sub1": 10.0})
+    assert torch.equal(priced.confidence, timed.confidence)
+    for row, path in enumerate(timed.paths.tolist()):
+        assert timed.cost[row].tolist() == [2.0, 5.0, 8.0]  # predictors counted
+        second = 4.0 + 2.0 + (10.0 if path[1] == 1 else 2.0) + 2.0  # predictor, sub, exit
+        assert priced.cost[row].tolist() == [4.0, second, second + 6.0]

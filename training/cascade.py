@@ -22,7 +22,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -230,11 +230,18 @@ def fixed_choice(net: CascadeNet, k: int, batches: Batches, relative_time: Tenso
 @dataclass
 class ExitTable:
     """Every image's confidence, correctness and cumulative cost at every exit, (N, K), along
-    the path its predictors choose (or the fixed sub-networks)."""
+    the path its predictors choose (or the fixed sub-networks); `paths` (N, K) holds those
+    sub-network indices, `routed` whether the predictors' time counts (`path_costs`)."""
 
     confidence: Tensor
     correct: Tensor
     cost: Tensor
+    paths: Tensor | None = None
+    routed: bool | None = None
+
+    def priced(self, net: CascadeNet, costs: dict[str, float]) -> ExitTable:
+        """The same images and paths at other per-part costs (FLOPs instead of time, say)."""
+        return replace(self, cost=_cost_table(net, self.paths, costs, self.routed))
 
     def outcome(self, thresholds: Tensor) -> dict[str, float]:
         """What the cascade does with `thresholds` (K - 1 values; an image leaves at the first
@@ -287,9 +294,17 @@ def exit_table(net: CascadeNet, batches: Batches, costs: dict[str, float],
         paths.append(path)
     path = torch.cat(paths)
     routed = None if fixed is None else False
-    cost = torch.stack([torch.tensor(path_costs(net, costs, tuple(p), routed)) for p in
-                        path.tolist()]) if len(path) else torch.zeros(0, modules)
-    return ExitTable(torch.cat(confidence), torch.cat(correct), cost)
+    return ExitTable(torch.cat(confidence), torch.cat(correct),
+                     _cost_table(net, path, costs, routed), path, routed)
+
+
+def _cost_table(net: CascadeNet, paths: Tensor, costs: dict[str, float],
+                routed: bool | None) -> Tensor:
+    """(N, K): each image's cumulative cost at each exit of its path (`path_costs`)."""
+    if not len(paths):
+        return torch.zeros(0, net.modules_count)
+    return torch.stack([torch.tensor(path_costs(net, costs, tuple(p), routed))
+                        for p in paths.tolist()])
 
 
 def calibrate_for_accuracy(table: ExitTable, target: float, grid: int = 200) -> Tensor:
