@@ -22,22 +22,24 @@ from pydantic import BaseModel, ConfigDict
 from flows.skeleton import Finished, log_budget, prepare, publish, run_rounds, run_tags
 from tasks import tracking
 from tasks.cascade import (
-    Calibration,
     CascadeSets,
-    CascadeTest,
-    calibrate_thresholds,
     difficulty_sets,
     fit_predictor,
     measure_latency,
     module_budget,
     read_table,
-    register_cascade,
     serving_device,
-    sweep_figure,
-    test_cascade,
     train_module_round,
 )
 from tasks.cascade_config import CascadeConfig
+from tasks.cascade_evaluation import (
+    Calibration,
+    CascadeTest,
+    calibrate_thresholds,
+    register_cascade,
+    sweep_figure,
+    test_cascade,
+)
 from tasks.registration import Baseline, Registration
 from tasks.training import TestResult
 from tasks.versioning import md5_of

@@ -1,7 +1,8 @@
-"""The `cascade` flow's tasks: difficulty sets, the latency table, module rounds, predictor
-fitting, threshold calibration and the test. Each loads its inputs by reference, calls
-`training.cascade` / `training.latency`, writes and versions its output, and returns the
-reference with its metrics; each is cached on its inputs, so a killed run resumes.
+"""The `cascade` flow's training tasks: difficulty sets, the latency table, module rounds and
+predictor fitting (calibration, test and registration: `tasks.cascade_evaluation`). Each
+loads its inputs by reference, calls `training.cascade` / `training.latency`, writes and
+versions its output, and returns the reference with its metrics; each is cached on its
+inputs, so a killed run resumes.
 """
 
 from __future__ import annotations
@@ -21,31 +22,17 @@ from tasks.caching import computation_key
 from tasks.cascade_config import CascadeConfig
 from tasks.checkpoints import load_checkpoint, save_checkpoint
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
-from tasks.registration import (
-    Registration,
-    log_weights_pyfunc,
-    promote,
-    pyfunc_accuracy,
-    test_images,
-    transient,
-)
-from tasks.reporting import figure_pyplot
 from tasks.training import EpochResult, run_key, setup_device, split_batches
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.baselines import fit_linear, flatten_pixels
 from training.batches import Batches, Normalize
 from training.budget import Budget, fit_budget
 from training.cascade import (
-    ExitTable,
     StageModel,
-    calibrate_for_accuracy,
-    calibrate_for_budget,
     curriculum,
     difficulty,
-    exit_table,
     fixed_choice,
     module_step,
-    oracle,
     predictor_step,
     relative_costs,
     split_disjoint,
@@ -54,10 +41,8 @@ from training.device import resolve_device
 from training.latency import (
     check_device,
     device_name,
-    interleaved_ms_per_image,
     latency_table,
     part_costs,
-    path_costs,
 )
 from training.loops import evaluate
 from training.recipe import optimizer_to, sgd, train_round
@@ -72,28 +57,6 @@ class CascadeSets(BaseModel):
     module_images: list[int]
     second_images: int
     mean_difficulty: list[float]
-
-
-class Calibration(BaseModel):
-    """The thresholds written into the checkpoint, and the cascade on validation."""
-
-    model_config = ConfigDict(frozen=True)
-
-    checkpoint: ArtifactRef
-    thresholds: list[float]
-    metrics: dict[str, float]
-
-
-class CascadeTest(BaseModel):
-    """The test split's metrics, and the accuracy-latency curve over the sweep's tolerances."""
-
-    model_config = ConfigDict(frozen=True)
-
-    metrics: dict[str, float]
-    sweep: list[dict[str, float]]
-
-
-SWEEP = (0.0, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)  # accuracy given up on validation
 
 
 def out_of_fold_logits(images: torch.Tensor, labels: torch.Tensor, seed: int,
@@ -289,164 +252,3 @@ def fit_predictor(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
     payload = {"model": net.state_dict(), "module": k}
     return EpochResult(epoch=0, checkpoint=save_checkpoint(store, relpath, payload),
                        metrics=metrics)
-
-
-def validation_table(config: CascadeConfig, dataset: DatasetRef, net: CascadeNet,
-                     costs: dict[str, float], split: str = "val",
-                     fixed: dict[int, int] | None = None) -> ExitTable:
-    device = setup_device(config)
-    data = load_dataset(dataset)
-    return exit_table(net.to(device), split_batches(data, dataset, split, 1024, device), costs,
-                      fixed)
-
-
-def full_network(net: CascadeNet) -> dict[int, int]:
-    """Every super-network module at its most expensive sub-network."""
-    return {k: net.most_expensive(k) for k in range(net.modules_count) if net.is_super(k)}
-
-
-@task(cache_key_fn=computation_key, persist_result=True, task_run_name="calibrate-thresholds")
-def calibrate_thresholds(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRef,
-                         checkpoint: ArtifactRef) -> Calibration:
-    """The exit thresholds (given, or calibrated on validation for the full network's accuracy
-    minus `accuracy_tolerance`, or for `latency_budget`), written into a new checkpoint beside
-    the thresholds of two references measured by the test: the plain confidence cascade
-    (every super-network module at its most expensive sub-network, calibrated alike) and the
-    sweep of accuracy tolerances (`SWEEP`, the accuracy-latency curve)."""
-    net = trained_cascade(config, dataset, checkpoint)
-    costs = part_costs(read_table(latency))
-    table = validation_table(config, dataset, net, costs)
-    plain = validation_table(config, dataset, net, costs, fixed=full_network(net))
-    full_accuracy, full_cost = plain.full_accuracy(), plain.cost[:, -1].mean().item()
-    if config.thresholds is not None:
-        thresholds = torch.tensor(config.thresholds)
-    elif config.calibrate == "budget":
-        thresholds = calibrate_for_budget(table, config.latency_budget * full_cost)
-    else:
-        thresholds = calibrate_for_accuracy(table, full_accuracy - config.accuracy_tolerance)
-    net.thresholds.copy_(thresholds)
-    outcome = table.outcome(thresholds)
-    plain_thresholds = calibrate_for_accuracy(plain, full_accuracy - config.accuracy_tolerance)
-    sweep = {str(t): calibrate_for_accuracy(table, full_accuracy - t) for t in SWEEP}
-    metrics = {"val_accuracy": outcome["accuracy"], "val_full_accuracy": full_accuracy,
-               "val_routed_accuracy": table.full_accuracy(),
-               "val_cost_ratio": outcome["mean_cost"] / full_cost,
-               "val_plain_cost_ratio": plain.outcome(plain_thresholds)["mean_cost"] / full_cost,
-               **{f"val_{k}": v for k, v in outcome.items() if k.startswith("exit_share")},
-               **{f"threshold_{k}": t for k, t in enumerate(thresholds.tolist())}}
-    relpath = f"checkpoints/cascade/{run_key(config, dataset)}/calibrated.pt"
-    payload = {"model": net.state_dict(), "plain_thresholds": plain_thresholds,
-               "sweep": sweep}
-    return Calibration(checkpoint=save_checkpoint(ArtifactStore(), relpath, payload),
-                       thresholds=thresholds.tolist(), metrics=metrics)
-
-
-@task(cache_key_fn=computation_key, persist_result=True, task_run_name="test-cascade")
-def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRef,
-                 calibrated: ArtifactRef, latency_images: int = 1000) -> CascadeTest:
-    """The calibrated cascade on the test split beside the full network (`full_`: no exits,
-    every super-network module at its most expensive sub-network) and the plain confidence
-    cascade (`plain_`: those sub-networks, exits calibrated alike): accuracy of the real
-    cascade, each exit's share, milliseconds per image measured at batch 1 (the first
-    `latency_images` test images) and at the serving batch (interleaved passes), the latency
-    table's predicted cost and FLOPs per image, and the oracle (`oracle_`). Then the sweep's
-    accuracy and time at batch 1 (on 300 images)."""
-    device = setup_device(config)
-    net = trained_cascade(config, dataset, calibrated).to(device)
-    payload = load_checkpoint(ArtifactStore(), calibrated)
-    data = load_dataset(dataset)
-    test = data.splits["test"]
-    images = Normalize(dataset.mean, dataset.std)(data.images[test].to(device))
-    labels = data.labels[test].to(device)
-    full = full_network(net)
-    never = torch.ones_like(net.thresholds)
-    variants = {"": {}, "full_": {"thresholds": never, "fixed": full},
-                "plain_": {"thresholds": payload["plain_thresholds"].to(device), "fixed": full}}
-    table = read_table(latency)
-    costs, flops = part_costs(table), part_costs(table, key="flops")
-    full_path = tuple(full.get(k, 0) for k in range(net.modules_count))
-    full_cost = path_costs(net, costs, full_path, routed=False)[-1]
-    full_flops = path_costs(net, flops, full_path, routed=False)[-1]
-    metrics: dict[str, float] = {}
-    for prefix, kwargs in variants.items():
-        out = [net.infer(images[i:i + 1024], **kwargs) for i in range(0, len(images), 1024)]
-        predicted, exits = torch.cat([o.labels for o in out]), torch.cat([o.exits for o in out])
-        shares = torch.bincount(exits.cpu(), minlength=net.modules_count).float() / len(exits)
-        fixed = kwargs.get("fixed")
-        batches = split_batches(data, dataset, "test", 1024, device)
-        paths = exit_table(net, batches, costs, fixed)
-        thresholds = kwargs.get("thresholds", net.thresholds).cpu()
-        spent = paths.outcome(thresholds)
-        spent_flops = paths.priced(net, flops).outcome(thresholds)
-        metrics |= {f"{prefix}test_accuracy": (predicted == labels).float().mean().item(),
-                    f"{prefix}table_cost_ratio": spent["mean_cost"] / full_cost,
-                    f"{prefix}flops_per_image": spent_flops["mean_cost"],
-                    **{f"{prefix}exit_share_{k}": v for k, v in enumerate(shares.tolist())}}
-    for batch, suffix in ((1, "b1"), (config.serving_batch, "serving")):
-        sample = images[:latency_images] if batch == 1 else images
-        measured = interleaved_ms_per_image({prefix: lambda x, kw=kwargs: net.infer(x, **kw)
-                                             for prefix, kwargs in variants.items()}, sample, batch)
-        metrics |= {f"{prefix}ms_per_image_{suffix}": ms for prefix, ms in measured.items()}
-        metrics |= {f"{prefix}speedup_{suffix}": measured["full_"] / ms
-                    for prefix, ms in measured.items() if prefix != "full_"}
-    best = oracle(net, split_batches(data, dataset, "test", 1024, device), costs)
-    metrics |= {"oracle_accuracy": best["accuracy"],
-                "oracle_table_cost_ratio": best["mean_cost"] / full_cost,
-                "cost_over_oracle": metrics["table_cost_ratio"] * full_cost / best["mean_cost"],
-                "full_flops": full_flops}
-    sweep = []
-    sample = images[:300]
-    for tolerance, thresholds in payload["sweep"].items():
-        thresholds = thresholds.to(device)
-        predicted = torch.cat([net.infer(images[i:i + 1024], thresholds).labels
-                               for i in range(0, len(images), 1024)])
-        measured = interleaved_ms_per_image({"cascade": lambda x, t=thresholds: net.infer(x, t),
-                                             "full": lambda x: net.infer(x, never, full)},
-                                            sample, 1)
-        sweep.append({"tolerance": float(tolerance),
-                      "test_accuracy": (predicted == labels).float().mean().item(),
-                      "ms_per_image_b1": measured["cascade"],
-                      "speedup_b1": measured["full"] / measured["cascade"],
-                      **{f"threshold_{k}": t for k, t in enumerate(thresholds.tolist())}})
-    return CascadeTest(metrics=metrics, sweep=sweep)
-
-
-@task(task_run_name="register-and-promote", retries=2, retry_delay_seconds=10,
-      retry_condition_fn=lambda _task, _run, state: transient(state))
-def register_cascade(run_id: str, name: str, config: CascadeConfig, dataset: DatasetRef,
-                     calibrated: ArtifactRef, refusal: str | None) -> Registration:
-    """Logs the calibrated cascade as a pyfunc (`tasks.cascade_serving`: the real cascade on
-    raw images), scores it and the champion through their pyfuncs on the same test images,
-    registers it, and makes it champion only if it scores higher and nothing refuses it
-    (`refusal`: the raw-pixel baseline gate)."""
-    spec = config.spec()
-    meta = {"classes": dataset.classes, "image_size": dataset.image_size,
-            "channels": dataset.channels, "mean": dataset.mean, "std": dataset.std,
-            "spec": {"widths": spec.widths, "super_modules": spec.super_modules,
-                     "sub_widths": spec.sub_widths, "confidence": spec.confidence}}
-    model_uri = log_weights_pyfunc(run_id, "cascade_pyfunc_model.py", meta,
-                                   trained_cascade(config, dataset, calibrated).state_dict())
-    images, labels = test_images(dataset)
-    return promote(run_id, name, model_uri, lambda uri: pyfunc_accuracy(uri, images, labels),
-                   dataset.classes, calibrated.md5, {"dataset": dataset.artifact.md5},
-                   refusal)
-
-
-def sweep_figure(sweep: list[dict[str, float]], full_accuracy: float, title: str):
-    """Test accuracy against measured milliseconds per image at batch 1 over the sweep of
-    accuracy tolerances, the full network marked."""
-    pyplot = figure_pyplot()
-    figure, axis = pyplot.subplots(figsize=(5.0, 3.4))
-    times = [point["ms_per_image_b1"] for point in sweep]
-    axis.plot(times, [point["test_accuracy"] for point in sweep], "o-", label="cascade")
-    for point in sweep:
-        axis.annotate(f"{point['tolerance']:g}", (point["ms_per_image_b1"],
-                                                  point["test_accuracy"]), fontsize=7)
-    full_ms = sweep[0]["ms_per_image_b1"] * sweep[0]["speedup_b1"]
-    axis.plot([full_ms], [full_accuracy], "s", label="full network")
-    axis.set_xlabel("ms per image, batch 1 (measured)")
-    axis.set_ylabel("test accuracy")
-    axis.set_title(title)
-    axis.legend(loc="lower right")
-    figure.tight_layout()
-    return figure
