@@ -5,8 +5,9 @@ super-network module runs, per image, the sub-network its predictor picks (`mode
 The flow: prepare the data; split the training images into a first and a second training set
 and score each image's difficulty; measure every part's time on this device (the latency
 table); train the modules input side first, each on the easiest share of the first set that
-its position allows (a super-network module with the latency-aware loss), fitting each
-super-network module's predictor on the second set right after it; calibrate the exit
+its position allows (a super-network module with the latency-aware loss), then fit each
+super-network module's predictor on the second set (after the last module; with frozen
+stage training, right after its own); calibrate the exit
 thresholds on validation; test the real cascade beside the full network, the plain confidence
 cascade and the oracle; register it (a pyfunc that runs the real cascade) and promote it like
 `train`'s models.
@@ -19,7 +20,15 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
-from flows.skeleton import Finished, log_budget, prepare, publish, run_rounds, run_tags
+from flows.skeleton import (
+    Finished,
+    judge_baseline,
+    log_budget,
+    prepare,
+    publish,
+    run_rounds,
+    run_tags,
+)
 from tasks import tracking
 from tasks.cascade import (
     CascadeSets,
@@ -40,10 +49,9 @@ from tasks.cascade_evaluation import (
     sweep_figure,
     test_cascade,
 )
-from tasks.registration import Baseline, Registration
+from tasks.registration import Registration
 from tasks.training import TestResult
 from tasks.versioning import md5_of
-from training.baselines import best_baseline
 
 FLOW_NAME = "cascade"
 
@@ -118,10 +126,7 @@ def cascade(config: CascadeConfig) -> CascadeSummary:
         tracking.log_figure(run_id, sweep_figure(test.sweep, test.metrics["full_test_accuracy"],
                                                  f"cascade {config.widths} on {config.data}"),
                             "cascade/accuracy_latency.png")
-        baseline_name, baseline_val = best_baseline(prepared.baselines)
-        baseline = Baseline(name=baseline_name, val_accuracy=baseline_val,
-                            model_val_accuracy=calibration.metrics["val_accuracy"])
-        tracking.set_tags(run_id, {"baseline.beaten": str(baseline.beaten).lower()})
+        baseline = judge_baseline(run_id, prepared, calibration.metrics["val_accuracy"])
         refusal = baseline.refusal() if config.baseline_gate and not baseline.beaten else None
         registration = register_cascade(run_id, name, config, dataset, calibration.checkpoint,
                                         refusal)

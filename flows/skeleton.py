@@ -170,6 +170,15 @@ def train_epochs(classifier: ClassifierConfig, prepared: Prepared, budget: Budge
         run_id, patience, prepared.dataset.sizes["val"])
 
 
+def judge_baseline(run_id: str, prepared: Prepared, val_accuracy: float) -> Baseline:
+    """The stronger raw-pixel baseline set beside the model's validation accuracy (tagged on
+    the run as `baseline.beaten`)."""
+    name, baseline_val = best_baseline(prepared.baselines)
+    baseline = Baseline(name=name, val_accuracy=baseline_val, model_val_accuracy=val_accuracy)
+    tracking.set_tags(run_id, {"baseline.beaten": str(baseline.beaten).lower()})
+    return baseline
+
+
 def finish(run_id: str, name: str, classifier: ClassifierConfig, prepared: Prepared,
            checkpoint: ArtifactRef, val_accuracy: float, weights: str = "model",
            gate: bool = True) -> Finished:
@@ -179,10 +188,7 @@ def finish(run_id: str, name: str, classifier: ClassifierConfig, prepared: Prepa
     test = test_and_export(classifier, prepared.dataset, checkpoint, weights)
     tracking.log_metrics(run_id, test.metrics | {"val_accuracy": val_accuracy})
     tracking.log_artifact_refs(run_id, {"program": test.program, "checkpoint.final": checkpoint})
-    baseline_name, baseline_val = best_baseline(prepared.baselines)
-    baseline = Baseline(name=baseline_name, val_accuracy=baseline_val,
-                        model_val_accuracy=val_accuracy)
-    tracking.set_tags(run_id, {"baseline.beaten": str(baseline.beaten).lower()})
+    baseline = judge_baseline(run_id, prepared, val_accuracy)
     registration = register_and_promote(run_id, name, prepared.dataset, test.program,
                                         baseline if gate else None)
     return Finished(test=test, registration=registration, baseline=baseline)
