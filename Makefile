@@ -8,6 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEBIAN_DATA := /usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz
+DEBIAN_WORDNET := /usr/share/wordnet/data.noun  # image_text: class descriptions
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PROFILE ?= quick
 MODEL ?= resnet18
@@ -30,8 +31,9 @@ $(STAMP): pyproject.toml
 
 # Cheap when done before: unpacks only missing files; dvc add and push are then no-ops.
 data: setup
-	test -f $(DEBIAN_DATA) || { $(SUDO) apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq dataset-fashion-mnist; }
+	test -f $(DEBIAN_DATA) -a -f $(DEBIAN_WORDNET) || { $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq dataset-fashion-mnist \
+	  wordnet-base; }
 	$(PY) -m flows prepare-data
 
 lint: setup
@@ -52,6 +54,7 @@ bench: setup data  ## the benchmarks (tables, then one JSON line each)
 	$(PY) -m bench.small_data
 	$(PY) -m bench.sparsify
 	$(PY) -m bench.cascade
+	$(PY) -m bench.image_text
 
 deploy: setup  ## register prefect.yaml's deployments with the server at PREFECT_API_URL
 	$(VENV)/bin/prefect work-pool create local --type process --overwrite

@@ -9,6 +9,7 @@ from tasks.cascade_config import CascadeConfig
 from tasks.config import DistillConfig, PBTConfig, SparsifyConfig, TrainConfig
 from tasks.data import install_fashion_mnist
 from tasks.features import FeaturesConfig
+from tasks.image_text_config import ImageTextConfig
 from tasks.prediction import PredictConfig, predict_images
 from tasks.reporting import ui_commands
 from tasks.versioning import project_data_status, track_project_data
@@ -111,6 +112,22 @@ def run_cascade(config: CascadeConfig) -> None:
     _print_registration(summary)
 
 
+def run_image_text(config: ImageTextConfig) -> None:
+    """Train an image network from images and their descriptions, with a text-initialized
+    classifier; test it (and zero-shot from the class descriptions) and register it."""
+    from flows.image_text import image_text
+    from tasks.image_text import check_descriptions
+
+    _exit_on_data_error(lambda: check_descriptions(config))
+    summary = _exit_on_data_error(lambda: image_text(config))
+    metrics = summary.test_metrics
+    print(f"\ntest accuracy {summary.test_accuracy:.4f}; zero-shot from the class "
+          f"descriptions {metrics['test_zero_shot_accuracy']:.4f}" + (
+              f"; unseen classes zero-shot {metrics['test_unseen_zero_shot_accuracy']:.4f}"
+              if "test_unseen_zero_shot_accuracy" in metrics else ""))
+    _print_registration(summary)
+
+
 def _exit_on_model_error(config, call):
     """Runs `call()`; a model version that does not load, like bad input, exits with code 2."""
     from mlflow.exceptions import MlflowException
@@ -185,6 +202,7 @@ COMMANDS = [
     ("pbt", PBTConfig, run_pbt),
     ("sparsify", SparsifyConfig, run_sparsify),
     ("cascade", CascadeConfig, run_cascade),
+    ("image-text", ImageTextConfig, run_image_text),
     ("predict", PredictConfig, run_predict),
     ("features", FeaturesConfig, run_features),
     ("prepare-data", None, prepare_data),

@@ -12,6 +12,8 @@ from tasks.config import StrictConfig
 from training.datasets import IMAGE_EXTENSIONS, DataError
 from training.preprocess import decode_image
 
+ZERO_SHOT_PARAM = "classes"  # image_text models: the class descriptions to choose among
+
 
 class ModelVersionSection(StrictConfig):
     """Which registered model version: a name, and an alias or a version number."""
@@ -37,11 +39,24 @@ class PredictConfig(ModelVersionSection):
     images: str = Field(description="an image file, or a folder searched recursively")
     skip_bad_images: bool = Field(False, description="skip unreadable images instead of "
                                   "stopping with an error")
+    classes: str | None = Field(None, description="classify zero-shot among these class "
+                                "descriptions instead (an image_text model): texts separated "
+                                "by ';', or a text file with one per line; the label is the "
+                                "description")
 
     @field_validator("images")
     @classmethod
     def _exists(cls, value: str) -> str:
         return existing_path(value)
+
+    def class_texts(self) -> str | None:
+        """`classes` as texts separated by ';' (a file's lines joined)."""
+        if self.classes is None:
+            return None
+        path = Path(self.classes).expanduser()
+        if ";" not in self.classes and path.is_file():
+            return ";".join(path.read_text().splitlines())
+        return self.classes
 
 
 def existing_path(value: str) -> str:
@@ -97,6 +112,18 @@ def predict_images(config: PredictConfig) -> tuple[pd.DataFrame, list[Path]]:
     """A table of `path`, `label`, `confidence` per image, and the skipped files."""
     kept, blobs, skipped = readable_images(config.images, config.skip_bad_images)
     model = tracking.load_pyfunc(config.model_uri())
-    out = model.predict(pd.DataFrame({"image": blobs}))
+    classes = config.class_texts()
+    if classes is None:
+        out = model.predict(pd.DataFrame({"image": blobs}))
+    else:
+        schema = model.metadata.get_params_schema()
+        if schema is None or ZERO_SHOT_PARAM not in {p.name for p in schema.params}:
+            raise DataError(f"{config.model_uri()} cannot classify zero-shot: --classes needs "
+                            "a model of the image_text flow")
+        try:
+            out = model.predict(pd.DataFrame({"image": blobs}),
+                                params={ZERO_SHOT_PARAM: classes})
+        except ValueError as error:
+            raise DataError(str(error)) from None
     out.insert(0, "path", [str(p) for p in kept])
     return out, skipped

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 from mlflow.exceptions import MlflowException
+from mlflow.models import ModelSignature
 from prefect import task
 from pydantic import BaseModel, ConfigDict
 
@@ -57,7 +58,7 @@ def pip_requirements() -> list[str]:
 
 
 def log_weights_pyfunc(run_id: str, model_file: str, meta: dict,
-                       weights: dict[str, Any]) -> str:
+                       weights: dict[str, Any], signature: ModelSignature | None = None) -> str:
     """Logs a pyfunc that rebuilds its network from code (`tasks/<model_file>`, with `tasks`,
     `training` and `models` as its code) and carries `meta` (JSON) and the `weights` (a state
     dict); returns its URI. For networks that no exported program can hold (a detector's
@@ -71,7 +72,8 @@ def log_weights_pyfunc(run_id: str, model_file: str, meta: dict,
             artifacts={"weights": str(weights_path), "meta": str(meta_path)},
             pip_requirements=pip_requirements(),
             code_paths=[str(PROJECT_ROOT / package) for package in ("tasks", "training",
-                                                                    "models")])
+                                                                    "models")],
+            signature=signature)
 
 
 def test_images(dataset: DatasetRef) -> tuple[np.ndarray, list[str]]:

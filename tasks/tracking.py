@@ -20,6 +20,7 @@ import mlflow
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
+from mlflow.models import ModelSignature
 from pydantic import BaseModel
 
 from tasks.environment import PROJECT_ROOT
@@ -158,13 +159,15 @@ def log_file(run_id: str, path: Path, artifact_path: str | None = None) -> None:
 
 def log_pyfunc_model(run_id: str, python_model: str,
                      artifacts: Mapping[str, str], pip_requirements: list[str],
-                     code_paths: list[str] | None = None, artifact_path: str = "model") -> str:
-    """Saves a pyfunc model (a models-from-code file) on the run; returns its `runs:/` URI."""
+                     code_paths: list[str] | None = None, artifact_path: str = "model",
+                     signature: ModelSignature | None = None) -> str:
+    """Saves a pyfunc model (a models-from-code file) on the run; returns its `runs:/` URI.
+    `signature`: what the model declares (its prediction parameters)."""
     with tempfile.TemporaryDirectory() as folder:
         local = Path(folder) / artifact_path
         mlflow.pyfunc.save_model(str(local), python_model=python_model,
                                  artifacts=dict(artifacts), pip_requirements=pip_requirements,
-                                 code_paths=code_paths)
+                                 code_paths=code_paths, signature=signature)
         client().log_artifacts(run_id, str(local), artifact_path)
     return f"runs:/{run_id}/{artifact_path}"
 

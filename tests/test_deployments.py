@@ -74,7 +74,7 @@ def test_deploy_then_run_from_the_server(server):
     _cli(env, "--no-prompt", "deploy", "--all")
     deployments = {d["name"]: d for d in _api(url, "/deployments/filter", {})}
     assert set(deployments) == {"train", "train-nightly", "distill", "pbt", "sparsify",
-                                "sparsify-detection", "sparsify-contour", "cascade"}
+                                "sparsify-detection", "sparsify-contour", "cascade", "image_text"}
     assert deployments["sparsify"]["parameters"] == {"config": {"profile": "quick"}}
     assert deployments["sparsify-contour"]["parameters"] == {
         "config": {"profile": "quick", "task": "contour"}}

@@ -77,22 +77,9 @@ def _bad_image(path: Path, error: Exception, skip: bool, skipped: list[str]) -> 
     skipped.append(str(path))
 
 
-def load_image_folder(
-    root: Path, image_size: int, channels: int | None = None, skip_bad_images: bool = False
-) -> ImageSet:
-    """Reads an ImageFolder directory into memory.
-
-    Args:
-        root: a directory with one sub-folder per class (sorted names are the classes).
-        image_size: every image is resized to `image_size` x `image_size`.
-        channels: 1 or 3; `None` picks 1 when every image is grayscale, else 3.
-        skip_bad_images: skip (and list in `skipped`) files Pillow cannot decode instead of
-            raising.
-
-    Raises:
-        DataError: a missing path, no class folders, an empty class folder, or an unreadable
-            image (naming the file).
-    """
+def image_folder_listing(root: Path) -> tuple[list[Path], list[tuple[Path, int]]]:
+    """An ImageFolder's class folders (sorted) and its image files with their labels, in the
+    order `load_image_folder` reads them. Raises `DataError` as it does."""
     root = Path(root)
     if not root.exists():
         raise DataError(f"data path {root} does not exist")
@@ -111,6 +98,26 @@ def load_image_folder(
         if not files:
             raise DataError(f"class folder {class_dir} has no images")
         listing.extend((path, label) for path in files)
+    return class_dirs, listing
+
+
+def load_image_folder(
+    root: Path, image_size: int, channels: int | None = None, skip_bad_images: bool = False
+) -> ImageSet:
+    """Reads an ImageFolder directory into memory.
+
+    Args:
+        root: a directory with one sub-folder per class (sorted names are the classes).
+        image_size: every image is resized to `image_size` x `image_size`.
+        channels: 1 or 3; `None` picks 1 when every image is grayscale, else 3.
+        skip_bad_images: skip (and list in `skipped`) files Pillow cannot decode instead of
+            raising.
+
+    Raises:
+        DataError: a missing path, no class folders, an empty class folder, or an unreadable
+            image (naming the file).
+    """
+    class_dirs, listing = image_folder_listing(root)
     # Pass 1 reads headers only (cheap) to find the modes; pass 2 decodes into the final size,
     # so full-size images are never all held at once.
     readable, modes, skipped = [], [], []

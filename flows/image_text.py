@@ -1,0 +1,148 @@
+"""The `image_text` flow: an image network trained from images and their descriptions.
+
+Prepare the data; describe every image (the user's captions table, matches in a pool of
+image-text pairs, or the project's own: each class's WordNet descriptions and phrases measured
+from the image), let a captioner trained on the described images describe the rest
+(`caption-images`), and encode every distinct text (`describe-images`); align image and text
+features with the contrastive loss alone for `--align-epochs` rounds; start the classifier
+from the text features of each class's descriptions; train both sub-losses with early
+stopping on validation; test the classifier and zero-shot classification from the class
+descriptions; register the network as a pyfunc that classifies, or classifies zero-shot among
+descriptions given when predicting, and promote it like `train`'s models.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+from pydantic import BaseModel, ConfigDict
+
+from flows.skeleton import (
+    Finished,
+    judge_baseline,
+    log_budget,
+    prepare,
+    publish,
+    run_rounds,
+    run_tags,
+)
+from tasks import tracking
+from tasks.image_text import Descriptions, RoundResult, describe_images, train_image_text_round
+from tasks.image_text_config import ImageTextConfig
+from tasks.image_text_evaluation import register_image_text, test_image_text
+from tasks.registration import Registration
+from tasks.training import TestResult
+from tasks.versioning import ArtifactRef
+from training.budget import fit_budget
+
+FLOW_NAME = "image_text"
+
+
+class ImageTextSummary(BaseModel):
+    """What an `image_text` run gives back."""
+
+    model_config = ConfigDict(frozen=True)
+
+    run_id: str
+    descriptions: Descriptions
+    aligned: ArtifactRef | None  # the checkpoint the classifier started from
+    best_epoch: int
+    val_accuracy: float
+    test_metrics: dict[str, float]
+    baselines: dict[str, float]
+    registration: Registration
+
+    @property
+    def test_accuracy(self) -> float:
+        return self.test_metrics["test_accuracy"]
+
+
+@flow(name=FLOW_NAME, description="Train an image network from images and their "
+      "descriptions (contrastive + cross-entropy, a text-initialized classifier), test it, "
+      "register it and promote it if it beats the champion and the raw-pixel baselines.")
+def image_text(config: ImageTextConfig) -> ImageTextSummary:
+    """Trains `config.model` with descriptions on `config.data`; registers it as
+    `config.model_name`."""
+    name = config.registered_name(FLOW_NAME)
+    run_name = f"{FLOW_NAME}-{config.model}-{config.text_encoder}-seed{config.seed}"
+    with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
+        prepared = prepare(config, run_id)
+        config = prepared.apply(config)
+        dataset = prepared.dataset
+        described = describe_images(config, dataset)
+        tracking.log_artifact_refs(run_id, {"captions": described.captions,
+                                            "class_descriptions": described.classes,
+                                            "text_features": described.texts})
+        tracking.log_metrics(run_id, {"described_images": described.described_images,
+                                      "texts_per_image": described.texts_per_image,
+                                      "train_images": described.train_images,
+                                      "labelled_images": described.labelled_images}
+                             | described.matching)
+        if described.pool is not None:
+            tracking.log_artifact_refs(run_id, {"pool": described.pool})
+        captioned = described.captioned
+        if captioned is not None:
+            tracking.log_artifact_refs(run_id, {"generated_captions": captioned.captions,
+                                                "captioner": captioned.captioner})
+            tracking.log_metrics(run_id, {"generated_descriptions": captioned.generated,
+                                          "captioner_bleu": captioned.bleu,
+                                          "captioner_constant_bleu": captioned.constant_bleu})
+        rounds = config.align_epochs + config.epochs
+        budget = fit_budget(described.train_images, config.batch_size, rounds,
+                            config.min_steps, config.max_epochs, None,
+                            config.min_steps_full_below)
+        log_budget(run_id, budget)
+        config = config.model_copy(update={"batch_size": budget.batch_size})
+        aligned = None
+        for epoch in range(config.align_epochs):
+            result = train_image_text_round(config, dataset, described, "align", epoch, rounds,
+                                            aligned, budget.repeats)
+            tracking.log_metrics(run_id, {f"align_{k}": v for k, v in result.metrics.items()},
+                                 step=epoch + 1)
+            tracking.log_artifact_refs(run_id, {f"checkpoint.align-{epoch + 1:03d}":
+                                                result.checkpoint})
+            aligned = result.checkpoint
+
+        def joint_round(epoch: int, previous) -> RoundResult:
+            return train_image_text_round(config, dataset, described, "joint",
+                                          config.align_epochs + epoch, rounds,
+                                          previous or aligned, budget.repeats)
+
+        best = run_rounds(config.epochs, joint_round, run_id, config.patience,
+                          dataset.sizes["val"])
+        metrics = test_image_text(config, dataset, described, best.checkpoint)
+        tracking.log_metrics(run_id, metrics | {"val_accuracy": best.metrics["val_accuracy"]})
+        tracking.log_artifact_refs(run_id, {"checkpoint.final": best.checkpoint})
+        baseline = judge_baseline(run_id, prepared, best.metrics["val_accuracy"])
+        refusal = baseline.refusal() if config.baseline_gate and not baseline.beaten else None
+        registration = register_image_text(run_id, name, config, dataset, described,
+                                           best.checkpoint, refusal)
+        summary = ImageTextSummary(run_id=run_id, descriptions=described, aligned=aligned,
+                                   best_epoch=best.epoch + 1,
+                                   val_accuracy=best.metrics["val_accuracy"],
+                                   test_metrics=metrics, baselines=prepared.baselines,
+                                   registration=registration)
+    finished = Finished(test=TestResult(metrics=metrics, program=best.checkpoint),
+                        registration=registration, baseline=baseline)
+    rows = {
+        "zero-shot from the class descriptions": f"test {metrics['test_zero_shot_accuracy']:.4f}",
+        "descriptions": f"{described.described_images} images, "
+                        f"{described.texts_per_image:.1f} texts each ({config.text_encoder})",
+        "best round (validation)": f"{summary.best_epoch} ({summary.val_accuracy:.4f})",
+        "budget": f"{config.align_epochs} alignment + {config.epochs} rounds x "
+                  f"{budget.repeats} passes, batch {budget.batch_size}",
+    }
+    if described.matching:
+        rows["matched against the pool"] = ", ".join(
+            f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in described.matching.items())
+    if captioned is not None:
+        rows["captioner"] = (f"described {captioned.generated} images; BLEU "
+                             f"{captioned.bleu:.1f} on {captioned.held_out} held-out images "
+                             f"(the most frequent description: {captioned.constant_bleu:.1f})")
+    if "test_unseen_zero_shot_accuracy" in metrics:
+        rows["unseen classes, zero-shot"] = (
+            f"{metrics['test_unseen_zero_shot_accuracy']:.4f} on their test images "
+            f"({', '.join(config.unseen_classes)})")
+    publish("image-text-summary", f"image_text: {config.model} on {config.data}", run_id,
+            finished, rows)
+    return summary

@@ -1,0 +1,146 @@
+"""Descriptions by a trained captioner (`training.captioner`): the `image_text` flow's third
+source, for training images that neither the captions table nor the pool describes.
+
+The captioner trains on the described training images, less a held-out tenth on which its
+captions are scored by BLEU (sacrebleu, every description of an image a reference) beside a
+constant caption (the most frequent description), then writes one description for each
+undescribed training image. The written table and the captioner are versioned artifacts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pandas as pd
+import sacrebleu
+import torch
+from prefect import task
+from pydantic import BaseModel, ConfigDict
+from torch import Tensor
+
+from models.image_text import image_backbone
+from tasks.caching import computation_key
+from tasks.checkpoints import torch_save
+from tasks.data import DatasetRef, load_dataset
+from tasks.image_text_config import ImageTextConfig, seen_training_positions
+from tasks.training import run_key, setup_device
+from tasks.versioning import ArtifactRef, ArtifactStore
+from training.batches import Normalize
+from training.captioner import Captioner, Vocabulary, caption_loss
+from training.device import place_model
+
+CAPTION_LENGTH = 24  # words per caption, BOS and EOS included
+HELD_OUT = 0.1  # the share of described images the captioner is scored on
+BATCH = 128
+
+
+class Captioned(BaseModel):
+    """What the captioner wrote and how well it describes held-out images."""
+
+    model_config = ConfigDict(frozen=True)
+
+    captions: ArtifactRef  # Parquet: position, text, weight, kind `generated`
+    captioner: ArtifactRef  # its weights and vocabulary
+    generated: int  # images it described
+    held_out: int  # described images it was scored on
+    bleu: float  # corpus BLEU (0-100) of its captions on them
+    constant_bleu: float  # ... of the most frequent description for every one of them
+
+
+def bleu(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> float:
+    """Corpus BLEU (sacrebleu, 0-100) of one hypothesis per image against that image's
+    references (any number per image)."""
+    most = max(len(r) for r in references)
+    streams = [[r[i] if i < len(r) else None for r in references] for i in range(most)]
+    return float(sacrebleu.corpus_bleu(list(hypotheses), streams).score)
+
+
+def undescribed(train: Tensor, captions: pd.DataFrame) -> Tensor:
+    """The training positions without a description."""
+    described = torch.tensor(sorted(set(captions["position"].tolist())), dtype=torch.long)
+    return train[~torch.isin(train, described)]
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name="caption-images")
+def caption_images(config: ImageTextConfig, dataset: DatasetRef,
+                   captions: ArtifactRef) -> Captioned:
+    """Trains the captioner on the described training images (`captions`: position, text,
+    weight), scores it on a held-out tenth, and describes every undescribed training image
+    (weight `config.generated_weight`)."""
+    device = setup_device(config)
+    store = ArtifactStore()
+    data = load_dataset(dataset)
+    table = pd.read_parquet(store.fetch(captions))
+    train = seen_training_positions(config, dataset.classes, data.labels, data.splits["train"])
+    table = table[table["position"].isin(set(train.tolist()))]
+    described = torch.tensor(sorted(set(table["position"].tolist())), dtype=torch.long)
+    generator = torch.Generator().manual_seed(config.seed + 31)
+    order = described[torch.randperm(len(described), generator=generator)]
+    held = order[:max(1, round(HELD_OUT * len(order)))]
+    fit = table[~table["position"].isin(set(held.tolist()))]
+    vocabulary = Vocabulary(fit["text"].tolist())
+    torch.manual_seed(config.seed)
+    encoder, features = image_backbone(config.model, dataset.channels, len(dataset.classes),
+                                       config.width)
+    model = place_model(Captioner(encoder, features, len(vocabulary)), device)
+    normalize = Normalize(dataset.mean, dataset.std)
+    fit_captions(model, data.images, fit, vocabulary, normalize, config.caption_steps,
+                 config.seed, device)
+    references = table.groupby("position")["text"].apply(list)
+    held_texts = write_captions(model, data.images, held, vocabulary, normalize, device)
+    held_refs = [references[p] for p in held.tolist()]
+    constant = fit.groupby("text")["weight"].sum().idxmax()
+    missing = undescribed(train, table)
+    written = write_captions(model, data.images, missing, vocabulary, normalize, device)
+    generated = pd.DataFrame({"position": missing.tolist(), "text": written,
+                              "weight": config.generated_weight, "kind": "generated"})
+    generated = generated[generated["text"] != ""]  # a caption of no words describes nothing
+    key = run_key(config, dataset)
+    generated_ref = store.write(f"image_text/{key}/generated.parquet",
+                                lambda path: generated.to_parquet(path, index=False))
+    model_ref = store.write(f"image_text/{key}/captioner.pt", lambda path: torch_save(
+        {"model": model.state_dict(), "vocabulary": vocabulary.itos}, path))
+    return Captioned(captions=generated_ref, captioner=model_ref, generated=len(generated),
+                     held_out=len(held), bleu=bleu(held_texts, held_refs),
+                     constant_bleu=bleu([constant] * len(held), held_refs))
+
+
+def fit_captions(model: Captioner, images: Tensor, rows: pd.DataFrame, vocabulary: Vocabulary,
+                 normalize: Normalize, steps: int, seed: int, device: torch.device) -> None:
+    """`steps` Adam steps of teacher forcing on shuffled (image, description) rows, each
+    description's loss weighted by its weight; the learning rate decays to 0 (cosine)."""
+    positions = torch.tensor(rows["position"].tolist(), dtype=torch.long)
+    ids = torch.tensor([vocabulary.encode(t, CAPTION_LENGTH) for t in rows["text"]])
+    weights = torch.tensor(rows["weight"].tolist(), dtype=torch.float32)
+    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+    generator = torch.Generator().manual_seed(seed + 37)
+    model.train()
+    order, cursor = torch.randperm(len(rows), generator=generator), 0
+    for _ in range(steps):
+        if cursor + BATCH > len(order):
+            order, cursor = torch.randperm(len(rows), generator=generator), 0
+        batch = order[cursor:cursor + BATCH]
+        cursor += BATCH
+        x = normalize(images[positions[batch]].to(device))
+        y = ids[batch].to(device)
+        loss = caption_loss(model(x, y), y, weights[batch].to(device))
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"the captioner's loss is {loss.item()}: lower "
+                                     "--caption-steps or check the descriptions")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+        optimizer.step()
+        schedule.step()
+
+
+def write_captions(model: Captioner, images: Tensor, positions: Tensor, vocabulary: Vocabulary,
+                   normalize: Normalize, device: torch.device) -> list[str]:
+    """The captioner's greedy description of each image at `positions`."""
+    model.eval()
+    texts = []
+    for start in range(0, len(positions), 1024):
+        x = normalize(images[positions[start:start + 1024]].to(device))
+        texts += [vocabulary.decode(row) for row in model.generate(x, CAPTION_LENGTH).tolist()]
+    return texts

@@ -1,0 +1,330 @@
+"""`image_text` tasks: describe the images, encode the texts, train a round, test and export.
+
+Descriptions and text features are versioned artifacts (Parquet tables, a tensor file), so a
+round on another machine pulls them by hash. The pretrained text encoder is frozen: every
+distinct text is encoded once, and training reads the vectors.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pandas as pd
+import torch
+from prefect import task
+from prefect.runtime import task_run
+from pydantic import BaseModel, ConfigDict
+from torch import Tensor
+
+from models.image_text import ImageTextNet, build_image_text, encode_texts
+from tasks.caching import computation_key
+from tasks.captioning import Captioned, caption_images, undescribed
+from tasks.captions import (
+    DescriptionError,
+    check_classes,
+    check_images,
+    image_keys,
+    own_captions,
+    read_table,
+    source_classes,
+    wordnet_classes,
+)
+from tasks.checkpoints import load_checkpoint, save_checkpoint, torch_save
+from tasks.data import DatasetRef, LoadedDataset, load_dataset
+from tasks.image_text_config import ImageTextConfig, seen_training_positions, unseen_labels
+from tasks.pool import folder_pool, match_training_images, own_pool
+from tasks.training import run_key, setup_device
+from tasks.versioning import ArtifactRef, ArtifactStore
+from training.batches import Batches, Normalize
+from training.device import place_model
+from training.image_text import (
+    MAX_LOGIT_SCALE,
+    TextBank,
+    class_text_weights,
+    image_text_step,
+    zero_shot_logits,
+)
+from training.loops import evaluate
+from training.recipe import optimizer_to, sgd, train_round
+
+
+class Descriptions(BaseModel):
+    """The versioned description tables and text features of a run."""
+
+    model_config = ConfigDict(frozen=True)
+
+    captions: ArtifactRef  # Parquet: position, text, weight, kind
+    classes: ArtifactRef  # Parquet: class, text, weight, kind
+    texts: ArtifactRef  # torch: {"texts": [...], "features": tensor, one row per text}
+    text_dim: int
+    described_images: int
+    texts_per_image: float
+    train_images: int  # what a round passes over (`training_images`)
+    labelled_images: int
+    pool: ArtifactRef | None = None  # the pool matched against (`tasks/pool.py`)
+    matching: dict[str, float] = {}  # its figures: precision, recall, ...
+    captioned: Captioned | None = None  # what the captioner wrote for undescribed images
+
+
+def check_descriptions(config: ImageTextConfig) -> None:
+    """Every description problem of `config`, found before any work (`DescriptionError`):
+    captions naming images that do not exist, empty texts, negative weights, a class without
+    a description, an unseen class the data does not have."""
+    classes = source_classes(config.data)
+    checked_tables(config, classes, [])
+    unknown = [c for c in config.unseen_classes if c not in classes]
+    if unknown:
+        raise DescriptionError(f"unseen_classes: no class {', '.join(unknown)} in the data "
+                               f"(classes: {', '.join(classes)})")
+
+
+def checked_tables(config: ImageTextConfig, classes: list[str], skipped: list[str]
+                   ) -> tuple[pd.DataFrame | None, pd.DataFrame]:
+    """The user's captions (None: the project's own) and the class descriptions, checked:
+    every named image exists, every class has a description (`DescriptionError` otherwise)."""
+    captions = None
+    if config.captions is not None:
+        captions = read_table(config.captions, "image")
+        check_images(captions, image_keys(config.data, skipped), config.captions)
+    if config.class_descriptions is None:
+        table = wordnet_classes(classes)
+    else:
+        table = read_table(config.class_descriptions, "class")
+        check_classes(table, classes, config.class_descriptions)
+        table = table.assign(kind="given")
+    return captions, table
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name="describe-images")
+def describe_images(config: ImageTextConfig, dataset: DatasetRef) -> Descriptions:
+    """The captions of every image of the prepared data set (by position) and each class's
+    descriptions, as versioned tables, and every distinct text encoded (`encode_texts`)."""
+    data = load_dataset(dataset)
+    given, classes = checked_tables(config, dataset.classes, dataset.skipped)
+    pool_ref, matching = None, {}
+    store = ArtifactStore()
+    key = run_key(config, dataset)
+    if config.source() == "pool":
+        pool = folder_pool(config.pool) if config.pool is not None else own_pool(
+            data, dataset, classes, config.pool_share, config.pool_distractors,
+            config.class_texts_per_image, config.phrases, config.seed)
+        pool_ref = store.write(f"image_text/{key}/pool.parquet",
+                               lambda path: pool.to_parquet(path, index=False))
+        captions, matching = match_training_images(data, pool, config.match_threshold,
+                                                   config.match_margin)
+    elif given is None:
+        captions = own_captions(data.images, data.labels, data.splits["train"], classes,
+                                dataset.classes, config.class_texts_per_image, config.phrases,
+                                config.seed)
+    else:
+        position = {name: p for p, name in enumerate(
+            [image_keys(config.data, dataset.skipped)[i] for i in data.ids.tolist()])}
+        kept = given[given["image"].isin(position)]
+        captions = pd.DataFrame({"position": kept["image"].map(position).astype(int),
+                                 "text": kept["text"], "weight": kept["weight"],
+                                 "kind": "given"})
+    captions_ref = store.write(f"image_text/{key}/captions.parquet",
+                               lambda path: captions.to_parquet(path, index=False))
+    captioned = None
+    train = seen_training_positions(config, dataset.classes, data.labels, data.splits["train"])
+    if config.caption_missing and config.contrastive_weight > 0 and \
+            len(undescribed(train, captions)):
+        captioned = caption_images(config, dataset, captions_ref)
+        captions = pd.concat([captions, pd.read_parquet(store.fetch(captioned.captions))],
+                             ignore_index=True)
+    classes_ref = store.write(f"image_text/{key}/classes.parquet",
+                              lambda path: classes.to_parquet(path, index=False))
+    texts = sorted(set(captions["text"]) | set(classes["text"]))
+    features = encode_texts(texts, config.text_encoder, config.buckets)
+    texts_ref = store.write(f"image_text/{key}/texts-{config.text_encoder}.pt",
+                            lambda path: torch_save({"texts": texts, "features": features},
+                                                    path))
+    counts = captions.groupby("position").size()
+    train, labelled = training_images(config, dataset, data)
+    return Descriptions(captions=captions_ref, classes=classes_ref, texts=texts_ref,
+                        text_dim=features.shape[1] if config.text_encoder == "minilm"
+                        else config.text_dim,
+                        described_images=len(counts), texts_per_image=float(counts.mean()),
+                        train_images=len(train), labelled_images=int(labelled.sum()),
+                        pool=pool_ref, matching=matching, captioned=captioned)
+
+
+class TextSide:
+    """What training and testing read of the descriptions: the text bank of every image, the
+    class descriptions' text rows, and which images train with their label."""
+
+    def __init__(self, config: ImageTextConfig, dataset: DatasetRef, data: LoadedDataset,
+                 described: Descriptions) -> None:
+        store = ArtifactStore()
+        captions = pd.read_parquet(store.fetch(described.captions))
+        if described.captioned is not None:
+            captions = pd.concat([captions, pd.read_parquet(
+                store.fetch(described.captioned.captions))], ignore_index=True)
+        classes = pd.read_parquet(store.fetch(described.classes))
+        payload = torch.load(store.fetch(described.texts), weights_only=True)
+        text_id = {text: i for i, text in enumerate(payload["texts"])}
+        self.features = payload["features"]
+        unseen = unseen_labels(config, dataset.classes)
+        if not config.multi_description:  # the ablation: each image's heaviest text only
+            captions = captions.sort_values(["position", "weight"], ascending=[True, False],
+                                            kind="stable").drop_duplicates("position")
+        self.bank = TextBank.build(captions["position"].tolist(),
+                                   captions["text"].map(text_id).tolist(),
+                                   captions["weight"].tolist(), len(data.labels), self.features)
+        self.class_rows = torch.tensor(classes["text"].map(text_id).tolist())
+        name_to_label = {name: i for i, name in enumerate(dataset.classes)}
+        self.class_labels = torch.tensor(classes["class"].map(name_to_label).tolist())
+        self.train, self.labelled = training_images(config, dataset, data)
+        self.unseen = unseen
+
+    def class_weights(self, model: ImageTextNet, device: torch.device) -> Tensor:
+        """Each class's text direction in the shared space, times the similarity scale."""
+        features = model.text_features(self.features[self.class_rows].to(device))
+        scale = float(model.logit_scale.detach().clamp(max=MAX_LOGIT_SCALE).exp())
+        return class_text_weights(features, self.class_labels.to(device),
+                                  model.head.out_features, scale)
+
+
+def training_images(config: ImageTextConfig, dataset: DatasetRef, data: LoadedDataset
+                    ) -> tuple[Tensor, Tensor]:
+    """The training positions a round passes over (the unseen classes' left out; without the
+    contrastive sub-loss, the labelled ones only) and, over all positions, which keep their
+    label."""
+    train = seen_training_positions(config, dataset.classes, data.labels, data.splits["train"])
+    labelled = torch.zeros(len(data.labels), dtype=torch.bool)
+    labelled[labelled_images(data.labels, train, config.labels_per_class,
+                             config.split_seed)] = True
+    if config.contrastive_weight == 0:
+        train = train[labelled[train]]
+    return train, labelled
+
+
+def labelled_images(labels: Tensor, train: Tensor, per_class: int | None, seed: int) -> Tensor:
+    """The training positions that keep their label: all, or `per_class` of each class (a
+    seeded draw)."""
+    if per_class is None:
+        return train
+    generator = torch.Generator().manual_seed(seed + 7)
+    kept = []
+    for label in labels[train].unique().tolist():
+        members = train[labels[train] == label]
+        kept.append(members[torch.randperm(len(members), generator=generator)[:per_class]])
+    return torch.cat(kept).sort().values
+
+
+def new_network(config: ImageTextConfig, dataset: DatasetRef,
+                described: Descriptions) -> ImageTextNet:
+    torch.manual_seed(config.seed)
+    return build_image_text(config.model, dataset.channels, len(dataset.classes), config.width,
+                            config.dim, described.text_dim,
+                            config.buckets if config.text_encoder == "builtin" else None)
+
+
+class RoundResult(BaseModel):
+    """A round's checkpoint and metrics."""
+
+    model_config = ConfigDict(frozen=True)
+
+    epoch: int
+    checkpoint: ArtifactRef
+    metrics: dict[str, float]
+
+
+def _round_name() -> str:
+    return f"{task_run.parameters['phase']}-{task_run.parameters['epoch'] + 1}"
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name=_round_name)
+def train_image_text_round(config: ImageTextConfig, dataset: DatasetRef,
+                           described: Descriptions, phase: str, epoch: int, rounds: int,
+                           previous: ArtifactRef | None, repeats: int) -> RoundResult:
+    """Round `epoch` (0-based, counted over all `rounds` of the run) of `repeats` passes:
+    phase `align`, the contrastive sub-loss alone; phase `joint`, both sub-losses, its first
+    round starting the classifier from the class descriptions' text features (or from random
+    directions of the same norm, `--no-text-init`). Scores the validation split: the
+    classifier's accuracy (`val_accuracy`; zero-shot while aligning) and zero-shot accuracy
+    from the class descriptions (`val_zero_shot_accuracy`)."""
+    device = setup_device(config)
+    store = ArtifactStore()
+    data = load_dataset(dataset)
+    side = TextSide(config, dataset, data, described)
+    model = new_network(config, dataset, described)
+    optimizer = sgd(model.parameters(), config.lr, config.momentum, config.weight_decay)
+    before = load_checkpoint(store, previous) if previous is not None else {}
+    if before:
+        model.load_state_dict(before["model"])
+        optimizer.load_state_dict(before["optimizer"])
+    model = place_model(model, device)
+    optimizer_to(optimizer, device)
+    if phase == "joint" and before.get("phase") != "joint":
+        start_classifier(model, side, config, device)
+    bank = side.bank.to(device)
+    step = image_text_step(bank, side.labelled.to(device),
+                           config.contrastive_weight, config.ce_weight if phase == "joint"
+                           else 0.0, config.label_smoothing)
+    normalize = Normalize(dataset.mean, dataset.std)
+
+    def batches_for(pass_index: int) -> Batches:
+        return Batches(data.images, data.labels, side.train, config.batch_size, normalize,
+                       shuffle=True, seed=config.seed * 1000 + pass_index,
+                       augment=config.augment, drop_last=True, device=device,
+                       flip=config.flips())
+
+    started = time.perf_counter()
+    passes = range(epoch * repeats, (epoch + 1) * repeats)
+    metrics = train_round(model, optimizer, batches_for, step, device, passes, config.lr,
+                          (0, rounds * repeats), config.warmup_epochs * repeats,
+                          config.grad_clip)
+    seconds = time.perf_counter() - started
+    scores = score_split(model, side, data, dataset, "val", device)
+    metrics |= {"val_accuracy": scores["zero_shot_accuracy" if phase == "align"
+                                       else "accuracy"],
+                "val_zero_shot_accuracy": scores["zero_shot_accuracy"],
+                "logit_scale": float(model.logit_scale.detach().exp()), "train_seconds": seconds}
+    payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+               "phase": phase, "epoch": epoch,
+               "metrics": {k: v for k, v in metrics.items() if k != "train_seconds"}}
+    relpath = f"checkpoints/image_text/{run_key(config, dataset)}/{phase}-{epoch + 1:03d}.pt"
+    return RoundResult(epoch=epoch, checkpoint=save_checkpoint(store, relpath, payload),
+                       metrics=metrics)
+
+
+def start_classifier(model: ImageTextNet, side: TextSide, config: ImageTextConfig,
+                     device: torch.device) -> None:
+    """The classifier's weights from the class descriptions (`text_init`) or random
+    directions of the same norm (the ablation, seeded)."""
+    with torch.no_grad():
+        weights = side.class_weights(model, device)
+        if not config.text_init:
+            generator = torch.Generator().manual_seed(config.seed + 11)
+            random = torch.randn(weights.shape, generator=generator).to(device)
+            weights = torch.nn.functional.normalize(random, dim=1) * weights.norm(dim=1,
+                                                                                  keepdim=True)
+        model.head.weight.copy_(weights)
+
+
+@torch.no_grad()
+def score_split(model: ImageTextNet, side: TextSide, data: LoadedDataset, dataset: DatasetRef,
+                split: str, device: torch.device) -> dict[str, float]:
+    """The classifier's accuracy and loss on a split, its zero-shot accuracy from the class
+    descriptions, and both on the unseen classes' images alone (when there are any)."""
+    model.eval()
+    batches = Batches(data.images, data.labels, data.splits[split], 1024,
+                      Normalize(dataset.mean, dataset.std), device=device)
+    result = evaluate(model, batches, device)
+    weights = side.class_weights(model, device)
+    labels, head, zero_shot = [], [], []
+    for _ids, x, y in batches:
+        features = model.image_features(x)
+        labels.append(y)
+        head.append(model.head(features).argmax(1))
+        zero_shot.append(zero_shot_logits(features, weights).argmax(1))
+    y, head_pred, zero_pred = torch.cat(labels), torch.cat(head), torch.cat(zero_shot)
+    scores = {"accuracy": result["accuracy"], "loss": result["loss"],
+              "zero_shot_accuracy": float((zero_pred == y).float().mean())}
+    unseen = torch.isin(y, side.unseen.to(y.device))
+    if bool(unseen.any()):
+        scores |= {"unseen_zero_shot_accuracy": float((zero_pred == y)[unseen].float().mean()),
+                   "unseen_accuracy": float((head_pred == y)[unseen].float().mean()),
+                   "seen_accuracy": float((head_pred == y)[~unseen].float().mean())}
+    return scores

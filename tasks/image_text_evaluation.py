@@ -1,0 +1,76 @@
+"""`image_text` evaluation: score a split (the classifier, zero-shot from the class
+descriptions, the unseen classes apart), test, and register the image-text pyfunc
+(`tasks.image_text_serving`) gated like every flow's models."""
+
+from __future__ import annotations
+
+from mlflow.models import ModelSignature
+from mlflow.types.schema import ParamSchema, ParamSpec
+from prefect import task
+
+from models.image_text import ImageTextNet
+from tasks.caching import computation_key
+from tasks.checkpoints import load_checkpoint
+from tasks.data import DatasetRef, load_dataset
+from tasks.image_text import Descriptions, TextSide, new_network, score_split
+from tasks.image_text_config import ImageTextConfig
+from tasks.prediction import ZERO_SHOT_PARAM
+from tasks.registration import (
+    Registration,
+    log_weights_pyfunc,
+    promote,
+    pyfunc_accuracy,
+    test_images,
+    transient,
+)
+from tasks.training import setup_device
+from tasks.versioning import ArtifactRef, ArtifactStore
+from training.device import place_model
+
+# `classes` is a parameter of the served model (`tasks.image_text_serving`): MLflow passes
+# parameters only to models whose signature declares them (inputs and outputs are left free).
+SIGNATURE = ModelSignature(inputs=None, outputs=None,
+                           params=ParamSchema([ParamSpec(ZERO_SHOT_PARAM, "string", "")]))
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name="test")
+def test_image_text(config: ImageTextConfig, dataset: DatasetRef, described: Descriptions,
+                    checkpoint: ArtifactRef) -> dict[str, float]:
+    """The final network's `score_split` on the test split, as `test_*` metrics."""
+    device = setup_device(config)
+    data = load_dataset(dataset)
+    side = TextSide(config, dataset, data, described)
+    model = trained_network(config, dataset, described, checkpoint)
+    scores = score_split(place_model(model, device), side, data, dataset, "test", device)
+    return {f"test_{k}": v for k, v in scores.items()}
+
+
+def trained_network(config: ImageTextConfig, dataset: DatasetRef, described: Descriptions,
+                    checkpoint: ArtifactRef) -> ImageTextNet:
+    """The network of `checkpoint`, on the CPU."""
+    model = new_network(config, dataset, described)
+    model.load_state_dict(load_checkpoint(ArtifactStore(), checkpoint)["model"])
+    return model
+
+
+@task(task_run_name="register-and-promote", retries=2, retry_delay_seconds=10,
+      retry_condition_fn=lambda _task, _run, state: transient(state))
+def register_image_text(run_id: str, name: str, config: ImageTextConfig, dataset: DatasetRef,
+                        described: Descriptions, checkpoint: ArtifactRef,
+                        refusal: str | None) -> Registration:
+    """Logs the network as a pyfunc (`tasks.image_text_serving`: the classifier, or zero-shot
+    among descriptions given when predicting), scores it and the champion through their
+    pyfuncs on the same test images, registers it, and makes it champion only if it scores
+    higher and nothing refuses it (`refusal`: the raw-pixel baseline gate)."""
+    meta = {"classes": dataset.classes, "image_size": dataset.image_size,
+            "channels": dataset.channels, "mean": dataset.mean, "std": dataset.std,
+            "network": {"model": config.model, "width": config.width, "dim": config.dim,
+                        "text_dim": described.text_dim, "text_encoder": config.text_encoder,
+                        "buckets": config.buckets}}
+    weights = trained_network(config, dataset, described, checkpoint).state_dict()
+    model_uri = log_weights_pyfunc(run_id, "image_text_pyfunc_model.py", meta, weights,
+                                   SIGNATURE)
+    images, labels = test_images(dataset)
+    return promote(run_id, name, model_uri, lambda uri: pyfunc_accuracy(uri, images, labels),
+                   dataset.classes, checkpoint.md5, {"dataset": dataset.artifact.md5},
+                   refusal)

@@ -1,0 +1,111 @@
+"""Descriptions by matching: a pool of image-text pairs "from the web", and the training
+images matched against it (`training.matching`); a match gives the pool item's texts to the
+training image.
+
+The project's own pool (Fashion-MNIST): transformed copies (resized, shifted, flipped,
+recompressed) of a share of the training images, whose true matches are known, among as many
+copies of Fashion-MNIST training images the run does not use (distractors); each item carries
+its source image's own descriptions. A user's pool is a folder of images with a
+`captions.csv` (image, text, weight) naming them. The pool is a versioned Parquet table
+(image bytes, texts, weights, the source image where known).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pandas as pd
+import torch
+from PIL import Image
+
+from tasks.captions import DescriptionError, own_captions, read_table
+from tasks.config import FASHION_MNIST
+from tasks.data import DatasetRef, LoadedDataset, fashion_mnist_root
+from training.datasets import IMAGE_EXTENSIONS, load_fashion_mnist
+from training.matching import (
+    NO_MATCH,
+    match,
+    precision_recall,
+    signatures,
+    to_pil,
+    transformed_copy,
+)
+
+POOL_CAPTIONS = "captions.csv"
+
+
+def _png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def own_pool(data: LoadedDataset, dataset: DatasetRef, classes: pd.DataFrame, share: float,
+             distractors: int, per_image: int, phrases: bool, seed: int) -> pd.DataFrame:
+    """The project's pool: copies of `share` of the training images (`source` = their
+    position) among `distractors` copies of unused Fashion-MNIST training images (`source`
+    = -1). One row per (item, text): item, image (PNG bytes), text, weight, source."""
+    if dataset.source != FASHION_MNIST:
+        raise DescriptionError("the project's own pool is made from Fashion-MNIST: give "
+                               "--pool with a folder of images and its captions.csv")
+    generator = torch.Generator().manual_seed(seed + 23)
+    train = data.splits["train"]
+    picked = train[torch.randperm(len(train), generator=generator)[:round(share * len(train))]]
+    source = load_fashion_mnist(fashion_mnist_root(), train=True)
+    unused = torch.tensor(sorted(set(range(len(source.labels))) - set(data.ids.tolist())))
+    others = unused[torch.randperm(len(unused), generator=generator)[:distractors]]
+    images = torch.cat([data.images[picked], source.images[others]])
+    labels = torch.cat([data.labels[picked], source.labels[others]])
+    sources = picked.tolist() + [NO_MATCH] * len(others)
+    texts = own_captions(images, labels, torch.arange(len(images)), classes, dataset.classes,
+                         per_image, phrases, seed + 29)
+    order = torch.randperm(len(images), generator=generator).tolist()  # items shuffled
+    pngs = [_png(transformed_copy(to_pil(images[i]), generator)) for i in order]
+    item_of = {original: item for item, original in enumerate(order)}
+    return pd.DataFrame({"item": texts["position"].map(item_of),
+                         "image": texts["position"].map(lambda p: pngs[item_of[p]]),
+                         "text": texts["text"], "weight": texts["weight"],
+                         "source": texts["position"].map(lambda p: sources[p])}
+                        ).sort_values(["item"], kind="stable").reset_index(drop=True)
+
+
+def folder_pool(folder: str) -> pd.DataFrame:
+    """A user's pool: the images of `folder` named by its `captions.csv` (their paths inside
+    the folder), with the table's texts and weights; `source` unknown (-1)."""
+    root = Path(folder)
+    table = read_table(str(root / POOL_CAPTIONS), "image")
+    names = sorted(set(table["image"]))
+    missing = [n for n in names if not (root / n).is_file()
+               or (root / n).suffix.lower() not in IMAGE_EXTENSIONS]
+    if missing:
+        raise DescriptionError(f"{root / POOL_CAPTIONS}: {len(missing)} images missing or not "
+                               f"images, e.g. {', '.join(missing[:5])}")
+    item = {name: i for i, name in enumerate(names)}
+    return pd.DataFrame({"item": table["image"].map(item),
+                         "image": table["image"].map(lambda n: (root / n).read_bytes()),
+                         "text": table["text"], "weight": table["weight"],
+                         "source": NO_MATCH}).sort_values("item", kind="stable")
+
+
+def match_training_images(data: LoadedDataset, pool: pd.DataFrame, threshold: float,
+                          margin: float) -> tuple[pd.DataFrame, dict[str, float]]:
+    """The training images matched against the pool: their captions (position, text,
+    weight, kind `matched`), and the matching's figures (precision and recall where the pool
+    knows its true matches)."""
+    items = pool.drop_duplicates("item").set_index("item").sort_index()
+    pool_images = [Image.open(io.BytesIO(b)) for b in items["image"]]
+    train = data.splits["train"]
+    queries = signatures([to_pil(data.images[p]) for p in train.tolist()])
+    found, _ = match(queries, signatures(pool_images), signatures(pool_images, mirrored=True),
+                     threshold, margin)
+    truth_of = {int(s): int(i) for i, s in items["source"].items() if s != NO_MATCH}
+    truth = torch.tensor([truth_of.get(p, NO_MATCH) for p in train.tolist()])
+    figures = {"pool_items": len(items), "matched_images": int((found != NO_MATCH).sum())}
+    if truth_of:
+        figures |= {f"match_{k}": v for k, v in precision_recall(found, truth).items()}
+    pairs = pd.DataFrame({"position": train.tolist(), "item": found.tolist()})
+    rows = pairs[pairs["item"] != NO_MATCH].merge(pool[["item", "text", "weight"]], on="item")
+    captions = pd.DataFrame({"position": rows["position"], "text": rows["text"],
+                             "weight": rows["weight"], "kind": "matched"})
+    return captions, figures

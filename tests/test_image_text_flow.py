@@ -1,0 +1,203 @@
+"""The `image_text` flow end to end (real Prefect, MLflow, DVC, Fashion-MNIST, WordNet and the
+pretrained MiniLM from its wheel), its text-initialized classifier, its registered pyfunc, and
+its bad input on the command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from tasks.image_text_config import ImageTextConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+UNSEEN = ("Sandal", "Bag")
+
+
+def smoke_image_text(**overrides) -> ImageTextConfig:
+    return ImageTextConfig(**{"profile": "smoke", "text_encoder": "minilm", "epochs": 2,
+                              "train_limit": 768, "lr": 0.1, "min_steps": 60,
+                              "labels_per_class": 20, "unseen_classes": UNSEEN,
+                              "model_name": "smoke-image-text", **overrides})
+
+
+@pytest.fixture(scope="module")
+def run():
+    from flows.image_text import image_text
+
+    return image_text(smoke_image_text())
+
+
+def _prepared(config: ImageTextConfig):
+    from flows.skeleton import data_section
+    from tasks.data import prepare_dataset, source_version
+
+    data = data_section(config)
+    return prepare_dataset(data, source_version(data))
+
+
+def test_descriptions_rounds_and_zero_shot_are_tracked_and_versioned(run):
+    client = MlflowClient()
+    data = client.get_run(run.run_id).data
+    metrics, tags = data.metrics, data.tags
+    for key in ("captions", "class_descriptions", "text_features", "checkpoint.final",
+                "checkpoint.align-001", "checkpoint.epoch-002"):
+        assert len(tags[f"dvc.{key}"]) == 32, key
+    assert metrics["texts_per_image"] == 4  # 2 of the class's descriptions + 2 phrases
+    assert [m.step for m in client.get_metric_history(run.run_id, "align_loss")] == [1]
+    assert {"loss_ce", "loss_contrastive", "val_zero_shot_accuracy", "test_accuracy",
+            "test_zero_shot_accuracy", "test_unseen_zero_shot_accuracy",
+            "test_seen_accuracy"} <= set(metrics)
+    # the classifier never saw an unseen class: it cannot name one; zero-shot can
+    assert metrics["test_unseen_accuracy"] == 0.0
+    assert 0.0 <= metrics["test_unseen_zero_shot_accuracy"] <= 1.0
+    assert metrics["test_seen_accuracy"] > 0.3  # it learns (chance 0.125 among 8)
+
+
+def test_the_classifier_starts_from_the_class_descriptions(run):
+    """The first joint round's classifier: each class's text direction times the similarity
+    scale; without text initialization, other directions of the same norms."""
+    from tasks.checkpoints import load_checkpoint
+    from tasks.data import load_dataset
+    from tasks.image_text import TextSide, new_network, start_classifier
+    from tasks.versioning import ArtifactStore
+
+    config = smoke_image_text()
+    dataset = _prepared(config)
+    side = TextSide(config, dataset, load_dataset(dataset), run.descriptions)
+    model = new_network(config, dataset, run.descriptions)
+    model.load_state_dict(load_checkpoint(ArtifactStore(), run.aligned)["model"])
+    start_classifier(model, side, config, torch.device("cpu"))
+    text_weights = side.class_weights(model, torch.device("cpu"))
+    assert torch.allclose(model.head.weight, text_weights, atol=1e-5)
+    scale = float(model.logit_scale.detach().exp())
+    assert text_weights.norm(dim=1).tolist() == pytest.approx([scale] * 10, rel=1e-4)
+    start_classifier(model, side, config.model_copy(update={"text_init": False}),
+                     torch.device("cpu"))
+    assert torch.allclose(model.head.weight.norm(dim=1), text_weights.norm(dim=1))
+    cosines = torch.nn.functional.cosine_similarity(model.head.weight, text_weights, dim=1)
+    assert cosines.abs().max() < 0.99
+
+
+def test_the_registered_pyfunc_classifies_images(run):
+    import mlflow
+
+    from tasks.registration import test_images
+
+    images, labels = test_images(_prepared(smoke_image_text()))
+    model = mlflow.pyfunc.load_model(f"models:/smoke-image-text/{run.registration.version}")
+    out = model.predict(images[:64])
+    assert {"label", "confidence"} <= set(out.columns)
+    accuracy = (out["label"] == pd.Series(labels[:64])).mean()
+    assert accuracy > 0.2
+    assert run.registration.accuracy == pytest.approx(run.test_accuracy)  # as served
+
+
+def test_the_registered_pyfunc_classifies_zero_shot_among_given_descriptions(run, tmp_path):
+    """Zero-shot among descriptions given when predicting: in Python (a parameter of the
+    pyfunc) and on the command line (`predict --classes`), which refuses other models."""
+    import mlflow
+
+    from tasks.registration import test_images
+
+    images, labels = test_images(_prepared(smoke_image_text()))
+    uri = f"models:/smoke-image-text/{run.registration.version}"
+    texts = [f"a {name.split('/')[0].lower()}" for name in sorted(set(labels))]
+    out = mlflow.pyfunc.load_model(uri).predict(images[:200], params={"classes": ";".join(texts)})
+    assert set(out["label"]) <= set(texts)
+    assert out["confidence"].between(1 / len(texts), 1).all()
+    named = [f"a {name.split('/')[0].lower()}" for name in labels[:200]]
+    assert (out["label"] == pd.Series(named)).mean() > 0.2  # chance: 0.1
+    folder = tmp_path / "images"
+    folder.mkdir()
+    from PIL import Image
+
+    for i in range(3):
+        Image.fromarray(images[i]).save(folder / f"{i}.png")
+    classes = tmp_path / "classes.txt"
+    classes.write_text("a sandal\na boot\na bag\n")
+    result = subprocess.run([sys.executable, "-m", "flows", "predict", "--model-name",
+                             "smoke-image-text", "--version", run.registration.version,
+                             "--images", str(folder), "--classes", str(classes)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = result.stdout.strip().splitlines()[1:]
+    assert len(rows) == 3 and all(any(t in row for t in ("a sandal", "a boot", "a bag"))
+                                  for row in rows), result.stdout
+    result = subprocess.run([sys.executable, "-m", "flows", "predict", "--model-name",
+                             "smoke-image-text", "--version", run.registration.version,
+                             "--images", str(folder), "--classes", "a sandal"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "at least two class descriptions" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def pooled():
+    """Sources 2 and 3: the training images matched against the project's own pool, the
+    unmatched ones described by the captioner."""
+    from flows.image_text import image_text
+
+    return image_text(smoke_image_text(captions_source="pool", pool_distractors=500,
+                                       unseen_classes=(), labels_per_class=None,
+                                       caption_steps=400, epochs=1))
+
+
+def test_pool_matches_and_the_captioner_describes_the_rest(pooled):
+    from tasks.versioning import ArtifactStore
+
+    described = pooled.descriptions
+    assert described.matching["match_precision"] > 0.7
+    assert described.matching["match_recall"] > 0.5
+    captioned = described.captioned
+    matched = int(described.matching["matched_images"])
+    assert captioned is not None and captioned.generated > 0
+    assert matched + captioned.generated == described.described_images
+    generated = pd.read_parquet(ArtifactStore().fetch(captioned.captions))
+    assert (generated["kind"] == "generated").all() and (generated["text"] != "").all()
+    assert len(generated) == captioned.generated
+    # trained on the matched images' descriptions, it describes held-out ones better than
+    # their most frequent description does
+    assert captioned.bleu > captioned.constant_bleu
+    metrics = MlflowClient().get_run(pooled.run_id).data.metrics
+    assert metrics["captioner_bleu"] == pytest.approx(captioned.bleu)
+    assert metrics["match_precision"] == pytest.approx(described.matching["match_precision"])
+
+
+def _cli(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows", "image-text", "--profile", "smoke",
+                           *flags], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(("rows", "column", "message"), [
+    ({"image": ["3", "99999999", "88888888"], "text": ["a", "b", "c"]}, "--captions",
+     "2 images not in the data set, e.g. 88888888, 99999999"),
+    ({"image": ["3", "4"], "text": ["a shoe", ""]}, "--captions",
+     "1 rows with an empty text (lines 3)"),
+    ({"image": ["3"], "text": ["a shoe"], "weight": [-1]}, "--captions",
+     "1 rows with a negative or non-numeric weight (lines 2)"),
+    ({"class": ["Sneaker"], "text": ["a shoe"]}, "--class-descriptions",
+     "no description for classes T-shirt/top, Trouser"),
+])
+def test_bad_descriptions_are_one_error_line_before_any_work(rows, column, message, tmp_path):
+    table = tmp_path / "table.csv"
+    pd.DataFrame(rows).to_csv(table, index=False)
+    result = _cli(column, str(table))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert "Beginning flow run" not in result.stdout + result.stderr
+
+
+def test_bad_options_name_the_field():
+    result = _cli("--unseen-classes", "Sandal,Spaceship")
+    assert result.returncode == 2 and "no class Spaceship in the data" in result.stderr
+    result = _cli("--captions", "/no/such/file.csv")
+    assert result.returncode == 2 and "captions" in result.stderr and "no such file" in \
+        result.stderr
+    result = _cli("--contrastive-weight", "0")
+    assert result.returncode == 2 and "align_epochs needs the contrastive" in result.stderr
