@@ -39,11 +39,18 @@ data: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# Exit status 0 when nothing answers on 127.0.0.1:PORT.
+PORT_FREE := $(PY) -c 'import socket, sys; sys.exit(socket.socket().connect_ex(("127.0.0.1", int(sys.argv[1]))) == 0)'
+
+# A UI already answering on its port is left alone; Ctrl-C stops only the servers started here.
 ui: setup  ## Prefect UI on 127.0.0.1:4200 and MLflow UI on 127.0.0.1:5000
 	@echo "Prefect UI: http://127.0.0.1:4200   MLflow UI: http://127.0.0.1:5000   (Ctrl-C stops both)"
-	trap 'kill 0' INT TERM EXIT; \
-	$(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200 & \
-	$(VENV)/bin/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri "$(MLFLOW_TRACKING_URI)" & \
+	@pids=; trap 'kill $$pids 2>/dev/null' INT TERM EXIT; \
+	if $(PORT_FREE) 4200; then $(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200 & \
+	  pids="$$pids $$!"; else echo "the Prefect UI is already running at http://127.0.0.1:4200"; fi; \
+	if $(PORT_FREE) 5000; then $(VENV)/bin/mlflow ui --host 127.0.0.1 --port 5000 \
+	  --backend-store-uri "$(MLFLOW_TRACKING_URI)" & pids="$$pids $$!"; \
+	else echo "the MLflow UI is already running at http://127.0.0.1:5000"; fi; \
 	wait
 
 bench: setup data  ## the benchmarks (tables, then one JSON line each)

@@ -8,10 +8,12 @@ MLflow params never drift apart. Only options given on the command line are pass
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib
 import sys
 import typing
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ValidationError
 
@@ -44,7 +46,9 @@ def add_config_options(parser: argparse.ArgumentParser, config_cls: type[BaseMod
     for name, field in fields:
         flag = "--" + name.replace("_", "-")
         annotation = field.annotation
-        text = f"{field.description or ''} (default: {getattr(defaults, name, field.default)})"
+        shown = "required" if field.is_required() else \
+            f"default: {getattr(defaults, name, field.default)}"
+        text = f"{field.description or ''} ({shown})"
         if name == "profile":
             presets = getattr(config_cls, "PROFILES", {})
             text += "; " + "; ".join(
@@ -80,33 +84,86 @@ def build_config(config_cls: type[BaseModel], options: dict[str, Any]) -> BaseMo
         raise SystemExit(2) from None
 
 
-Command = tuple[str, type[BaseModel] | None, Callable[..., Any]]
+class Command(NamedTuple):
+    """A sub-command: its name, its config class as `module:Class` (imported only when the
+    command is chosen, so `--help` stays fast) or None, and the function that runs it."""
+
+    name: str
+    config: str | None
+    handler: Callable[..., Any]
+
+    def config_class(self) -> type[BaseModel] | None:
+        if self.config is None:
+            return None
+        module, _, attribute = self.config.partition(":")
+        return getattr(importlib.import_module(module), attribute)
 
 
-def make_parser(commands: Sequence[Command]) -> argparse.ArgumentParser:
-    """The top-level parser with one sub-command per flow or tool."""
+def _summary(handler: Callable[..., Any]) -> str:
+    """The docstring's first paragraph, on one line."""
+    return " ".join((handler.__doc__ or "").strip().split("\n\n")[0].split())
+
+
+def _suggestion(word: str, candidates: Sequence[str]) -> str:
+    """The names that `word` abbreviates, else the closest one."""
+    close = [name for name in candidates if name.startswith(word)][:3] or \
+        difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
+
+
+def _chosen(argv: Sequence[str]) -> str | None:
+    """The sub-command's name: the first word that is not an option."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
+def make_parser(commands: Sequence[Command], chosen: str | None = None
+                ) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser with one sub-command per flow or tool; only the `chosen` one gets
+    its options (its config imported). Abbreviated options are refused: `--epoch` is not
+    silently `--epochs`."""
     parser = argparse.ArgumentParser(
-        prog="python -m flows",
+        prog="python -m flows", allow_abbrev=False,
         description="Train compact image models with Prefect flows; runs tracked in MLflow, "
                     "artifacts versioned in DVC.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, config_cls, handler in commands:
-        doc = (handler.__doc__ or "").strip().splitlines()[0] if handler.__doc__ else ""
-        command = sub.add_parser(name, help=doc, description=doc)
+    subparsers = {}
+    for command in commands:
+        doc = _summary(command.handler)
+        subparsers[command.name] = sub.add_parser(
+            command.name, help=doc, description=doc, allow_abbrev=False,
+            usage=f"python -m flows {command.name} [options]")
+        config_cls = command.config_class() if command.name == chosen else None
         if config_cls is not None:
-            add_config_options(command, config_cls)
-        command.set_defaults(_handler=handler, _config=config_cls)
-    return parser
+            add_config_options(subparsers[command.name], config_cls)
+        subparsers[command.name].set_defaults(_command=command)
+    return parser, subparsers
 
 
 def main(commands: Sequence[Command], argv: Sequence[str] | None = None) -> Any:
-    """Parses `argv`, validates the config, runs the command."""
-    args = vars(make_parser(commands).parse_args(argv))
-    handler, config_cls = args.pop("_handler"), args.pop("_config")
+    """Parses `argv`, validates the config, runs the command. An unknown command or option
+    exits with code 2 and the closest name."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    chosen = _chosen(argv)
+    names = [command.name for command in commands]
+    parser, subparsers = make_parser(commands, chosen)
+    if chosen is not None and chosen not in names:
+        parser.error(f"unknown command {chosen!r}{_suggestion(chosen, names)}; "
+                     f"choose from {', '.join(names)}")
+    args, extras = parser.parse_known_args(argv)
+    args = vars(args)
+    command = args.pop("_command")
+    if extras:
+        flags = [flag for action in subparsers[command.name]._actions
+                 for flag in action.option_strings]
+        unknown = next((word for word in extras if word.startswith("-")), extras[0])
+        subparsers[command.name].error(
+            f"unrecognized arguments: {' '.join(extras)}"
+            f"{_suggestion(unknown.split('=')[0], flags)}")
     args.pop("command")
+    config_cls = command.config_class()
     if config_cls is None:
-        return handler(**args)
-    return handler(build_config(config_cls, args))
+        return command.handler(**args)
+    return command.handler(build_config(config_cls, args))
 
 
 __all__ = ["main"]

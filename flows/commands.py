@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from tasks.cascade_config import CascadeConfig
-from tasks.config import DistillConfig, PBTConfig, SparsifyConfig, TrainConfig
-from tasks.data import install_fashion_mnist
-from tasks.features import FeaturesConfig
-from tasks.image_text_config import ImageTextConfig
-from tasks.prediction import PredictConfig, predict_images
-from tasks.reporting import ui_commands
-from tasks.versioning import project_data_status, track_project_data
-from training.datasets import DataError
-from training.pbt import PopulationFailed
+from flows.cli import Command
+
+if TYPE_CHECKING:  # the stack is imported by the command that runs, not by `--help`
+    from tasks.cascade_config import CascadeConfig
+    from tasks.config import DistillConfig, PBTConfig, SparsifyConfig, TrainConfig
+    from tasks.features import FeaturesConfig
+    from tasks.image_text_config import ImageTextConfig
+    from tasks.prediction import PredictConfig
 
 SERVER_TIMEOUT = "Timed out while attempting to connect to ephemeral Prefect API server"
 
@@ -23,6 +22,9 @@ def _exit_on_data_error(call):
     """Runs `call()`; bad input ends with one clear `error:` line and exit code 2; a Prefect
     server that does not answer, or a population that failed whole, with one such line and
     exit code 1 (tracebacks are kept for bugs)."""
+    from training.datasets import DataError
+    from training.pbt import PopulationFailed
+
     try:
         return call()
     except DataError as error:
@@ -43,6 +45,8 @@ def _exit_on_data_error(call):
 
 
 def _print_registration(summary) -> None:
+    from tasks.reporting import ui_commands
+
     reg = summary.registration
     print(f"registered {reg.name} version {reg.version} as '{reg.alias}': {reg.decision}")
     print(f"MLflow run {summary.run_id}\n{ui_commands()}")
@@ -141,6 +145,8 @@ def _exit_on_model_error(config, call):
 
 def run_predict(config: PredictConfig) -> None:
     """Print the label and confidence a registered model gives each image of a file or folder."""
+    from tasks.prediction import predict_images
+
     table, skipped = _exit_on_model_error(config, lambda: predict_images(config))
     print(table.to_string(index=False, formatters={"confidence": "{:.4f}".format}))
     if skipped:
@@ -189,6 +195,9 @@ def run_features(config: FeaturesConfig) -> None:
 
 def prepare_data() -> None:
     """Install Fashion-MNIST into data/, track it with data.dvc and push it to the remote."""
+    from tasks.data import install_fashion_mnist
+    from tasks.versioning import project_data_status, track_project_data
+
     written = install_fashion_mnist()
     ref = track_project_data()
     status = project_data_status()
@@ -197,13 +206,13 @@ def prepare_data() -> None:
 
 
 COMMANDS = [
-    ("train", TrainConfig, run_train),
-    ("distill", DistillConfig, run_distill),
-    ("pbt", PBTConfig, run_pbt),
-    ("sparsify", SparsifyConfig, run_sparsify),
-    ("cascade", CascadeConfig, run_cascade),
-    ("image-text", ImageTextConfig, run_image_text),
-    ("predict", PredictConfig, run_predict),
-    ("features", FeaturesConfig, run_features),
-    ("prepare-data", None, prepare_data),
+    Command("train", "tasks.config:TrainConfig", run_train),
+    Command("distill", "tasks.config:DistillConfig", run_distill),
+    Command("pbt", "tasks.config:PBTConfig", run_pbt),
+    Command("sparsify", "tasks.config:SparsifyConfig", run_sparsify),
+    Command("cascade", "tasks.cascade_config:CascadeConfig", run_cascade),
+    Command("image-text", "tasks.image_text_config:ImageTextConfig", run_image_text),
+    Command("predict", "tasks.prediction:PredictConfig", run_predict),
+    Command("features", "tasks.features:FeaturesConfig", run_features),
+    Command("prepare-data", None, prepare_data),
 ]

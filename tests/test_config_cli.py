@@ -54,6 +54,37 @@ def test_cli_help_lists_flows_and_parameters():
     assert "train" in top and "prepare-data" in top
 
 
+def test_top_level_help_imports_no_heavy_package():
+    # `python -m flows --help` must not import the training stack (it took 17 s when it did)
+    probe = ("import sys\nfrom flows.cli import main\nfrom flows.commands import COMMANDS\n"
+             "try:\n    main(COMMANDS, ['--help'])\nexcept SystemExit:\n    pass\n"
+             "print([m for m in ('torch', 'prefect', 'mlflow', 'dvc') if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                          text=True, check=True)
+    assert "image-text" in done.stdout and done.stdout.strip().endswith("[]")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["train", "--epoch", "2"], "unrecognized arguments: --epoch 2 (did you mean --epochs?)"),
+    (["train", "--modle", "lenet"], "(did you mean --model?)"),
+    (["trian"], "unknown command 'trian' (did you mean train?)"),
+    (["distill", "--student", "lenet"], "(did you mean --student-model or --student-width"),
+])
+def test_abbreviations_and_typos_stop_with_the_closest_name(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(COMMANDS, argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_required_options_say_so_in_the_help(capsys):
+    with pytest.raises(SystemExit):
+        main(COMMANDS, ["predict", "--help"])
+    out = capsys.readouterr().out
+    assert "PydanticUndefined" not in out and "(required)" in out
+    assert "default: train" in out  # the model `make run` registers
+
+
 def test_cli_names_an_unreadable_image_and_exits_2(tmp_path):
     from PIL import Image
 
