@@ -28,7 +28,7 @@ import time
 # Every run trains anew (a benchmark must not be served from Prefect's cache).
 os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
 
-from bench.common import mean_std, print_json, print_table  # noqa: E402
+from bench.common import mean_std, parse_overrides, print_json, print_table  # noqa: E402
 from flows.cascade import cascade  # noqa: E402
 from tasks.cascade_config import CascadeConfig  # noqa: E402
 
@@ -40,17 +40,6 @@ ROWS = {  # variant: (accuracy, ms at batch 1, ms at the serving batch, FLOPs) m
     "(c) cascade": ("test_accuracy", "ms_per_image_b1", "ms_per_image_serving",
                     "flops_per_image"),
 }
-
-
-def parse_overrides(pairs: list[str]) -> dict[str, str]:
-    """`name=value` pairs for the config (the command line's spelling of values)."""
-    overrides = {}
-    for pair in pairs:
-        name, _, value = pair.partition("=")
-        if not value:
-            raise SystemExit(f"error: --set {pair!r}: expected name=value")
-        overrides[name.replace("-", "_")] = value
-    return overrides
 
 
 def run(seed: int, overrides: dict[str, str]) -> dict:

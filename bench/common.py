@@ -17,6 +17,17 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+def parse_overrides(pairs: list[str]) -> dict[str, str]:
+    """`name=value` pairs for the config (the command line's spelling of values)."""
+    overrides = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        if not value:
+            raise SystemExit(f"error: --set {pair!r}: expected name=value")
+        overrides[name.replace("-", "_")] = value
+    return overrides
+
+
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     """A plain aligned table for people."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]

@@ -29,8 +29,7 @@ import time
 # Every run trains anew (a benchmark must not be served from Prefect's cache).
 os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
 
-from bench.cascade import parse_overrides  # noqa: E402
-from bench.common import mean_std, print_json, print_table  # noqa: E402
+from bench.common import mean_std, parse_overrides, print_json, print_table  # noqa: E402
 from flows.image_text import image_text  # noqa: E402
 from tasks.image_text_config import ImageTextConfig  # noqa: E402
 
