@@ -86,7 +86,7 @@ def run(task: str, variant: str, seed: int, lam: float | None,
             "zero_fraction": {k: v.zero_fraction for k, v in report.layers.items()},
             "total_zero_fraction": sum(report.layers[k].zero_fraction * n
                                        for k, n in sizes.items()) / sum(sizes.values()),
-            "model_uri": f"models:/{summary.registration.name}/{summary.registration.version}",
+            "model_uri": summary.registration.model_uri,
             "memory_bitmap_ratio": report.metrics()["memory_bitmap_ratio"],
             "pruned": summary.pruned.metrics() if task == "classification" else None,
             "lambdas": summary.spec.lambdas, "seconds": time.perf_counter() - started}

@@ -43,7 +43,13 @@ def add_config_options(parser: argparse.ArgumentParser, config_cls: type[BaseMod
     """One `--field-name` option per config field, with its description and default."""
     defaults = config_cls.model_construct()
     fields = sorted(config_cls.model_fields.items(), key=lambda item: item[0] != "profile")
+    positional = getattr(config_cls, "POSITIONAL", ())
+    for name in positional:
+        field = config_cls.model_fields[name]
+        parser.add_argument(name, metavar=name.upper(), help=field.description)
     for name, field in fields:
+        if name in positional:
+            continue
         flag = "--" + name.replace("_", "-")
         annotation = field.annotation
         shown = "required" if field.is_required() else \
@@ -55,8 +61,9 @@ def add_config_options(parser: argparse.ArgumentParser, config_cls: type[BaseMod
                 f"{key}: " + (", ".join(f"{k}={v}" for k, v in values.items()) or "the defaults")
                 for key, values in presets.items())
         if annotation is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=text)
+            aliases = getattr(config_cls, "FLAG_ALIASES", {}).get(name, ())
+            parser.add_argument(flag, *aliases, dest=name, default=argparse.SUPPRESS,
+                                action=argparse.BooleanOptionalAction, help=text)
             continue
         choices = _literal_choices(annotation)
         parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=text,
@@ -71,7 +78,8 @@ def format_validation_error(error: ValidationError) -> str:
         field = ".".join(str(part) for part in item["loc"]) or "config"
         got = item.get("input")
         shown = "" if isinstance(got, dict) else f" (got {got!r})"
-        lines.append(f"  {field}: {item['msg']}{shown}")
+        message = item["msg"].removeprefix("Value error, ")  # a validator's own words
+        lines.append(f"  {field}: {message}{shown}")
     return "invalid configuration:\n" + "\n".join(lines)
 
 
@@ -135,6 +143,8 @@ def make_parser(commands: Sequence[Command], chosen: str | None = None
         config_cls = command.config_class() if command.name == chosen else None
         if config_cls is not None:
             add_config_options(subparsers[command.name], config_cls)
+            words = " ".join(name.upper() for name in getattr(config_cls, "POSITIONAL", ()))
+            subparsers[command.name].usage = f"python -m flows {command.name} {words} [options]"
         subparsers[command.name].set_defaults(_command=command)
     return parser, subparsers
 

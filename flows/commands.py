@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -14,17 +15,46 @@ if TYPE_CHECKING:  # the stack is imported by the command that runs, not by `--h
     from tasks.features import FeaturesConfig
     from tasks.image_text_config import ImageTextConfig
     from tasks.prediction import PredictConfig
+    from tasks.registry import PromoteConfig, RollbackConfig
 
 SERVER_TIMEOUT = "Timed out while attempting to connect to ephemeral Prefect API server"
+
+
+class _NoTracebackFor(logging.Filter):
+    """Keeps a log line about one of `errors` but drops its traceback: bad input is the
+    user's to fix, not a bug (the command ends with its own `error:` line)."""
+
+    def __init__(self, errors: tuple[type[BaseException], ...]):
+        super().__init__()
+        self.errors = errors
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], self.errors):
+            record.exc_info, record.exc_text = None, None
+        if isinstance(record.msg, str) and "\nTraceback (most recent call last)" in record.msg \
+                and any(e.__name__ in record.msg for e in self.errors):
+            record.msg = record.msg.split("\nTraceback (most recent call last)")[0]
+        return True
+
+
+def _quiet_tracebacks(errors: tuple[type[BaseException], ...]) -> None:
+    """Installs `_NoTracebackFor(errors)` on every log handler there is."""
+    loggers = [logging.getLogger()] + [logger for logger in
+                                       logging.Logger.manager.loggerDict.values()
+                                       if isinstance(logger, logging.Logger)]
+    for handler in {handler for logger in loggers for handler in logger.handlers}:
+        if not any(isinstance(f, _NoTracebackFor) for f in handler.filters):
+            handler.addFilter(_NoTracebackFor(errors))
 
 
 def _exit_on_data_error(call):
     """Runs `call()`; bad input ends with one clear `error:` line and exit code 2; a Prefect
     server that does not answer, or a population that failed whole, with one such line and
-    exit code 1 (tracebacks are kept for bugs)."""
+    exit code 1 (tracebacks are kept for bugs, dropped from the log for these)."""
     from training.datasets import DataError
     from training.pbt import PopulationFailed
 
+    _quiet_tracebacks((DataError, PopulationFailed))
     try:
         return call()
     except DataError as error:
@@ -48,7 +78,8 @@ def _print_registration(summary) -> None:
     from tasks.reporting import ui_commands
 
     reg = summary.registration
-    print(f"registered {reg.name} version {reg.version} as '{reg.alias}': {reg.decision}")
+    print(f"registered {reg.name} version {reg.version} as '{reg.alias}': {reg.decision}"
+          if reg.registered else f"{reg.decision}; the model is {reg.model_uri}")
     print(f"MLflow run {summary.run_id}\n{ui_commands()}")
 
 
@@ -193,6 +224,31 @@ def run_features(config: FeaturesConfig) -> None:
               f"accuracy {result['classifier_accuracy']:.4f})")
 
 
+def _move_alias(call) -> None:
+    from tasks.registry import RegistryError
+
+    try:
+        print(call())
+    except RegistryError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def run_promote(config: PromoteConfig) -> None:
+    """Make a registered model version champion by hand (who and why recorded on the
+    versions)."""
+    from tasks.registry import promote_by_hand
+
+    _move_alias(lambda: promote_by_hand(config.name, config.version, config.reason, config.by))
+
+
+def run_rollback(config: RollbackConfig) -> None:
+    """Give the champion alias back to the version that held it before the current one."""
+    from tasks.registry import rollback
+
+    _move_alias(lambda: rollback(config.name, config.reason, config.by))
+
+
 def prepare_data() -> None:
     """Install Fashion-MNIST into data/, track it with data.dvc and push it to the remote."""
     from tasks.data import install_fashion_mnist
@@ -214,5 +270,7 @@ COMMANDS = [
     Command("image-text", "tasks.image_text_config:ImageTextConfig", run_image_text),
     Command("predict", "tasks.prediction:PredictConfig", run_predict),
     Command("features", "tasks.features:FeaturesConfig", run_features),
+    Command("promote", "tasks.registry:PromoteConfig", run_promote),
+    Command("rollback", "tasks.registry:RollbackConfig", run_rollback),
     Command("prepare-data", None, prepare_data),
 ]

@@ -191,10 +191,9 @@ def distill(config: DistillConfig) -> DistillSummary:
             tracking.log_metrics(teacher_run_id, teacher_test.metrics)
             tracking.log_metrics(run_id, {
                 "teacher_test_accuracy": teacher_test.metrics["test_accuracy"]})
-            finished = finish(run_id, name, classifier_config(plan.student), prepared,
-                              stages[-1].student.checkpoint,
-                              stages[-1].student.metrics["val_accuracy"],
-                              gate=config.baseline_gate)
+            finished = finish(run_id, name, config, classifier_config(plan.student),
+                              prepared, stages[-1].student.checkpoint,
+                              stages[-1].student.metrics["val_accuracy"])
             tracking.log_metrics(student_run_id, finished.test.metrics)
         summary = DistillSummary(run_id=run_id, dataset=dataset, stages=stages,
                                  teacher_test_accuracy=teacher_test.metrics["test_accuracy"],

@@ -225,12 +225,11 @@ def pbt(config: PBTConfig) -> PBTSummary:
                                     population.hyperparameters)
         tracking.log_metrics(run_id, {"stages_run": population.stages} | {
             f"best_{k}": v for k, v in population.hyperparameters.items()})
-        finished = finish(run_id, name, best_config, prepared, population.best.checkpoint,
-                          population.best.metrics["val_accuracy"], SCORED_WEIGHTS,
-                          config.baseline_gate)
+        finished = finish(run_id, name, config, best_config, prepared,
+                          population.best.checkpoint, population.best.metrics["val_accuracy"],
+                          SCORED_WEIGHTS)
         registration = finished.registration
-        recognition = recognition_test(f"models:/{name}/{registration.version}",
-                                       prepared.dataset, config.knn_k)
+        recognition = recognition_test(registration.model_uri, prepared.dataset, config.knn_k)
         tracking.log_metrics(run_id, {"test_knn_accuracy": recognition["knn_accuracy"]})
         summary = PBTSummary(run_id=run_id, population=population,
                              test_accuracy=finished.test_accuracy,

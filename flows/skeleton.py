@@ -9,6 +9,7 @@ A flow adds only its own training between `prepare` and `finish`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 from prefect import get_run_logger
@@ -16,9 +17,9 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict
 
 from tasks import tracking
-from tasks.config import DataSection, SparsitySpec
+from tasks.config import DataSection, RunSection, SparsitySpec
 from tasks.data import DatasetRef, pixel_baselines, prepare_dataset, source_version
-from tasks.registration import Baseline, Registration, register_and_promote
+from tasks.registration import Baseline, Policy, Registration, register_and_promote
 from tasks.reporting import publish_summary
 from tasks.training import (
     ClassifierConfig,
@@ -95,6 +96,8 @@ def prepare(config: BaseModel, run_id: str) -> Prepared:
     data = data_section(config)
     dataset = prepare_dataset(data, source_version(data))
     tracking.log_artifact_refs(run_id, {"dataset": dataset.artifact})
+    tracking.log_dataset(run_id, Path(config.data).name, dataset.artifact.md5,
+                         dataset.artifact.path, dataset.sizes)
     tracking.set_tags(run_id, {"data.version": dataset.version, "data.skipped_images":
                                len(dataset.skipped), "data.classes": ",".join(dataset.classes)})
     tracking.log_metrics(run_id, {f"data_{k}_images": v for k, v in dataset.sizes.items()})
@@ -179,18 +182,20 @@ def judge_baseline(run_id: str, prepared: Prepared, val_accuracy: float) -> Base
     return baseline
 
 
-def finish(run_id: str, name: str, classifier: ClassifierConfig, prepared: Prepared,
-           checkpoint: ArtifactRef, val_accuracy: float, weights: str = "model",
-           gate: bool = True) -> Finished:
-    """Tests and exports the checkpoint's `weights`, registers the program and promotes it
-    only if it beats the champion and (with `gate`) the stronger raw-pixel baseline on
-    validation."""
+def finish(run_id: str, name: str, config: RunSection, classifier: ClassifierConfig,
+           prepared: Prepared, checkpoint: ArtifactRef, val_accuracy: float,
+           weights: str = "model") -> Finished:
+    """Tests and exports the checkpoint's `weights`; unless the run may not register
+    (`config.registry` false), registers the program and promotes it only if it beats the champion,
+    (with `config.baseline_gate`) the stronger raw-pixel baseline on validation and (with
+    `config.max_latency_ms`) the latency budget."""
     test = test_and_export(classifier, prepared.dataset, checkpoint, weights)
     tracking.log_metrics(run_id, test.metrics | {"val_accuracy": val_accuracy})
     tracking.log_artifact_refs(run_id, {"program": test.program, "checkpoint.final": checkpoint})
     baseline = judge_baseline(run_id, prepared, val_accuracy)
     registration = register_and_promote(run_id, name, prepared.dataset, test.program,
-                                        baseline if gate else None)
+                                        Policy.of(config),
+                                        baseline if config.baseline_gate else None)
     return Finished(test=test, registration=registration, baseline=baseline)
 
 
@@ -205,8 +210,7 @@ def publish(key: str, title: str, run_id: str, finished: Finished,
         f"raw-pixel {baseline.name} baseline (validation)":
             f"{baseline.val_accuracy:.4f} against the model's {baseline.model_val_accuracy:.4f}"
             + ("" if baseline.beaten else ": **not beaten**"),
-        "model": f"{registration.name} version {registration.version}, alias "
-                 f"`{registration.alias}`",
+        "model": registration.describe(),
         "decision": registration.decision,
         "MLflow run": run_id,
     })

@@ -141,8 +141,8 @@ def sparsify(config: SparsifyConfig) -> SparsifySummary | DenseSummary:
                                                        budget, run_id, start)
         if len(sweep) > 1:
             log_sweep(run_id, sweep, f"{config.model}, {spec.build().describe()}")
-        finished = finish(run_id, name, classifier, prepared, best.checkpoint,
-                          best.metrics["val_accuracy"], gate=config.baseline_gate)
+        finished = finish(run_id, name, config, classifier, prepared, best.checkpoint,
+                          best.metrics["val_accuracy"])
         summary = SparsifySummary(run_id=run_id, best_epoch=best.epoch + 1,
                                   val_accuracy=best.metrics["val_accuracy"],
                                   test_accuracy=finished.test_accuracy,

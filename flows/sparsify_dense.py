@@ -10,6 +10,8 @@ promoted only if it beats the champion on the same test canvases through its pyf
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from prefect import get_run_logger
 from pydantic import BaseModel, ConfigDict
 
@@ -60,6 +62,8 @@ def layouts_of(config: SparsifyConfig, run_id: str) -> LayoutsRef:
                             config.split_seed)
     tracking.log_artifact_refs(run_id, {"dataset": dataset.artifact,
                                         "layouts": layouts.artifact})
+    tracking.log_dataset(run_id, f"{Path(config.data).name} canvases", layouts.artifact.md5,
+                         layouts.artifact.path, layouts.sizes)
     tracking.set_tags(run_id, {"data.version": dataset.version,
                                "data.classes": ",".join(dataset.classes)})
     tracking.log_metrics(run_id, {f"layouts_{k}_canvases": v for k, v in layouts.sizes.items()}
@@ -131,8 +135,7 @@ def sparsify_dense(config: SparsifyConfig, name: str, run_id: str) -> DenseSumma
                      "canvases": "synthetic layouts of real images: " + ", ".join(
                          f"{k} {v}" for k, v in layouts.sizes.items()),
                      "best round (validation)": f"{best.epoch + 1} ({report.val_score:.4f})",
-                     "model": f"{registration.name} version {registration.version}, alias "
-                              f"`{registration.alias}`",
+                     "model": registration.describe(),
                      "decision": registration.decision, "MLflow run": run_id})
     return DenseSummary(run_id=run_id, task=config.task, best_epoch=best.epoch + 1,
                         val_score=report.val_score, test=test, spec=spec, report=report,

@@ -36,8 +36,8 @@ def train(config: TrainConfig) -> TrainSummary:
         config = prepared.apply(config)
         classifier, budget = budgeted_classifier(config, prepared, run_id, config.epochs)
         best = train_epochs(classifier, prepared, budget, run_id, config.patience)
-        finished = finish(run_id, name, classifier, prepared, best.checkpoint,
-                          best.metrics["val_accuracy"], gate=config.baseline_gate)
+        finished = finish(run_id, name, config, classifier, prepared, best.checkpoint,
+                          best.metrics["val_accuracy"])
         summary = TrainSummary(run_id=run_id, best_epoch=best.epoch + 1,
                                val_accuracy=best.metrics["val_accuracy"],
                                test_accuracy=finished.test_accuracy,

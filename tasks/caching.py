@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from tasks.environment import PROJECT_ROOT
 
 RUN_ONLY_FIELDS = frozenset({"profile", "model_name", "progress", "threads", "device",
-                             "patience", "baseline_gate"})
+                             "patience", "baseline_gate", "registry", "max_latency_ms"})
 CODE_PACKAGES = ("models", "training", "tasks")
 
 

@@ -16,11 +16,10 @@ from tasks.cascade_config import CascadeConfig
 from tasks.checkpoints import load_checkpoint, save_checkpoint
 from tasks.data import DatasetRef, load_dataset
 from tasks.registration import (
+    Policy,
     Registration,
     log_weights_pyfunc,
-    promote,
-    pyfunc_accuracy,
-    test_images,
+    promote_on_test_images,
     transient,
 )
 from tasks.reporting import figure_pyplot
@@ -194,10 +193,8 @@ def register_cascade(run_id: str, name: str, config: CascadeConfig, dataset: Dat
                      "sub_widths": spec.sub_widths, "confidence": spec.confidence}}
     model_uri = log_weights_pyfunc(run_id, "cascade_pyfunc_model.py", meta,
                                    trained_cascade(config, dataset, calibrated).state_dict())
-    images, labels = test_images(dataset)
-    return promote(run_id, name, model_uri, lambda uri: pyfunc_accuracy(uri, images, labels),
-                   dataset.classes, calibrated.md5, {"dataset": dataset.artifact.md5},
-                   refusal)
+    return promote_on_test_images(run_id, name, model_uri, dataset, calibrated.md5,
+                                  Policy.of(config), refusal)
 
 
 def sweep_figure(sweep: list[dict[str, float]], full_accuracy: float, title: str):

@@ -17,6 +17,7 @@ import models
 from models.dense import SPARSE_LAYERS, TASK_MODELS, build_task_model
 from models.detection import SSDLITE
 from tasks.environment import data_dir
+from training.datasets import DataError, image_folder_listing
 
 Profile = Literal["smoke", "quick", "full"]
 FASHION_MNIST = "fashion-mnist"
@@ -74,6 +75,10 @@ class DataSection(StrictConfig):
         if not path.is_dir():
             raise ValueError(f"{value} is not a directory (an ImageFolder has one folder per "
                              "class)")
+        try:  # its layout is checked before any work; its images when they are read
+            image_folder_listing(path)
+        except DataError as error:
+            raise ValueError(str(error)) from None
         return str(path.resolve())
 
 
@@ -152,6 +157,9 @@ class OptimSection(StepSection, BudgetSection):
 class RunSection(StrictConfig):
     """Where and how a run executes and what it is called."""
 
+    # more command-line names of a boolean field (pydantic reserves `register` itself)
+    FLAG_ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {"registry": ("--register",)}
+
     seed: int = Field(0, ge=0, description="seed of weights, shuffling and augmentation")
     device: Literal["auto", "cpu", "cuda", "mps"] = Field("auto", description="where to train")
     threads: int | None = Field(None, ge=1, le=512, description="CPU threads for PyTorch; none: "
@@ -165,6 +173,13 @@ class RunSection(StrictConfig):
     baseline_gate: bool = Field(True, description="never make a model champion that does not "
                                 "beat the raw-pixel baselines (k-NN, linear) on validation; "
                                 "they are logged either way")
+    registry: bool = Field(True, description="register the final model in MLflow's registry and "
+                           "decide its alias; --no-register (and the smoke profile): the model "
+                           "is tested and logged on its run, the registry is never touched")
+    max_latency_ms: float | None = Field(None, gt=0.0, le=1e6, description="promotion gate: "
+                                         "never make a model champion whose served pyfunc takes "
+                                         "longer than this per image (batch 1, median, this "
+                                         "machine); none: no budget")
 
     @field_validator("model_name")
     @classmethod
@@ -202,7 +217,7 @@ class TrainConfig(ProfiledConfig, DataSection, ModelSection, OptimSection, RunSe
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
         "smoke": {"model": "cnn2", "epochs": 1, "train_limit": 512, "test_limit": 256,
                   "batch_size": 64, "progress": False, "min_steps": None,
-                  "baseline_gate": False},
+                  "baseline_gate": False, "registry": False},
         "quick": {},
         "full": {"train_limit": None, "epochs": 60, "width": 32, "batch_size": 256, "lr": 0.1,
                  "warmup_epochs": 1.0},
@@ -236,7 +251,7 @@ class DistillConfig(ProfiledConfig, DataSection, StepSection, BudgetSection, Run
         "smoke": {"teacher_model": "resnet8", "student_model": "cnn2", "stages": 2,
                   "train_limit": 512, "test_limit": 256, "batch_size": 64, "lr": 0.1,
                   "progress": False, "min_steps": None,
-                  "baseline_gate": False},
+                  "baseline_gate": False, "registry": False},
         "quick": {},
         "full": {"train_limit": None, "stages": 60, "teacher_width": 32, "batch_size": 256,
                  "lr": 0.1, "warmup_epochs": 1.0},
@@ -324,7 +339,7 @@ class PBTConfig(ProfiledConfig, DataSection, ModelSection, StepSection, BudgetSe
         "smoke": {"model": "cnn2", "members": 2, "burn_in_epochs": 1, "round_epochs": 1,
                   "stages": 2, "train_limit": 512, "test_limit": 256, "batch_size": 64,
                   "progress": False, "min_steps": None,
-                  "baseline_gate": False},
+                  "baseline_gate": False, "registry": False},
         "quick": {"model": "lenet"},  # N members: a network that trains in a minute each
         "full": {"train_limit": None, "members": 8, "burn_in_epochs": 5, "round_epochs": 5,
                  "stages": 11, "width": 32, "batch_size": 256},

@@ -25,7 +25,14 @@ from tasks.checkpoints import load_checkpoint, save_checkpoint, torch_save
 from tasks.config import SparsifyConfig, SparsitySpec
 from tasks.data import DatasetRef, load_dataset
 from tasks.dense_serving import served_scores
-from tasks.registration import Registration, log_weights_pyfunc, promote, transient
+from tasks.registration import (
+    Policy,
+    Registration,
+    log_weights_pyfunc,
+    promote,
+    served_ms_per_image,
+    transient,
+)
 from tasks.sparsify import SparsityReport, measured_report
 from tasks.training import EpochResult, make_optimizer, setup_device
 from tasks.versioning import ArtifactRef, ArtifactStore
@@ -226,5 +233,5 @@ def register_dense(run_id: str, name: str, config: SparsifyConfig, layouts: Layo
                              config.boundary_tolerance)[metric]
 
     return promote(run_id, name, model_uri, served, layouts.classes, checkpoint.md5,
-                   {"dataset": layouts.artifact.md5, "task": config.task},
-                   metric=f"test_{metric}")
+                   {"dataset": layouts.artifact.md5, "task": config.task}, Policy.of(config),
+                   metric=f"test_{metric}", timer=lambda uri: served_ms_per_image(uri, images))

@@ -16,11 +16,10 @@ from tasks.image_text import Descriptions, TextSide, new_network, score_split
 from tasks.image_text_config import ImageTextConfig
 from tasks.prediction import ZERO_SHOT_PARAM
 from tasks.registration import (
+    Policy,
     Registration,
     log_weights_pyfunc,
-    promote,
-    pyfunc_accuracy,
-    test_images,
+    promote_on_test_images,
     transient,
 )
 from tasks.training import setup_device
@@ -70,7 +69,5 @@ def register_image_text(run_id: str, name: str, config: ImageTextConfig, dataset
     weights = trained_network(config, dataset, described, checkpoint).state_dict()
     model_uri = log_weights_pyfunc(run_id, "image_text_pyfunc_model.py", meta, weights,
                                    SIGNATURE)
-    images, labels = test_images(dataset)
-    return promote(run_id, name, model_uri, lambda uri: pyfunc_accuracy(uri, images, labels),
-                   dataset.classes, checkpoint.md5, {"dataset": dataset.artifact.md5},
-                   refusal)
+    return promote_on_test_images(run_id, name, model_uri, dataset, checkpoint.md5,
+                                  Policy.of(config), refusal)

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from models.image_text import ImageTextNet, build_image_text, encode_texts
 from tasks.prediction import ZERO_SHOT_PARAM
-from tasks.serving import ImageClassifierModel, input_images
+from tasks.serving import ImageClassifierModel, InputError, input_images
 from training.image_text import MAX_LOGIT_SCALE, class_text_weights, zero_shot_logits
 from training.preprocess import images_to_batch
 
@@ -72,7 +72,11 @@ class ImageTextModel(ImageClassifierModel):
     def predict(self, context, model_input, params=None):  # noqa: ANN001 (see load_context)
         classes = (params or {}).get(ZERO_SHOT_PARAM)
         if classes:
-            return self.zero_shot(model_input, class_texts(classes))
+            try:
+                texts = class_texts(classes)
+            except ValueError as error:
+                raise InputError(str(error)) from None
+            return self.zero_shot(model_input, texts)
         return super().predict(context, model_input)
 
     @torch.no_grad()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from collections.abc import Callable
 from importlib.metadata import version as package_version
 from pathlib import Path
@@ -31,25 +32,56 @@ from tasks import tracking
 from tasks.checkpoints import torch_save
 from tasks.data import DatasetRef, load_dataset
 from tasks.environment import PROJECT_ROOT
+from tasks.registry import CHALLENGER, CHAMPION, crown
 from tasks.versioning import ArtifactRef, ArtifactStore
 
-CHAMPION, CHALLENGER = "champion", "challenger"
 SERVING_PACKAGES = ("torch", "torchvision", "mlflow", "pillow", "pandas", "numpy")
 
 
 class Registration(BaseModel):
-    """The outcome of registering a model version and deciding its alias."""
+    """The outcome of registering a model version and deciding its alias; a run that may not
+    register (`Policy.registry` false) has only its logged model's URI and the decision."""
 
     model_config = ConfigDict(frozen=True)
 
     name: str
-    version: str
-    alias: str
-    accuracy: float  # the test score named by `metric`
-    champion_version: str | None
-    champion_accuracy: float | None
+    model_uri: str  # the pyfunc logged on the run
+    version: str | None = None
+    alias: str | None = None
+    accuracy: float | None = None  # the test score named by `metric`
+    champion_version: str | None = None
+    champion_accuracy: float | None = None
     decision: str
     metric: str = "test_accuracy"
+
+    @property
+    def registered(self) -> bool:
+        return self.version is not None
+
+    def describe(self) -> str:
+        """`name version V, alias A`, or that nothing was registered."""
+        if not self.registered:
+            return f"not registered (logged as {self.model_uri})"
+        return f"{self.name} version {self.version}, alias `{self.alias}`"
+
+
+class Policy(BaseModel):
+    """What a run may do to the registry: register at all, and the gates a champion passes
+    besides beating the current one on the same test images."""
+
+    model_config = ConfigDict(frozen=True)
+
+    registry: bool = True  # may register at all
+    max_latency_ms: float | None = None  # the served pyfunc's time per image (batch 1)
+
+    @classmethod
+    def of(cls, config: Any) -> Policy:
+        """The policy a flow config sets (`tasks.config.RunSection`)."""
+        return cls(registry=config.registry, max_latency_ms=config.max_latency_ms)
+
+
+NOT_REGISTERED = "not registered (--no-register, or the smoke profile): the registry is untouched"
+LATENCY_REPEATS = 30
 
 
 def pip_requirements() -> list[str]:
@@ -90,6 +122,18 @@ def pyfunc_accuracy(model_uri: str, images: np.ndarray, labels: list[str]) -> fl
     """Fraction of `images` that the pyfunc at `model_uri` labels correctly."""
     predicted = tracking.load_pyfunc(model_uri).predict(images)["label"].tolist()
     return float(np.mean([p == t for p, t in zip(predicted, labels, strict=True)]))
+
+
+def served_ms_per_image(model_uri: str, images: np.ndarray) -> float:
+    """The pyfunc's median time to predict one image (batch 1, after a warm-up), in ms."""
+    model = tracking.load_pyfunc(model_uri)
+    times = []
+    for n in range(LATENCY_REPEATS + 3):
+        one = images[n % len(images)][None]
+        start = time.perf_counter()
+        model.predict(one)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times[3:]) * 1000)
 
 
 def transient(state) -> bool:
@@ -136,8 +180,8 @@ def decide(accuracy: float, champion_accuracy: float | None) -> tuple[str, str]:
 
 @task(task_run_name="register-and-promote", retries=2, retry_delay_seconds=10,
       retry_condition_fn=lambda _task, _run, state: transient(state))
-def register_and_promote(run_id: str, name: str, dataset: DatasetRef,
-                         program: ArtifactRef, baseline: Baseline | None = None) -> Registration:
+def register_and_promote(run_id: str, name: str, dataset: DatasetRef, program: ArtifactRef,
+                         policy: Policy, baseline: Baseline | None = None) -> Registration:
     """Logs the pyfunc, scores it and the champion on the test split, registers, sets alias.
 
     A model that does not beat `baseline` on validation is registered as a challenger."""
@@ -152,21 +196,51 @@ def register_and_promote(run_id: str, name: str, dataset: DatasetRef,
             artifacts={"program": str(store.fetch(program)), "meta": str(meta_path)},
             pip_requirements=pip_requirements(),
             code_paths=[str(PROJECT_ROOT / "tasks"), str(PROJECT_ROOT / "training")])
+    return promote_on_test_images(run_id, name, model_uri, dataset, program.md5, policy,
+                                  baseline.refusal() if baseline is not None
+                                  and not baseline.beaten else None)
+
+
+def promote_on_test_images(run_id: str, name: str, model_uri: str, dataset: DatasetRef,
+                           program_md5: str, policy: Policy, refusal: str | None
+                           ) -> Registration:
+    """`promote` for a classifier's pyfunc: scored by its accuracy on the data set's test
+    split, timed on its images."""
+    if not policy.registry:
+        return promote(run_id, name, model_uri, None, dataset.classes, program_md5, {}, policy)
     images, labels = test_images(dataset)
     return promote(run_id, name, model_uri, lambda uri: pyfunc_accuracy(uri, images, labels),
-                   dataset.classes, program.md5, {"dataset": dataset.artifact.md5},
-                   baseline.refusal() if baseline is not None and not baseline.beaten else None)
+                   dataset.classes, program_md5, {"dataset": dataset.artifact.md5}, policy,
+                   refusal, timer=lambda uri: served_ms_per_image(uri, images))
 
 
-def promote(run_id: str, name: str, model_uri: str, score: Callable[[str], float],
+def promote(run_id: str, name: str, model_uri: str, score: Callable[[str], float] | None,
             classes: list[str], program_md5: str, tags: dict[str, str],
-            refusal: str | None = None, metric: str = "test_accuracy") -> Registration:
+            policy: Policy, refusal: str | None = None,
+            metric: str = "test_accuracy", timer: Callable[[str], float] | None = None
+            ) -> Registration:
     """Scores the logged model at `model_uri` and the current champion with `score` (a pyfunc
     URI to its test score: the same test images for both), registers the model (once per
     `program_md5`) and gives it `champion` only when it scores higher and nothing refuses it
-    (`refusal`: why it may not be champion). Records the decision as tags and `registry_<metric>`
-    (and `champion_<metric>`) on the run."""
+    (`refusal`: why it may not be champion; the `policy`'s latency budget, in ms per image by
+    `timer`, a pyfunc URI to its time: a champion over the budget loses to a model within it).
+    Records the decision as tags and `registry_<metric>` (and `champion_<metric>`) on the run.
+    With `policy.registry` false nothing is scored and the registry is not touched."""
+    if not policy.registry:
+        tracking.set_tags(run_id, {"registry.decision": NOT_REGISTERED,
+                                   "registry.model_uri": model_uri})
+        return Registration(name=name, model_uri=model_uri, decision=NOT_REGISTERED,
+                            metric=metric)
     new_score = score(model_uri)
+    budget = policy.max_latency_ms
+    if budget is not None:
+        if timer is None:
+            raise ValueError(f"a latency budget needs a timer for {model_uri}")
+        latency = timer(model_uri)
+        tracking.log_metrics(run_id, {"registry_ms_per_image": latency})
+        if latency > budget:
+            refusal = refusal or (f"over the latency budget: {latency:.2f} ms per image > "
+                                  f"{budget:g} ms (--max-latency-ms)")
     champion_version = tracking.alias_version(name, CHAMPION)
     champion_score = None
     if champion_version is not None:
@@ -188,6 +262,11 @@ def promote(run_id: str, name: str, model_uri: str, score: Callable[[str], float
                                       f"be scored: {error}")
     if refusal:  # never replace a champion on a comparison that did not happen
         alias, decision = CHALLENGER, refusal
+    elif budget is not None and champion_score is not None and (champion_latency := (
+            timer(f"models:/{name}/{champion_version}"))) > budget:
+        alias, decision = CHAMPION, (f"within the latency budget ({latency:.2f} ms <= "
+                                     f"{budget:g} ms per image), the champion (version "
+                                     f"{champion_version}, {champion_latency:.2f} ms) is not")
     else:
         alias, decision = decide(new_score, champion_score)
     version = tracking.find_version(name, "program", program_md5)
@@ -197,13 +276,16 @@ def promote(run_id: str, name: str, model_uri: str, score: Callable[[str], float
             "classes": json.dumps(classes)} | tags)
     elif version == champion_version:
         alias, decision = CHAMPION, f"same model as the champion (version {version})"
-    tracking.set_alias(name, alias, version)
+    if alias == CHAMPION:
+        crown(name, version)
+    else:
+        tracking.set_alias(name, alias, version)
     tracking.set_tags(run_id, {"registry.model": name, "registry.version": version,
                                "registry.alias": alias, "registry.decision": decision,
                                "registry.champion_version": champion_version or "none"})
     tracking.log_metrics(run_id, {f"registry_{metric}": new_score}
                          | ({f"champion_{metric}": champion_score}
                             if champion_score is not None else {}))
-    return Registration(name=name, version=version, alias=alias, accuracy=new_score,
-                        champion_version=champion_version, champion_accuracy=champion_score,
-                        decision=decision, metric=metric)
+    return Registration(name=name, model_uri=model_uri, version=version, alias=alias,
+                        accuracy=new_score, champion_version=champion_version,
+                        champion_accuracy=champion_score, decision=decision, metric=metric)

@@ -23,6 +23,8 @@ import mlflow.pyfunc
 import numpy as np
 import pandas as pd
 import torch
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
 from training.batches import Normalize
 from training.datasets import DataError
@@ -46,8 +48,24 @@ def _as_bytes(value: Any, row: int) -> bytes:
                      "encoded image bytes")
 
 
+class InputError(MlflowException, ValueError):
+    """Input a served model cannot take. An MlflowException, so that MLflow's scoring server
+    returns this message (not a bare BAD_REQUEST) to the client; a ValueError for callers."""
+
+    def __init__(self, message: str):
+        super().__init__(message, error_code=INVALID_PARAMETER_VALUE)
+
+
 def input_images(model_input: Any) -> list:
-    """The PIL images in a DataFrame of encoded bytes or a uint8 image array."""
+    """The PIL images in a DataFrame of encoded bytes or a uint8 image array; InputError names
+    what is wrong with any other input."""
+    try:
+        return _input_images(model_input)
+    except ValueError as error:
+        raise InputError(str(error)) from None
+
+
+def _input_images(model_input: Any) -> list:
     if isinstance(model_input, pd.DataFrame):
         if IMAGE_COLUMN not in model_input.columns:
             raise ValueError(f"expected a column '{IMAGE_COLUMN}' of encoded images, got "

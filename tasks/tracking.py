@@ -7,6 +7,8 @@ thread, a task thread or a Dask worker. The tracking URI comes from `MLFLOW_TRAC
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import tempfile
 import time
@@ -18,9 +20,10 @@ from urllib.parse import urlparse
 
 import mlflow
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
-from mlflow.models import ModelSignature
+from mlflow.models import Model, ModelSignature
+from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 from pydantic import BaseModel
 
 from tasks.environment import PROJECT_ROOT
@@ -41,16 +44,25 @@ def _artifact_location(experiment: str) -> str | None:
     return (database.parent / "artifacts" / experiment).resolve().as_uri()
 
 
+# The MLflow UI opens such an experiment in its classic training view (runs, metrics, models),
+# not as a GenAI evaluation.
+EXPERIMENT_KIND, MODEL_DEVELOPMENT = "mlflow.experimentKind", "custom_model_development"
+
+
 def experiment_id(name: str) -> str:
     """The id of experiment `name`, created on first use."""
     mlflow_client = client()
     existing = mlflow_client.get_experiment_by_name(name)
-    if existing is not None:
-        return existing.experiment_id
-    try:
-        return mlflow_client.create_experiment(name, artifact_location=_artifact_location(name))
-    except MlflowException:  # created meanwhile by a concurrent run
-        return mlflow_client.get_experiment_by_name(name).experiment_id
+    if existing is None:
+        try:
+            return mlflow_client.create_experiment(name, _artifact_location(name),
+                                                   tags={EXPERIMENT_KIND: MODEL_DEVELOPMENT})
+        except MlflowException:  # created meanwhile by a concurrent run
+            existing = mlflow_client.get_experiment_by_name(name)
+    if existing.tags.get(EXPERIMENT_KIND) != MODEL_DEVELOPMENT:  # made by an older version
+        mlflow_client.set_experiment_tag(existing.experiment_id, EXPERIMENT_KIND,
+                                         MODEL_DEVELOPMENT)
+    return existing.experiment_id
 
 
 def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -136,10 +148,39 @@ def set_tags(run_id: str, tags: Mapping[str, Any]) -> None:
         client().log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
 
+ARTIFACT_REFS = "dvc/artifacts.json"
+PER_ROUND = re.compile(r"\b(epoch|stage|align)-\d+$")  # checkpoint.epoch-003, bank.stage-002
+
+
+def artifact_refs(run_id: str) -> dict[str, dict[str, str]]:
+    """Every versioned artifact recorded on the run: name -> {"md5", "path"}."""
+    if not any(f.path == ARTIFACT_REFS for f in client().list_artifacts(run_id, "dvc")):
+        return {}
+    with tempfile.TemporaryDirectory() as folder:
+        return json.loads(Path(client().download_artifacts(run_id, ARTIFACT_REFS, folder))
+                          .read_text())
+
+
 def log_artifact_refs(run_id: str, refs: Mapping[str, ArtifactRef]) -> None:
-    """Records each versioned artifact as tag `dvc.<name>` = content hash (and its path)."""
-    set_tags(run_id, {f"dvc.{name}": ref.md5 for name, ref in refs.items()})
-    set_tags(run_id, {f"dvc.{name}.path": ref.path for name, ref in refs.items()})
+    """Records each versioned artifact (content hash and path) in the run's
+    `dvc/artifacts.json`, and all but the per-round ones (`checkpoint.epoch-003`) also as tag
+    `dvc.<name>` = content hash, so the run's page shows the few that matter."""
+    set_tags(run_id, {f"dvc.{name}": ref.md5 for name, ref in refs.items()
+                      if not PER_ROUND.search(name)})
+    log_dict(run_id, artifact_refs(run_id) | {
+        name: {"md5": ref.md5, "path": ref.path} for name, ref in refs.items()}, ARTIFACT_REFS)
+
+
+def log_dataset(run_id: str, name: str, digest: str, source: str, sizes: Mapping[str, int]
+                ) -> None:
+    """Logs the run's data set as MLflow inputs, one per split (`mlflow.data.context` = the
+    split), with its content hash as the digest, so the run page lists what it trained on."""
+    inputs = [DatasetInput(Dataset(name=f"{name} ({split})", digest=digest[:36],
+                                   source_type="dvc", source=source,
+                                   profile=json.dumps({"images": images})),
+                           [InputTag(MLFLOW_DATASET_CONTEXT, split)])
+              for split, images in sizes.items()]
+    client().log_inputs(run_id, datasets=inputs)
 
 
 def log_dict(run_id: str, values: Mapping[str, Any], artifact_file: str) -> None:
@@ -159,17 +200,16 @@ def log_file(run_id: str, path: Path, artifact_path: str | None = None) -> None:
 
 def log_pyfunc_model(run_id: str, python_model: str,
                      artifacts: Mapping[str, str], pip_requirements: list[str],
-                     code_paths: list[str] | None = None, artifact_path: str = "model",
+                     code_paths: list[str] | None = None, name: str = "model",
                      signature: ModelSignature | None = None) -> str:
-    """Saves a pyfunc model (a models-from-code file) on the run; returns its `runs:/` URI.
+    """Logs a pyfunc model (a models-from-code file) as an MLflow logged model linked to the
+    run (its page lists it under "Logged models"); returns its `models:/m-...` URI.
     `signature`: what the model declares (its prediction parameters)."""
-    with tempfile.TemporaryDirectory() as folder:
-        local = Path(folder) / artifact_path
-        mlflow.pyfunc.save_model(str(local), python_model=python_model,
-                                 artifacts=dict(artifacts), pip_requirements=pip_requirements,
-                                 code_paths=code_paths, signature=signature)
-        client().log_artifacts(run_id, str(local), artifact_path)
-    return f"runs:/{run_id}/{artifact_path}"
+    info = Model.log(artifact_path=None, name=name, flavor=mlflow.pyfunc, run_id=run_id,
+                     python_model=python_model, artifacts=dict(artifacts),
+                     pip_requirements=pip_requirements, code_paths=code_paths,
+                     signature=signature)
+    return info.model_uri
 
 
 def register_model(model_uri: str, name: str, run_id: str, tags: Mapping[str, str]) -> str:
@@ -211,6 +251,33 @@ def find_version(name: str, tag: str, value: str) -> str | None:
         if version.tags.get(tag) == value:
             return str(version.version)
     return None
+
+
+def model_versions(name: str) -> list[str]:
+    """The version numbers of `name`, in order (empty when there is no such model)."""
+    try:
+        versions = client().search_model_versions(f"name = '{name}'")
+    except MlflowException as error:
+        if _missing(error):
+            return []
+        raise
+    return [str(v) for v in sorted(int(version.version) for version in versions)]
+
+
+def model_tags(name: str) -> dict[str, str]:
+    """The tags of registered model `name`."""
+    return dict(client().get_registered_model(name).tags)
+
+
+def set_model_tag(name: str, key: str, value: str) -> None:
+    """Sets one tag of registered model `name`."""
+    client().set_registered_model_tag(name, key, value)
+
+
+def set_version_tags(name: str, version: str, tags: Mapping[str, str]) -> None:
+    """Sets tags of one model version."""
+    for key, value in tags.items():
+        client().set_model_version_tag(name, version, key, value)
 
 
 def set_alias(name: str, alias: str, version: str) -> None:

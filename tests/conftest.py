@@ -74,7 +74,8 @@ SMOKE_MODEL = "smoke-model"
 
 
 def smoke(**overrides):
-    """A seconds-long `train` config on 1024 Fashion-MNIST images, registered as SMOKE_MODEL."""
+    """A seconds-long `train` config on 1024 Fashion-MNIST images, named SMOKE_MODEL (the smoke
+    profile registers nothing unless given `registry=True`)."""
     from tasks.config import TrainConfig
 
     return TrainConfig(**{"profile": "smoke", "model_name": SMOKE_MODEL, "epochs": 2,
@@ -86,7 +87,15 @@ def first_run():
     """The session's first smoke run of the `train` flow (the champion of SMOKE_MODEL)."""
     from flows.train import train
 
-    return train(smoke())
+    return train(smoke(registry=True))
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment of a `python -m flows` subprocess: this session's, with the API of its
+    Prefect test harness (so it starts no temporary server of its own)."""
+    from prefect.settings import PREFECT_API_URL
+
+    return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
 
 
 def kill_when_written(args: list[str], folder: Path, pattern: str, timeout: float = 180) -> None:
@@ -94,8 +103,9 @@ def kill_when_written(args: list[str], folder: Path, pattern: str, timeout: floa
     matching `pattern` appears under `folder`; fails if the run ends first."""
     before = set(folder.rglob(pattern)) if folder.exists() else set()
     proc = subprocess.Popen([sys.executable, "-m", "flows", *args],
-                            cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+                            cwd=Path(__file__).resolve().parents[1], env=subprocess_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
         if set(folder.rglob(pattern)) - before:
@@ -104,3 +114,20 @@ def kill_when_written(args: list[str], folder: Path, pattern: str, timeout: floa
     assert proc.poll() is None, "the run ended before it could be killed"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """`python -m flows *argv` inside this process (the stack already imported): its exit code
+    (0 when the command returns), stdout and stderr. For what happens before any work; a
+    subprocess where the whole program's behaviour is the point."""
+    from flows.cli import main
+    from flows.commands import COMMANDS
+
+    capsys.readouterr()
+    try:
+        main(COMMANDS, list(argv))
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from flows.cli import main
 from flows.commands import COMMANDS
 from tasks.config import TrainConfig
+from tests.conftest import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,9 +96,20 @@ def test_cli_names_an_unreadable_image_and_exits_2(tmp_path):
     (tmp_path / "b" / "broken.jpg").write_bytes(b"not a jpeg")
     done = subprocess.run([sys.executable, "-m", "flows", "train", "--profile", "smoke",
                            "--data", str(tmp_path), "--image-size", "8"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert f"error: cannot read image {tmp_path / 'b' / 'broken.jpg'}" in done.stderr
+    assert "Traceback" not in done.stderr  # the log names the error, without a traceback
+
+
+def test_a_folder_without_class_folders_stops_before_the_flow_starts(tmp_path, capsys):
+    (tmp_path / "only").mkdir()
+    with pytest.raises(SystemExit) as stop:
+        main(COMMANDS, ["train", "--data", str(tmp_path)])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == ("error: invalid configuration:\n  data: "
+                                       f"{tmp_path} needs at least 2 class sub-folders, found 1 "
+                                       f"(got '{tmp_path}')\n")
 
 
 def test_a_prefect_server_that_does_not_start_in_time_ends_in_one_error_line(tmp_path):
@@ -122,3 +134,13 @@ def test_each_sparsify_task_has_its_defaults_below_the_profile_and_the_given_val
     assert SparsifyConfig(task="contour", sparsity_lambda=0.3).sparsity_lambda == 0.3
     assert SparsifyConfig(task="detection").sparsity_lambda == 0.3
     assert SparsifyConfig(task="contour", profile="smoke").layouts == (64, 32, 32)
+
+
+def test_every_flow_takes_no_register():
+    from flows.cli import make_parser
+
+    for command in ("train", "distill", "pbt", "sparsify", "cascade", "image-text"):
+        parser, _ = make_parser(COMMANDS, command)
+        assert parser.parse_args([command, "--no-register"]).registry is False
+        assert parser.parse_args([command, "--no-registry"]).registry is False
+        assert "registry" not in vars(parser.parse_args([command]))  # the profile decides

@@ -83,7 +83,8 @@ def test_deploy_then_run_from_the_server(server):
     schedules = deployments["train-nightly"]["schedules"]
     assert [s["schedule"]["cron"] for s in schedules] == ["0 3 * * *"]
     assert not schedules[0]["active"]  # retraining is switched on in the UI, not by deploying
-    params = {"config": {"profile": "smoke", "model_name": "deployed", "train_limit": 512}}
+    params = {"config": {"profile": "smoke", "model_name": "deployed", "train_limit": 512,
+                         "registry": True}}
     _cli(env, "deployment", "run", "train/train", "--params", json.dumps(params))
     _cli(env, "worker", "start", "--pool", "local", "--run-once", timeout=600)
     runs = _api(url, "/flow_runs/filter", {})

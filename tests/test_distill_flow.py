@@ -49,7 +49,7 @@ def checkpoints_of(summary) -> list[tuple[str, str, str]]:
 
 @pytest.fixture(scope="module")
 def first_distill():
-    return distill(distill_smoke())
+    return distill(distill_smoke(registry=True))
 
 
 def test_run_records_stages_banks_nested_runs_and_registers_the_student(first_distill):
@@ -64,7 +64,8 @@ def test_run_records_stages_banks_nested_runs_and_registers_the_student(first_di
     assert run.data.params["bank_mode"] == "single" and run.data.params["stages"] == "3"
     assert run.data.metrics["test_accuracy"] == summary.test_accuracy
     assert run.data.metrics["teacher_test_accuracy"] == summary.teacher_test_accuracy
-    assert run.data.tags["dvc.bank.stage-003"] == summary.stages[-1].bank.bank.md5
+    refs = tracking.artifact_refs(summary.run_id)
+    assert refs["bank.stage-003"]["md5"] == summary.stages[-1].bank.bank.md5
     history = client.get_metric_history(summary.run_id, "bank_fill_fraction")
     assert [m.step for m in history] == [1, 2, 3]
     artifacts = {a.path for a in client.list_artifacts(summary.run_id, "banks")}
@@ -96,14 +97,14 @@ def test_teacher_not_deeper_than_the_student_is_refused(capsys):
 def test_killed_run_resumes_from_the_last_finished_stage():
     # with a warm-started teacher (one epoch) whose state 0 fills the initial bank
     args = ["--profile", "smoke", "--model-name", "distill-resume", "--stages", "3",
-            "--train-limit", "2048", "--seed", "6", "--threads", "1",
+            "--train-limit", "1024", "--seed", "6", "--threads", "1", "--teacher-width", "4",
             "--teacher-pretrain-epochs", "1", "--initial-bank", "teacher"]
     # teacher 2 runs before student 1 in-process: student 1's checkpoint appearing means
     # the warm start, teacher 1, bank 1 and teacher 2 have returned and their results are stored
     kill_when_written(["distill", *args], Path(os.environ["COMPACTML_ARTIFACTS"]),
                       "student-001.pt.dvc")
-    config = distill_smoke(model_name="distill-resume", train_limit=2048, seed=6,
-                           teacher_pretrain_epochs=1, initial_bank="teacher")
+    config = distill_smoke(model_name="distill-resume", train_limit=1024, seed=6,
+                           teacher_width=4, teacher_pretrain_epochs=1, initial_bank="teacher")
     state = distill(config, return_state=True)
     states = all_task_states(state)
     assert states["epoch-1"] == "Cached"
@@ -111,8 +112,10 @@ def test_killed_run_resumes_from_the_last_finished_stage():
     assert state.result().stages[0].bank.state_histogram[0] > 0  # the warm teacher's entries
     assert states["student-3"] == "Completed"
     # a write interrupted by the kill leaves only its hidden temporary file, never a bank or
-    # checkpoint under its real name; the rerun replaced whatever was half done
-    assert state.result().registration.alias == "champion"
+    # checkpoint under its real name; the rerun replaced whatever was half done. Neither smoke
+    # run touched the registry.
+    assert not state.result().registration.registered
+    assert tracking.model_versions("distill-resume") == []
 
 
 def test_predict_prints_a_label_and_confidence_per_image(first_distill, fashion_folder, capsys,

@@ -34,7 +34,7 @@ def stage_rows(lineage):
 
 @pytest.fixture(scope="module")
 def first_pbt():
-    return pbt(pbt_smoke())
+    return pbt(pbt_smoke(registry=True))
 
 
 def test_lineage_records_copies_and_draws_and_the_best_is_registered(first_pbt):

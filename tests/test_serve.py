@@ -82,3 +82,15 @@ def test_served_champion_answers_like_the_loaded_model(server, first_run):
     accuracy = np.mean([row["label"] == test.classes[y] for row, y in
                         zip(rows, test.labels[:64].tolist(), strict=True)])
     assert accuracy > 0.2  # the smoke champion is weak, but far above chance (0.1)
+
+
+def test_a_bad_payload_gets_its_cause_in_the_response(server):
+    import urllib.error
+
+    payload = {"dataframe_split": {"columns": ["image"], "data": [["not base64!"]]}}
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        post(f"{server}/invocations", payload)
+    assert answer.value.code == 400
+    body = json.loads(answer.value.read())
+    assert body["error_code"] == "INVALID_PARAMETER_VALUE"
+    assert "row 0 of column 'image' is text but not base64 image bytes" in body["message"]

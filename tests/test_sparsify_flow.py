@@ -4,16 +4,13 @@ input on the command line."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
 from tasks.config import SparsifyConfig
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import run_cli
 
 
 def smoke_sparsify(**overrides) -> SparsifyConfig:
@@ -26,7 +23,7 @@ def sparse():
     """lambda 0.5, and a sweep point without the term (a nested run)."""
     from flows.sparsify import sparsify
 
-    return sparsify(smoke_sparsify(sparsity_lambda=0.5, lambda_sweep="0,0.5"))
+    return sparsify(smoke_sparsify(sparsity_lambda=0.5, lambda_sweep="0,0.5", registry=True))
 
 
 def test_the_term_raises_the_zeros_of_every_regularized_layer(sparse):
@@ -96,7 +93,7 @@ def test_init_from_fine_tunes_the_registered_weights_and_thresholds_add_zeros(sp
     tuned = sparsify(smoke_sparsify(init_from="models:/smoke-sparsify@champion", lr=1e-9,
                                     epochs=1, sparsity_lambda=0.0, lambda_sweep=None,
                                     zero_threshold_tolerance=0.03,
-                                    model_name="smoke-sparsify-tuned"))
+                                    model_name="smoke-sparsify-tuned", registry=True))
     assert tuned.test_accuracy == pytest.approx(sparse.test_accuracy, abs=0.06)
     assert tuned.test_accuracy > 0.25
     metrics = MlflowClient().get_run(tuned.run_id).data.metrics
@@ -121,7 +118,7 @@ def dense(request):
     from flows.sparsify import sparsify
 
     config = smoke_sparsify(task=request.param, canvas=64, layouts="48,16,16", lr=0.05,
-                            sparsity_lambda=0.5, model_name=f"smoke-{request.param}",
+                            sparsity_lambda=0.5, model_name=f"smoke-{request.param}", registry=True,
                             lambda_sweep="0,0.5" if request.param == "contour" else None)
     return config, sparsify(config)
 
@@ -206,12 +203,10 @@ def client_classes(summary) -> list[str]:
     (["--task", "contour", "--init-from", "models:/train@champion"],
      ["init_from: fine-tuning is for --task classification"]),
 ])
-def test_bad_input_is_one_error_line_before_any_work(flags, names):
-    done = subprocess.run([sys.executable, "-m", "flows", "sparsify", "--profile", "smoke",
-                           *flags], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert "Traceback" not in done.stderr
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+def test_bad_input_is_one_error_line_before_any_work(flags, names, capsys):
+    code, _, err = run_cli(capsys, "sparsify", "--profile", "smoke", *flags)
+    assert code == 2
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert errors == ["error: invalid configuration:"]  # then one line per bad field
     for name in names:
-        assert name in done.stderr, (name, done.stderr)
+        assert name in err, (name, err)

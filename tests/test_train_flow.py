@@ -34,8 +34,24 @@ def test_run_records_config_metrics_versions_and_champion(first_run):
     assert run.data.params["lr"] == "0.1" and run.data.params["model"] == "cnn2"
     tags = run.data.tags
     assert tags["data.dvc"] == data_dvc_hash() and len(tags["git.commit"]) >= 7
-    for artifact in ("dataset", "checkpoint.epoch-001", "checkpoint.final", "program"):
+    for artifact in ("dataset", "checkpoint.final", "program"):
         assert len(tags[f"dvc.{artifact}"]) == 32, artifact
+    # every round's checkpoint in one JSON artifact, not a tag each
+    refs = tracking.artifact_refs(first_run.run_id)
+    assert set(refs) == {"dataset", "checkpoint.epoch-001", "checkpoint.epoch-002",
+                         "checkpoint.final", "program"}
+    assert "dvc.checkpoint.epoch-001" not in tags
+    assert refs["program"]["md5"] == tags["dvc.program"]
+    assert refs["checkpoint.epoch-002"]["path"].endswith("epoch-002.pt")
+    # MLflow's own views: a model-development experiment, the data set as the run's inputs
+    # (its DVC hash as digest, a split each), the pyfunc as the run's logged model
+    experiment = MlflowClient().get_experiment(run.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    inputs = {i.tags[0].value: i.dataset for i in run.inputs.dataset_inputs}
+    assert set(inputs) == {"train", "val", "test"}
+    assert {d.digest for d in inputs.values()} == {tags["dvc.dataset"]}
+    assert [o.model_id for o in run.outputs.model_outputs] == [
+        first_run.registration.model_uri.removeprefix("models:/")]
     history = MlflowClient().get_metric_history(first_run.run_id, "loss_ce")
     assert [m.step for m in history] == [1, 2]
     assert {"loss", "loss_ce", "val_accuracy", "test_accuracy"} <= set(run.data.metrics)
@@ -47,7 +63,7 @@ def test_run_records_config_metrics_versions_and_champion(first_run):
 
 
 def test_worse_model_is_only_a_challenger(first_run):
-    worse = train(smoke(lr=1e-4, seed=1))
+    worse = train(smoke(lr=1e-4, seed=1, registry=True))
     reg = worse.registration
     assert reg.alias == "challenger" and reg.champion_version == first_run.registration.version
     assert reg.champion_accuracy == pytest.approx(first_run.test_accuracy)
@@ -59,7 +75,8 @@ def test_worse_model_is_only_a_challenger(first_run):
 
 def test_a_model_below_the_raw_pixel_baselines_is_never_champion(first_run):
     # a learning rate too small to learn in 2 epochs: below 3-NN and linear on the pixels
-    weak = train(smoke(lr=1e-5, seed=2, baseline_gate=True, model_name="gated-model"))
+    weak = train(smoke(lr=1e-5, seed=2, baseline_gate=True, model_name="gated-model",
+                       registry=True))
     baselines = weak.baselines
     assert baselines["knn_val_accuracy"] > 0.5 and baselines["linear_val_accuracy"] > 0.5
     assert weak.val_accuracy < max(baselines["knn_val_accuracy"],
@@ -83,12 +100,12 @@ def test_same_config_again_reuses_every_training_task(first_run):
 
 def test_killed_run_resumes_from_the_last_finished_epoch(session_dir):
     config = ["--profile", "smoke", "--model-name", "resume", "--epochs", "4",
-              "--train-limit", "6000", "--seed", "5"]
+              "--train-limit", "3000", "--seed", "5"]
     checkpoints = Path(os.environ["COMPACTML_ARTIFACTS"]) / "checkpoints" / "train"
     # epoch 2's checkpoint appearing means epoch 1's task has returned and its result is stored
     kill_when_written(["train", *config], checkpoints, "epoch-002.pt.dvc", timeout=120)
     assert not list(checkpoints.rglob(".*.tmp")) and not list(checkpoints.rglob(".epoch-*"))
-    config_obj = TrainConfig(profile="smoke", model_name="resume", epochs=4, train_limit=6000,
+    config_obj = TrainConfig(profile="smoke", model_name="resume", epochs=4, train_limit=3000,
                              seed=5)
     state = train(config_obj, return_state=True)
     states = task_states(state)
@@ -98,7 +115,7 @@ def test_killed_run_resumes_from_the_last_finished_epoch(session_dir):
 
 def test_image_folder_trains_end_to_end(fashion_folder):
     summary = train(TrainConfig(profile="smoke", data=str(fashion_folder), epochs=3,
-                                model_name="folder-model", lr=0.1))
+                                model_name="folder-model", lr=0.1, registry=True))
     assert summary.registration.alias == "champion"
     model = tracking.load_pyfunc("models:/folder-model@champion")
     image = next((fashion_folder / "Trouser").glob("*.png"))
