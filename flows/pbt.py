@@ -6,7 +6,9 @@ checkpoint becomes every member's starting point, the best keeps its hyperparame
 others draw new ones around the best's (`training/pbt.py`). Members of a stage are tasks
 submitted together: in turn in-process, in parallel on a Dask cluster (`--runner dask`). A
 member that still fails after its retry is recorded and left out of the stage. The final model
-is the last stage's best member: tested, registered and promoted as in `train`.
+is the last stage's best member, or a greedy soup of the last stage's members when averaging
+them does not lose validation accuracy (`training/soup.py`): tested, registered and promoted as
+in `train`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tasks.pbt import (
     MemberResult,
     member_config,
     population_scheduler,
+    soup_members,
     train_member,
     write_lineage,
 )
@@ -187,6 +190,20 @@ def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str
         checkpoints = [best_result.checkpoint] * members
         parents = [decision.best] * members
         hyperparameters = list(decision.hyperparameters)
+    trained = [r for r in results if r is not None]
+    if config.soup and stage > 1 and len(trained) > 1:  # stage 1's members share no start
+        soup = submit(soup_members, base, dataset, population, trained,
+                      trained.index(best_result)).result()
+        logger.info("soup of members %s: validation %.4f (the best alone %.4f)",
+                    soup.metrics["soup_ingredients"], soup.metrics["val_accuracy"],
+                    best_result.metrics["val_accuracy"])
+        lineage.append({"phase": "soup", "stage": stage, "member": best_result.member,
+                        "parent": None, "hyperparameters": best_hyperparameters,
+                        "score": soup.metrics["val_accuracy"],
+                        "ingredients": int(soup.metrics["soup_ingredients"])})
+        lineage_log = write_lineage(population, lineage)
+        if soup.metrics["soup_ingredients"] > 1:
+            best_result = soup
     return PopulationResult(best=best_result, hyperparameters=best_hyperparameters,
                             stages=stage, lineage=lineage, lineage_log=lineage_log,
                             val_images=dataset.sizes["val"])

@@ -365,6 +365,10 @@ class PBTConfig(ProfiledConfig, DataSection, ModelSection, StepSection, BudgetSe
         "last weights and the average (its BatchNorm statistics re-estimated) and keeps the "
         "better, so a member with a large learning rate is not ranked on its noisiest weights; "
         "none: the last weights only")
+    soup: bool = Field(True, description="after the last stage, average the members' weights "
+                       "greedily (a model soup: the best first, each other added only if "
+                       "validation accuracy does not drop) and keep the average when it holds "
+                       "two or more members")
     tie_margin: float | None = Field(None, ge=0.0, le=1.0, description="the incumbent (the "
                                      "last stage's best; at stage 1 member 0, which starts from "
                                      "the configured values) stays the best unless another "

@@ -23,14 +23,17 @@ from tasks.checkpoints import load_checkpoint, save_checkpoint
 from tasks.data import DatasetRef, load_dataset
 from tasks.training import (
     ClassifierConfig,
+    new_model,
     resume,
     setup_device,
     split_batches,
     train_passes,
 )
 from tasks.versioning import ArtifactRef, ArtifactStore
+from training.device import place_model
 from training.pbt import PBTScheduler, SearchSpace
 from training.recipe import choose_weights, start_average
+from training.soup import greedy_soup
 
 HYPERPARAMETERS = ("lr", "weight_decay", "momentum", "augment")
 
@@ -134,3 +137,26 @@ def write_lineage(population: str, records: list[dict[str, Any]]) -> ArtifactRef
     text = "".join(json.dumps(record, sort_keys=True) + "\n" for record in records)
     return ArtifactStore().write(f"pbt/{population}/lineage.jsonl",
                                  lambda path: Path(path).write_text(text))
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name="soup")
+def soup_members(config: ClassifierConfig, dataset: DatasetRef, population: str,
+                 results: list[MemberResult], first: int) -> MemberResult:
+    """The greedy soup (`training.soup`) of one stage's members, all trained on from the same
+    checkpoint, starting from `results[first]` (the stage's best): a member result whose `kept`
+    weights are the soup, named after that member, with `soup_ingredients` among its metrics.
+    With one ingredient it is that member's weights, unchanged."""
+    device = setup_device(config)
+    store = ArtifactStore()
+    data = load_dataset(dataset)
+    states = [load_checkpoint(store, r.checkpoint)[SCORED_WEIGHTS] for r in results]
+    model = place_model(new_model(config, dataset), device)
+    soup = greedy_soup(model, states, [r.metrics["val_accuracy"] for r in results],
+                       split_batches(data, dataset, "val", 1024, device),
+                       split_batches(data, dataset, "train", 256, device), device, first)
+    best = results[first]
+    payload = {SCORED_WEIGHTS: soup.state, "kept_source": "soup",
+               "ingredients": [results[i].member for i in soup.ingredients]}
+    relpath = f"checkpoints/pbt/{population}/soup.pt"
+    return MemberResult(member=best.member, checkpoint=save_checkpoint(store, relpath, payload),
+                        metrics=best.metrics | soup.metrics, kept="soup")

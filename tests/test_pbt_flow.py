@@ -67,17 +67,28 @@ def test_lineage_records_copies_and_draws_and_the_best_is_registered(first_pbt):
         population.lineage
 
 
-def test_the_best_keeps_the_better_of_its_weights_and_its_average_and_exports_it(first_pbt):
+def test_the_best_is_its_weights_its_average_or_a_soup_and_is_exported(first_pbt):
     store = ArtifactStore()
-    best = first_pbt.population.best
+    population = first_pbt.population
+    best = population.best
     payload = load_checkpoint(store, best.checkpoint)
-    averaged, last, kept = payload["averaged"], payload["model"], payload["kept"]
-    assert set(averaged) == set(last) == set(kept)
-    assert any(not torch.equal(averaged[k], last[k]) for k in last)  # an average, not a copy
+    kept = payload["kept"]
     assert payload["kept_source"] == best.kept
-    assert best.metrics["val_accuracy"] >= best.metrics["val_accuracy_last"]
-    if best.kept == "model":
-        assert all(torch.equal(kept[k], last[k]) for k in last)
+    soup = next(r for r in population.lineage if r["phase"] == "soup")
+    stage_best = next(r for r in stage_rows(population.lineage)
+                      if r["stage"] == soup["stage"] and r["member"] == best.member)
+    assert soup["member"] == best.member  # the soup starts from the stage's best
+    if soup["ingredients"] > 1:  # kept: never below the member it started from
+        assert best.kept == "soup" and payload["ingredients"][0] == best.member
+        assert len(payload["ingredients"]) == soup["ingredients"]
+        assert best.metrics["val_accuracy"] == soup["score"] >= stage_best["score"] - 1e-9
+    else:
+        averaged, last = payload["averaged"], payload["model"]
+        assert set(averaged) == set(last) == set(kept)
+        assert any(not torch.equal(averaged[k], last[k]) for k in last)  # an average
+        assert best.metrics["val_accuracy"] >= best.metrics["val_accuracy_last"]
+        if best.kept == "model":
+            assert all(torch.equal(kept[k], last[k]) for k in last)
     program = torch.export.load(str(store.path_of(best.checkpoint).with_suffix(".pt2")))
     exported = {key.removeprefix("model."): value for key, value in program.state_dict.items()}
     assert exported.keys() == kept.keys()
