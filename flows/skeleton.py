@@ -136,17 +136,18 @@ def budgeted_classifier(config: BaseModel, prepared: Prepared, run_id: str, roun
 
 def run_rounds(rounds: int, train_round: Callable[[int, ArtifactRef | None], EpochResult],
                run_id: str, patience: int | None, val_images: int,
-               key: str = "val_accuracy", name: str = "checkpoint") -> EpochResult:
+               key: str = "val_accuracy", name: str = "checkpoint", first_step: int = 0
+               ) -> EpochResult:
     """Runs `train_round(epoch, previous checkpoint)` for up to `rounds` rounds, logging each
-    round's metrics and checkpoint (as `<name>.epoch-NNN`), with early stopping on the metric
-    `key` after `patience` rounds below the best; returns the round to keep
-    (`training.recipe.EarlyStopping`)."""
+    round's metrics (at step `first_step` + the round's number) and checkpoint (as
+    `<name>.epoch-NNN`), with early stopping on the metric `key` after `patience` rounds below
+    the best; returns the round to keep (`training.recipe.EarlyStopping`)."""
     logger = get_run_logger()
     stopping = EarlyStopping(patience, val_images)
     previous, best = None, None
     for epoch in range(rounds):
         result = train_round(epoch, previous)
-        tracking.log_metrics(run_id, result.metrics, step=epoch + 1)
+        tracking.log_metrics(run_id, result.metrics, step=first_step + epoch + 1)
         tracking.log_artifact_refs(run_id, {f"{name}.epoch-{epoch + 1:03d}":
                                             result.checkpoint})
         logger.info("round %d/%d: %s", epoch + 1, rounds, ", ".join(

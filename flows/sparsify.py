@@ -21,6 +21,7 @@ from flows.skeleton import (
     finish,
     prepare,
     publish,
+    run_rounds,
     run_tags,
     train_epochs,
 )
@@ -31,6 +32,7 @@ from tasks.initial_weights import fetch_initial_weights
 from tasks.sparsify import (
     PruneResult,
     SparsityReport,
+    Thresholded,
     calibrate_zero_thresholds,
     log_sweep,
     prune_dead_channels,
@@ -38,7 +40,7 @@ from tasks.sparsify import (
     sparsity_report,
     sparsity_spec,
 )
-from tasks.training import ClassifierConfig, EpochResult
+from tasks.training import ClassifierConfig, EpochResult, train_classifier_epoch
 from tasks.versioning import ArtifactRef
 from training.budget import Budget
 
@@ -57,8 +59,8 @@ def train_sparse(config: SparsifyConfig, classifier: ClassifierConfig, prepared:
                  ) -> tuple[SparsitySpec, EpochResult, SparsityReport]:
     """The config's sparsity term, the rounds trained with it (from `start`'s weights when
     given: fine-tuning), with `--zero-threshold-tolerance` the kept round's activation
-    thresholds, and the kept network's activations on the validation split, logged on
-    `run_id`."""
+    thresholds (raised by `--threshold-cycles` of training with them in place), and the kept
+    network's activations on the validation split, logged on `run_id`."""
     spec = sparsity_spec(config, prepared.dataset)
     tracking.log_metrics(run_id, {f"lambda_{k.replace('.', '_')}": v
                                   for k, v in spec.lambdas.items()})
@@ -71,7 +73,17 @@ def train_sparse(config: SparsifyConfig, classifier: ClassifierConfig, prepared:
         thresholded = calibrate_zero_thresholds(classifier, prepared.dataset, best.checkpoint,
                                                 tuple(spec.lambdas),
                                                 config.zero_threshold_tolerance)
-        tracking.log_metrics(run_id, thresholded.metrics())
+        tracking.log_metrics(run_id, thresholded.metrics(), step=0)
+        # one budget for all calibrations: the first one's unthresholded accuracy - tolerance
+        floor = thresholded.val_accuracy_before - config.zero_threshold_tolerance
+        for cycle in range(config.threshold_cycles):  # each calibration logged at its cycle
+            trained = threshold_cycle(config, classifier, prepared, budget, run_id, spec,
+                                      thresholded, cycle)
+            thresholded = calibrate_zero_thresholds(
+                classifier, prepared.dataset, trained.checkpoint, tuple(spec.lambdas),
+                config.zero_threshold_tolerance, floor)
+            tracking.log_metrics(run_id, thresholded.metrics(), step=cycle + 1)
+            best = trained
         thresholds = thresholded.thresholds
         best = best.model_copy(update={"checkpoint": thresholded.checkpoint, "metrics": (
             best.metrics | {"val_accuracy": thresholded.val_accuracy})})
@@ -79,6 +91,27 @@ def train_sparse(config: SparsifyConfig, classifier: ClassifierConfig, prepared:
                              ).model_copy(update={"thresholds": thresholds})
     tracking.log_metrics(run_id, report.metrics())
     return spec, best, report
+
+
+def threshold_cycle(config: SparsifyConfig, classifier: ClassifierConfig, prepared: Prepared,
+                    budget: Budget, run_id: str, spec: SparsitySpec, thresholded: Thresholded,
+                    cycle: int) -> EpochResult:
+    """Cycle `cycle` (0-based) of `--threshold-cycles`: `--threshold-cycle-epochs` rounds
+    from the calibrated checkpoint with its thresholds in place while training (FATReLU
+    fine-tuning, Kurtz et al. 2020: the network adapts to the zeros it is given) and the term,
+    at `--threshold-cycle-lr`, with a fresh optimizer; logged after the main rounds as
+    `checkpoint.cycle-N.epoch-NNN`. Returns the round with the best validation accuracy
+    (thresholds in place)."""
+    rounds = config.threshold_cycle_epochs
+    cycling = classifier.model_copy(update={"epochs": rounds, "lr": config.threshold_cycle_lr,
+                                            "warmup_epochs": 0.0})
+    held = spec.model_copy(update={"thresholds": thresholded.thresholds})
+    get_run_logger().info("threshold cycle %d/%d: %s", cycle + 1, config.threshold_cycles,
+                          ", ".join(f"{k} {v:.3g}" for k, v in thresholded.thresholds.items()))
+    return run_rounds(rounds, lambda epoch, previous: train_classifier_epoch(
+        cycling, prepared.dataset, epoch, previous, FLOW_NAME, budget.repeats, held,
+        thresholded.checkpoint), run_id, None, prepared.dataset.sizes["val"],
+        name=f"checkpoint.cycle-{cycle + 1}", first_step=classifier.epochs + cycle * rounds)
 
 
 def sweep_point(config: SparsifyConfig, lam: float, classifier: ClassifierConfig,

@@ -428,6 +428,8 @@ class SparsitySpec(StrictConfig):
     power: int
     abs_power: int
     base: float
+    # activation thresholds in place while training (`--threshold-cycles`): layer -> t
+    thresholds: dict[str, float] = {}
 
     def build(self):
         """The `training.sparsity.SparsityTransform` of this spec."""
@@ -501,6 +503,16 @@ class SparsifyConfig(TrainConfig):
         "regularized layer's activations up to a threshold, per layer the largest (of quantiles "
         "of its nonzero magnitudes) that costs at most this much validation accuracy, e.g. "
         "0.002; exported with the network; none: no thresholds")
+    threshold_cycles: int = Field(0, ge=0, le=50, description="classification, with "
+                                  "--zero-threshold-tolerance: after the first calibration, this "
+                                  "many times train --threshold-cycle-epochs rounds with the "
+                                  "thresholds in place (the term stays) and calibrate again on "
+                                  "top, so the thresholds rise while the network adapts to them; "
+                                  "all calibrations together cost at most the tolerance")
+    threshold_cycle_epochs: int = Field(2, ge=1, le=100, description="rounds of each threshold "
+                                        "cycle (each of the main run's passes per round)")
+    threshold_cycle_lr: float = Field(0.005, gt=0.0, le=10.0, description="peak learning rate "
+                                      "of each threshold cycle (cosine over its rounds)")
     init_from: str | None = Field(None, description="fine-tune: start from the weights of a "
                                   "registered classifier, models:/NAME@ALIAS or "
                                   "models:/NAME/VERSION (the same --model and width, e.g. "
@@ -597,6 +609,9 @@ class SparsifyConfig(TrainConfig):
         if self.zero_threshold_tolerance is not None and self.task != "classification":
             raise ValueError(f"zero_threshold_tolerance: thresholds are calibrated for --task "
                              f"classification, not {self.task}")
+        if self.threshold_cycles and self.zero_threshold_tolerance is None:
+            raise ValueError(f"threshold_cycles: {self.threshold_cycles} cycles raise "
+                             f"calibrated thresholds: give --zero-threshold-tolerance too")
         if self.init_from is not None and self.task != "classification":
             raise ValueError(f"init_from: fine-tuning is for --task classification, not "
                              f"{self.task}")

@@ -14,6 +14,7 @@ decision says to choose another `--model-name`.
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 import time
@@ -57,6 +58,11 @@ class Registration(BaseModel):
     @property
     def registered(self) -> bool:
         return self.version is not None
+
+    @property
+    def version_uri(self) -> str | None:
+        """`models:/NAME/VERSION` of the registered version (what `--init-from` takes)."""
+        return f"models:/{self.name}/{self.version}" if self.registered else None
 
     def describe(self) -> str:
         """`name version V, alias A`, or that nothing was registered."""
@@ -205,13 +211,11 @@ def promote_on_test_images(run_id: str, name: str, model_uri: str, dataset: Data
                            program_md5: str, policy: Policy, refusal: str | None
                            ) -> Registration:
     """`promote` for a classifier's pyfunc: scored by its accuracy on the data set's test
-    split, timed on its images."""
-    if not policy.registry:
-        return promote(run_id, name, model_uri, None, dataset.classes, program_md5, {}, policy)
-    images, labels = test_images(dataset)
-    return promote(run_id, name, model_uri, lambda uri: pyfunc_accuracy(uri, images, labels),
+    split, timed on its images (read once, and only if something is scored)."""
+    split = functools.cache(lambda: test_images(dataset))
+    return promote(run_id, name, model_uri, lambda uri: pyfunc_accuracy(uri, *split()),
                    dataset.classes, program_md5, {"dataset": dataset.artifact.md5}, policy,
-                   refusal, timer=lambda uri: served_ms_per_image(uri, images))
+                   refusal, timer=lambda uri: served_ms_per_image(uri, split()[0]))
 
 
 def promote(run_id: str, name: str, model_uri: str, score: Callable[[str], float] | None,

@@ -12,7 +12,7 @@ from prefect import task
 from pydantic import BaseModel, ConfigDict
 
 from tasks.caching import computation_key
-from tasks.checkpoints import save_checkpoint
+from tasks.checkpoints import load_checkpoint, save_checkpoint
 from tasks.config import SparsifyConfig, SparsitySpec
 from tasks.data import DatasetRef, load_dataset
 from tasks.reporting import figure_pyplot
@@ -36,7 +36,7 @@ from training.sparsity import (
     layer_shapes,
     map_area,
 )
-from training.thresholds import calibrate_thresholds
+from training.thresholds import calibrate_thresholds, raise_thresholds
 
 DEAD = 0.99  # a channel all zero on at least this share of the validation images is dead
 
@@ -134,17 +134,22 @@ class Thresholded(BaseModel):
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="calibrate-thresholds")
 def calibrate_zero_thresholds(config: ClassifierConfig, dataset: DatasetRef,
                               checkpoint: ArtifactRef, layers: tuple[str, ...],
-                              tolerance: float) -> Thresholded:
+                              tolerance: float, floor: float | None = None) -> Thresholded:
     """Per layer, the largest activation threshold that keeps validation accuracy within
     `tolerance` of the checkpoint's (`training.thresholds.calibrate_thresholds`), written
-    with the weights as a new checkpoint versioned in DVC."""
+    with the weights as a new checkpoint versioned in DVC. A checkpoint that has thresholds
+    (a `--threshold-cycles` round) is calibrated with them in place, each layer keeps the
+    larger of its old and new threshold, and `floor` (the first calibration's unthresholded
+    accuracy minus `tolerance`) is the accuracy all of them together may not go below."""
     device = setup_device(config)
     model = place_model(trained_model(config, dataset, checkpoint), device)
+    current = load_checkpoint(ArtifactStore(), checkpoint).get("thresholds", {})
     data = load_dataset(dataset)
     val = split_batches(data, dataset, "val", 1024, device)
-    thresholds, before, after = calibrate_thresholds(
+    added, before, after = calibrate_thresholds(
         model, layers, val, device, lambda net: evaluate(net, val, device)["accuracy"],
-        tolerance)
+        tolerance, floor)
+    thresholds = raise_thresholds(current, added)
     payload = {"model": {k: v.cpu() for k, v in model.state_dict().items()},
                "thresholds": thresholds}
     relpath = str(Path(checkpoint.path).with_name(Path(checkpoint.path).stem +

@@ -239,29 +239,26 @@ def version_tags(name: str, version: str) -> dict[str, str]:
     return dict(client().get_model_version(name, version).tags)
 
 
-def find_version(name: str, tag: str, value: str) -> str | None:
-    """The first version of `name` whose tag `tag` equals `value`, or None."""
-    try:
-        versions = client().search_model_versions(f"name = '{name}'")
-    except MlflowException as error:
-        if _missing(error):
-            return None
-        raise
-    for version in sorted(versions, key=lambda v: int(v.version)):
-        if version.tags.get(tag) == value:
-            return str(version.version)
-    return None
-
-
-def model_versions(name: str) -> list[str]:
-    """The version numbers of `name`, in order (empty when there is no such model)."""
+def _versions(name: str) -> list:
+    """The versions of registered model `name`, oldest first (none when there is no such
+    model)."""
     try:
         versions = client().search_model_versions(f"name = '{name}'")
     except MlflowException as error:
         if _missing(error):
             return []
         raise
-    return [str(v) for v in sorted(int(version.version) for version in versions)]
+    return sorted(versions, key=lambda v: int(v.version))
+
+
+def find_version(name: str, tag: str, value: str) -> str | None:
+    """The first version of `name` whose tag `tag` equals `value`, or None."""
+    return next((str(v.version) for v in _versions(name) if v.tags.get(tag) == value), None)
+
+
+def model_versions(name: str) -> list[str]:
+    """The version numbers of `name`, in order (empty when there is no such model)."""
+    return [str(v.version) for v in _versions(name)]
 
 
 def model_tags(name: str) -> dict[str, str]:

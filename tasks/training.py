@@ -37,7 +37,7 @@ from training.features import WithEmbedding
 from training.loops import classification_step, evaluate
 from training.recipe import optimizer_to, set_momentum_and_decay, sgd, train_round
 from training.sparsity import sparsity_regularized
-from training.thresholds import install_thresholds
+from training.thresholds import install_thresholds, thresholds_in_place
 
 
 class ClassifierConfig(ModelSection, OptimSection, RunSection):
@@ -176,7 +176,7 @@ def train_passes(config: ClassifierConfig, dataset: DatasetRef, data: LoadedData
     if config.ddp_procs == 1:
         step = classification_step(config.label_smoothing)
         with nullcontext(step) if sparsity is None else sparsity_regularized(
-                step, model, sparsity.lambdas, sparsity.build()) as step:
+                step, model, sparsity.lambdas, sparsity.build(), sparsity.thresholds) as step:
             return train_round(model, optimizer, batches_for, step, device, passes, config.lr,
                                schedule, warmup_epochs, config.grad_clip, progress, averaged)
     job = round_job(config, dataset, data, model, optimizer, data.splits["train"], passes,
@@ -219,14 +219,17 @@ def train_classifier_epoch(config: ClassifierConfig, dataset: DatasetRef, epoch:
                            f"round {epoch + 1}/{config.epochs}" if config.progress else None,
                            sparsity=sparsity)
     seconds = time.perf_counter() - started
-    val = evaluate(model, split_batches(data, dataset, "val", 1024, device), device)
+    thresholds = {} if sparsity is None else sparsity.thresholds
+    with thresholds_in_place(model, thresholds):  # the network as it trained
+        val = evaluate(model, split_batches(data, dataset, "val", 1024, device), device)
     images = len(passes) * (dataset.sizes["train"] // config.batch_size) * config.batch_size
     metrics |= {"val_accuracy": val["accuracy"], "val_loss": val["loss"],
                 "images_per_second": images / seconds, "train_seconds": seconds,
                 "val_seconds": time.perf_counter() - started - seconds}
     timings = {"images_per_second", "train_seconds", "val_seconds"}  # not part of the state
     payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
-               "metrics": {k: v for k, v in metrics.items() if k not in timings}}
+               "metrics": {k: v for k, v in metrics.items() if k not in timings}} | (
+        {"thresholds": dict(thresholds)} if thresholds else {})
     relpath = f"checkpoints/{run_name}/{key}/epoch-{epoch + 1:03d}.pt"
     checkpoint = save_checkpoint(store, relpath, payload)
     _keep_warm(checkpoint, key, model, optimizer)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from tasks import tracking
 from tasks.config import SparsifyConfig
 from tests.conftest import run_cli
 
@@ -92,7 +93,8 @@ def test_init_from_fine_tunes_the_registered_weights_and_thresholds_add_zeros(sp
     assert sparse.registration.alias == "champion"  # the first of its name in this session
     tuned = sparsify(smoke_sparsify(init_from="models:/smoke-sparsify@champion", lr=1e-9,
                                     epochs=1, sparsity_lambda=0.0, lambda_sweep=None,
-                                    zero_threshold_tolerance=0.03,
+                                    zero_threshold_tolerance=0.03, threshold_cycles=1,
+                                    threshold_cycle_epochs=1, threshold_cycle_lr=1e-9,
                                     model_name="smoke-sparsify-tuned", registry=True))
     assert tuned.test_accuracy == pytest.approx(sparse.test_accuracy, abs=0.06)
     assert tuned.test_accuracy > 0.25
@@ -101,12 +103,25 @@ def test_init_from_fine_tunes_the_registered_weights_and_thresholds_add_zeros(sp
     assert metrics["val_accuracy"] >= metrics["val_accuracy_unthresholded"] - 0.03 - 1e-9
     for layer, report in tuned.report.layers.items():
         assert report.zero_fraction >= sparse.report.layers[layer].zero_fraction - 1e-3, layer
+    # the threshold cycle trained with the first thresholds in place (at lr 1e-9 the weights
+    # stay: its round scores what the first calibration left), then calibrated on top of them
+    client = MlflowClient()
+    cycle = client.get_metric_history(tuned.run_id, "val_accuracy")
+    unthresholded = {m.step: m.value for m in
+                     client.get_metric_history(tuned.run_id, "val_accuracy_unthresholded")}
+    assert sorted(unthresholded) == [0, 1]
+    assert [m.value for m in cycle if m.step == 2] == [pytest.approx(unthresholded[1])]
+    for layer in ("block1", "block2"):
+        raised = {m.step: m.value for m in
+                  client.get_metric_history(tuned.run_id, f"zero_threshold_{layer}")}
+        assert raised.get(1, 0.0) >= raised.get(0, 0.0), layer  # thresholds only rise
+    assert "checkpoint.cycle-1.epoch-001" in tracking.artifact_refs(tuned.run_id)
     assert tuned.registration.accuracy == pytest.approx(tuned.test_accuracy)  # as served
     tags = MlflowClient().get_run(tuned.run_id).data.tags
     assert tags["init_from"] == f"models:/smoke-sparsify/{version}"  # the alias resolved
     assert "dvc.checkpoint.init" in tags
     with pytest.raises(DataError, match="does not fit --model resnet18"):
-        sparsify(smoke_sparsify(model="resnet18", init_from=f"models:/smoke-sparsify/{version}"))
+        sparsify(smoke_sparsify(model="resnet18", init_from=sparse.registration.version_uri))
     with pytest.raises(DataError, match="no registered model version models:/no-such-model"):
         sparsify(smoke_sparsify(init_from="models:/no-such-model@champion"))
 
@@ -202,6 +217,7 @@ def client_classes(summary) -> list[str]:
     (["--init-from", "runs:/abc/model"], ["init_from", "models:/NAME@ALIAS"]),
     (["--task", "contour", "--init-from", "models:/train@champion"],
      ["init_from: fine-tuning is for --task classification"]),
+    (["--threshold-cycles", "2"], ["threshold_cycles", "--zero-threshold-tolerance"]),
 ])
 def test_bad_input_is_one_error_line_before_any_work(flags, names, capsys):
     code, _, err = run_cli(capsys, "sparsify", "--profile", "smoke", *flags)

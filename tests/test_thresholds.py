@@ -7,11 +7,13 @@ import torch
 from torch import nn
 
 from training.loops import evaluate
+from training.sparsity import SparsityTransform, sparsity_regularized
 from training.thresholds import (
     QUANTILES,
     calibrate_thresholds,
     candidate_thresholds,
     install_thresholds,
+    raise_thresholds,
     thresholds_in_place,
 )
 
@@ -81,3 +83,46 @@ def test_calibration_keeps_the_score_within_the_tolerance_and_leaves_no_hooks():
     chosen = [results[t][0].get("1", 0.0) for t in (0.0, 0.02, 1.0)]
     assert chosen == sorted(chosen)  # a looser tolerance never picks a smaller threshold
     assert chosen[-1] == pytest.approx(candidates[-1])  # anything goes: the 0.9 quantile
+
+
+def test_raised_thresholds_keep_the_larger_per_layer():
+    assert raise_thresholds({"a": 0.2, "b": 0.5}, {"b": 0.3, "c": 0.1}) == \
+        {"a": 0.2, "b": 0.5, "c": 0.1}
+    assert raise_thresholds({}, {"a": 0.4}) == {"a": 0.4}
+
+
+def test_training_with_thresholds_zeros_small_values_before_the_term_reads_them():
+    """FATReLU fine-tuning: values at most t are zero in the forward pass, so the term and the
+    task see the thresholded map and no gradient reaches the zeroed values."""
+    model = nn.Sequential(nn.Identity())
+    x = torch.tensor([[-0.75, -0.25, 0.0, 0.25, 0.5, 1.5]], requires_grad=True)
+
+    def task(net, _ids, inputs, _y):
+        out = net(inputs).sum()
+        return {"loss": out, "loss_ce": out}
+
+    with sparsity_regularized(task, model, {"0": 2.0}, SparsityTransform("abs"),
+                              {"0": 0.5}) as step:
+        losses = step(model, torch.arange(1), x, None)
+    # kept: -0.75 and 1.5; S = mean |x| over the 6 values = 2.25 / 6; task = 0.75
+    assert losses["sparsity_0"].item() == pytest.approx(2.25 / 6)
+    assert losses["loss"].item() == pytest.approx(0.75 + 2.0 * 2.25 / 6)
+    losses["loss"].backward()
+    # d/dx of x + 2 |x| / 6 where kept, 0 where zeroed
+    assert x.grad.tolist()[0] == pytest.approx([1 - 2 / 6, 0, 0, 0, 0, 1 + 2 / 6])
+    assert not model[0]._forward_hooks  # nothing left behind
+
+
+def test_a_floor_bounds_the_score_instead_of_the_tolerance():
+    model, batches, cpu = small_net(), separable(), torch.device("cpu")
+
+    def score(net):
+        return evaluate(net, batches, cpu)["accuracy"]
+
+    base = score(model)
+    none, before, after = calibrate_thresholds(model, ["1"], batches, cpu, score, 1.0,
+                                               floor=base + 0.01)
+    assert none == {} and before == after == base  # nothing scores above the unthresholded
+    top = candidate_thresholds(model, "1", batches, cpu)[-1]
+    assert calibrate_thresholds(model, ["1"], batches, cpu, score, 0.0, floor=0.0)[0] == \
+        {"1": pytest.approx(top)}  # the floor, not the tolerance 0, decides

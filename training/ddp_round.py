@@ -81,9 +81,10 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             student_step(job, model, adapter, device, place, hooks)
         if job.get("sparsity") is not None:
             spec = job["sparsity"]
-            step = hooks.enter_context(sparsity_regularized(step, model, spec["lambdas"], (
-                SparsityTransform(spec["transform"], spec["power"], spec["abs_power"],
-                                  spec["base"]))))
+            transform = SparsityTransform(spec["transform"], spec["power"], spec["abs_power"],
+                                          spec["base"])
+            step = hooks.enter_context(sparsity_regularized(
+                step, model, spec["lambdas"], transform, spec.get("thresholds")))
         metrics = train_round(trained, optimizer, batches_for, step, device,
                               range(job["passes"][0], job["passes"][-1] + 1), job["lr"],
                               tuple(job["schedule"]), job["warmup_epochs"], job["grad_clip"],

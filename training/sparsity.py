@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from training.features import FeatureHooks
 from training.loops import Step
+from training.thresholds import thresholds_in_place
 
 TransformKind = Literal["abs", "power", "exp_abs", "exp_power", "abs_power"]
 TRANSFORMS: tuple[str, ...] = ("abs", "power", "exp_abs", "exp_power", "abs_power")
@@ -217,10 +218,14 @@ def activation_stats(model: nn.Module, layers: Sequence[str], batches, device: t
 
 @contextmanager
 def sparsity_regularized(task_step: Step, model: nn.Module, lambdas: dict[str, float],
-                         transform: SparsityTransform) -> Iterator[Step]:
+                         transform: SparsityTransform,
+                         thresholds: dict[str, float] | None = None) -> Iterator[Step]:
     """`sparsity_step` over hooks on `model`'s layers `lambdas`, for the `with` block (the hooks
-    are removed after it)."""
-    with FeatureHooks(model, list(lambdas)) as hooks:
+    are removed after it). `thresholds` (layer -> t, `training.thresholds`): those layers'
+    values up to t are zeroed while the network trains (FATReLU fine-tuning), before the term
+    reads them."""
+    with thresholds_in_place(model, thresholds or {}), \
+            FeatureHooks(model, list(lambdas)) as hooks:
         yield sparsity_step(task_step, hooks, lambdas, transform)
 
 

@@ -52,6 +52,13 @@ def thresholds_in_place(model: nn.Module, thresholds: dict[str, float]) -> Itera
             handle.remove()
 
 
+def raise_thresholds(current: dict[str, float], added: dict[str, float]) -> dict[str, float]:
+    """Thresholds calibrated on top of `current` (with those in place) merged into them: per
+    layer the larger, which is what the two hooks one after the other do."""
+    return {name: max(current.get(name, 0.0), added.get(name, 0.0))
+            for name in [*current, *(n for n in added if n not in current)]}
+
+
 @torch.no_grad()
 def candidate_thresholds(model: nn.Module, layer: str, batches: Iterable, device: torch.device,
                          quantiles: Sequence[float] = QUANTILES) -> list[float]:
@@ -77,15 +84,18 @@ def candidate_thresholds(model: nn.Module, layer: str, batches: Iterable, device
 
 def calibrate_thresholds(model: nn.Module, layers: Sequence[str], batches: Iterable,
                          device: torch.device, score: Callable[[nn.Module], float],
-                         tolerance: float) -> tuple[dict[str, float], float, float]:
+                         tolerance: float, floor: float | None = None
+                         ) -> tuple[dict[str, float], float, float]:
     """Per layer, in order, the largest candidate threshold (`candidate_thresholds`, taken with
     the earlier layers' thresholds in place) whose network still scores at least the
-    unthresholded score minus `tolerance` (bisection: the score falls as t grows).
+    unthresholded score minus `tolerance` (bisection: the score falls as t grows), or at least
+    `floor` where given (a budget set once for several calibrations, so that their costs do
+    not add up).
 
     Returns the thresholds (a layer where none is affordable is left out), the score without
-    and the score with them. `model` is left without hooks."""
+    and the score with them. `model` is left without the hooks it added."""
     base = score(model)
-    floor = base - tolerance
+    floor = base - tolerance if floor is None else floor
     chosen: dict[str, float] = {}
     final = base
     for layer in layers:
