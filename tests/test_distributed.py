@@ -117,13 +117,14 @@ def test_distill_teacher_and_student_stages_train_data_parallel_like_one_process
             assert double[name].allclose(tensor, rtol=1e-3, atol=1e-5), (entry, name)
 
 
-def test_the_sparsity_term_trains_data_parallel_like_one_process():
+def test_the_sparsity_term_and_thresholds_train_data_parallel_like_one_process():
     from tasks.config import SparsitySpec
     from tasks.training import train_classifier_epoch
 
     classifier, dataset = _lenet_smoke()
+    # with a threshold cycle's activation thresholds in place while training
     spec = SparsitySpec(lambdas={"block1": 0.3, "block2": 0.6}, transform="exp_abs", power=2,
-                        abs_power=1, base=2.0)
+                        abs_power=1, base=2.0, thresholds={"block1": 0.05})
     runs = [train_classifier_epoch.fn(classifier.model_copy(update={"ddp_procs": procs}),
                                       dataset, 0, None, "ddp-sparse", 1, spec)
             for procs in (1, 2)]
