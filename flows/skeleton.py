@@ -164,14 +164,16 @@ def run_rounds(rounds: int, train_round: Callable[[int, ArtifactRef | None], Epo
 def train_epochs(classifier: ClassifierConfig, prepared: Prepared, budget: Budget,
                  run_id: str, patience: int | None, run_name: str = "train",
                  sparsity: SparsitySpec | None = None,
-                 start: ArtifactRef | None = None) -> EpochResult:
+                 start: ArtifactRef | None = None, name: str = "checkpoint",
+                 first_step: int = 0) -> EpochResult:
     """The classifier's rounds of `budget` (`run_rounds`: early stopping on validation
-    accuracy); the round to keep. `sparsity` adds the `sparsify` flow's activation-sparsity
-    term to the loss; `start`: weights to fine-tune instead of a fresh network."""
+    accuracy, checkpoints logged as `<name>.epoch-NNN`, metrics from step `first_step` + 1);
+    the round to keep. `sparsity` adds the `sparsify` flow's activation-sparsity term to the
+    loss; `start`: weights to fine-tune instead of a fresh network."""
     return run_rounds(classifier.epochs, lambda epoch, previous: train_classifier_epoch(
         classifier, prepared.dataset, epoch, previous, run_name, budget.repeats, sparsity,
         start),
-        run_id, patience, prepared.dataset.sizes["val"])
+        run_id, patience, prepared.dataset.sizes["val"], name=name, first_step=first_step)
 
 
 def judge_baseline(run_id: str, prepared: Prepared, val_accuracy: float) -> Baseline:

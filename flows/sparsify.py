@@ -21,7 +21,6 @@ from flows.skeleton import (
     finish,
     prepare,
     publish,
-    run_rounds,
     run_tags,
     train_epochs,
 )
@@ -40,7 +39,7 @@ from tasks.sparsify import (
     sparsity_report,
     sparsity_spec,
 )
-from tasks.training import ClassifierConfig, EpochResult, train_classifier_epoch
+from tasks.training import ClassifierConfig, EpochResult
 from tasks.versioning import ArtifactRef
 from training.budget import Budget
 
@@ -108,10 +107,9 @@ def threshold_cycle(config: SparsifyConfig, classifier: ClassifierConfig, prepar
     held = spec.model_copy(update={"thresholds": thresholded.thresholds})
     get_run_logger().info("threshold cycle %d/%d: %s", cycle + 1, config.threshold_cycles,
                           ", ".join(f"{k} {v:.3g}" for k, v in thresholded.thresholds.items()))
-    return run_rounds(rounds, lambda epoch, previous: train_classifier_epoch(
-        cycling, prepared.dataset, epoch, previous, FLOW_NAME, budget.repeats, held,
-        thresholded.checkpoint), run_id, None, prepared.dataset.sizes["val"],
-        name=f"checkpoint.cycle-{cycle + 1}", first_step=classifier.epochs + cycle * rounds)
+    return train_epochs(cycling, prepared, budget, run_id, None, FLOW_NAME, sparsity=held,
+                        start=thresholded.checkpoint, name=f"checkpoint.cycle-{cycle + 1}",
+                        first_step=classifier.epochs + cycle * rounds)
 
 
 def sweep_point(config: SparsifyConfig, lam: float, classifier: ClassifierConfig,
