@@ -112,8 +112,9 @@ def trained_cascade(config: CascadeConfig, dataset: DatasetRef, checkpoint: Arti
 
 
 def serving_device(config: CascadeConfig) -> str:
-    """The name of the device the latency table is for (`training.latency.device_name`)."""
-    return device_name(resolve_device(config.device))
+    """The name of the device the latency table is for (`training.latency.device_name`), with
+    the thread count the tasks will set (`--threads`), not the one of the calling process."""
+    return device_name(resolve_device(config.device), config.threads)
 
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="latency-table")

@@ -30,10 +30,10 @@ class CascadeConfig(ProfiledConfig, DataSection, OptimSection, RunSection):
                   "serving_batch": 32},
         "quick": {},
         "full": {**{k: v for k, v in TrainConfig.PROFILES["full"].items()
-                    if k not in ("model", "width")}, "widths": (32, 64, 128)},
+                    if k not in ("model", "width")}, "widths": (32, 128, 256)},
     }
 
-    widths: tuple[int, ...] = Field((16, 32, 64), description="each module's output channels, "
+    widths: tuple[int, ...] = Field((16, 64, 128), description="each module's output channels, "
                                     "input side first (K = how many); each module halves the "
                                     "map")
     super_modules: tuple[int, ...] = Field((1, 2), description="0-based indices of the "
@@ -44,6 +44,9 @@ class CascadeConfig(ProfiledConfig, DataSection, OptimSection, RunSection):
     confidence: Literal["max_softmax", "entropy"] = Field("max_softmax", description="an exit's "
                                                           "confidence: the top class probability, "
                                                           "or 1 - entropy / log C")
+    exit_pool: int = Field(4, ge=1, le=16, description="each exit head averages its map over "
+                           "exit_pool x exit_pool cells before its linear layer (1: global "
+                           "average pooling)")
     difficulty: Literal["loss", "margin"] = Field("loss", description="per-image difficulty: a "
                                                   "linear classifier on the raw pixels, fitted on "
                                                   "the other half of the images, its cross-entropy "
@@ -167,7 +170,8 @@ class CascadeConfig(ProfiledConfig, DataSection, OptimSection, RunSection):
     def spec(self) -> CascadeSpec:
         """The network's shape (`models.cascade.CascadeSpec`)."""
         return CascadeSpec(widths=self.widths, super_modules=tuple(sorted(set(
-            self.super_modules))), sub_widths=self.sub_widths, confidence=self.confidence)
+            self.super_modules))), sub_widths=self.sub_widths, confidence=self.confidence,
+            exit_pool=self.exit_pool)
 
     def parts(self) -> list[str]:
         """The names of the parts a latency table must time."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from prefect import task
 from pydantic import BaseModel, ConfigDict
+from torch import Tensor
 
 from models.cascade import CascadeNet
 from tasks.caching import computation_key
@@ -26,14 +27,8 @@ from tasks.reporting import figure_pyplot
 from tasks.training import run_key, setup_device, split_batches
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.batches import Normalize
-from training.cascade import (
-    ExitTable,
-    calibrate_for_accuracy,
-    calibrate_for_budget,
-    exit_table,
-    oracle,
-)
-from training.latency import interleaved_ms_per_image, part_costs, path_costs
+from training.cascade import ExitTable, ThresholdGrid, exit_table, oracle, threshold_grid
+from training.latency import full_network_cost, interleaved_ms_per_image, part_costs
 
 
 class Calibration(BaseModel):
@@ -83,24 +78,60 @@ def calibrate_thresholds(config: CascadeConfig, dataset: DatasetRef, latency: Ar
     net = trained_cascade(config, dataset, checkpoint)
     costs = part_costs(read_table(latency))
     table = validation_table(config, dataset, net, costs)
-    plain = validation_table(config, dataset, net, costs, fixed=full_network(net))
-    full_accuracy, full_cost = plain.full_accuracy(), plain.cost[:, -1].mean().item()
-    if config.thresholds is not None:
-        thresholds = torch.tensor(config.thresholds)
-    elif config.calibrate == "budget":
-        thresholds = calibrate_for_budget(table, config.latency_budget * full_cost)
-    else:
-        thresholds = calibrate_for_accuracy(table, full_accuracy - config.accuracy_tolerance)
+    full = full_network(net)
+    plain = validation_table(config, dataset, net, costs, fixed=full)
+    full_accuracy = plain.full_accuracy()
+    full_cost = full_network_cost(net, costs, tuple(full.get(k, 0)
+                                                    for k in range(net.modules_count)))
+    target = full_accuracy - config.accuracy_tolerance
+    budget = None if config.latency_budget is None else config.latency_budget * full_cost
+
+    def calibrate(grid: ThresholdGrid) -> Tensor:
+        if config.thresholds is not None:
+            return torch.tensor(config.thresholds)
+        if config.calibrate == "budget":
+            return grid.most_accurate(budget)
+        return grid.cheapest(target)
+
+    def rank(outcome: dict[str, float]) -> tuple[bool, float]:
+        """Lower is better: whether the goal is missed, then the cost (or the accuracy)."""
+        if config.calibrate == "budget":
+            return outcome["mean_cost"] > budget + 1e-12, -outcome["accuracy"]
+        return outcome["accuracy"] < target - 1e-9, outcome["mean_cost"]
+
+    grid = threshold_grid(table)  # scored once, queried for every calibration below
+    thresholds = calibrate(grid)
+    routed = [k for k in range(net.modules_count) if net.is_super(k)
+              and int(net.blocks[k].fixed) < 0]
+    predictors: dict[str, float] = {}
+    if routed and config.thresholds is None:
+        # A predictor must pay for its own time: the same network with each routed module's
+        # most frequent choice fixed (no predictor run) is calibrated alike, and wins if it is
+        # no worse (meets the goal, and is as cheap at the accuracy target or as accurate
+        # within the budget).
+        majority = {k: int(table.paths[:, k].mode().values) for k in routed}
+        fixed_table = validation_table(config, dataset, net, costs, fixed=majority)
+        fixed_grid = threshold_grid(fixed_table)
+        fixed_thresholds = calibrate(fixed_grid)
+        mine, theirs = table.outcome(thresholds), fixed_table.outcome(fixed_thresholds)
+        keep = rank(mine) < rank(theirs)
+        predictors = {"predictors_kept": float(keep),
+                      "val_accuracy_predictors_fixed": theirs["accuracy"],
+                      "val_cost_ratio_predictors_fixed": theirs["mean_cost"] / full_cost}
+        if not keep:
+            for k, choice in majority.items():
+                net.blocks[k].fixed.fill_(choice)
+            table, grid, thresholds = fixed_table, fixed_grid, fixed_thresholds
     net.thresholds.copy_(thresholds)
     outcome = table.outcome(thresholds)
-    plain_thresholds = calibrate_for_accuracy(plain, full_accuracy - config.accuracy_tolerance)
-    sweep = {str(t): calibrate_for_accuracy(table, full_accuracy - t) for t in SWEEP}
+    plain_thresholds = threshold_grid(plain).cheapest(target)
+    sweep = {str(t): grid.cheapest(full_accuracy - t) for t in SWEEP}
     metrics = {"val_accuracy": outcome["accuracy"], "val_full_accuracy": full_accuracy,
                "val_routed_accuracy": table.full_accuracy(),
                "val_cost_ratio": outcome["mean_cost"] / full_cost,
                "val_plain_cost_ratio": plain.outcome(plain_thresholds)["mean_cost"] / full_cost,
                **{f"val_{k}": v for k, v in outcome.items() if k.startswith("exit_share")},
-               **{f"threshold_{k}": t for k, t in enumerate(thresholds.tolist())}}
+               **{f"threshold_{k}": t for k, t in enumerate(thresholds.tolist())}, **predictors}
     relpath = f"checkpoints/cascade/{run_key(config, dataset)}/calibrated.pt"
     payload = {"model": net.state_dict(), "plain_thresholds": plain_thresholds,
                "sweep": sweep}
@@ -132,8 +163,8 @@ def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRe
     table = read_table(latency)
     costs, flops = part_costs(table), part_costs(table, key="flops")
     full_path = tuple(full.get(k, 0) for k in range(net.modules_count))
-    full_cost = path_costs(net, costs, full_path, routed=False)[-1]
-    full_flops = path_costs(net, flops, full_path, routed=False)[-1]
+    full_cost = full_network_cost(net, costs, full_path)
+    full_flops = full_network_cost(net, flops, full_path)
     metrics: dict[str, float] = {}
     for prefix, kwargs in variants.items():
         out = [net.infer(images[i:i + 1024], **kwargs) for i in range(0, len(images), 1024)]
@@ -149,10 +180,13 @@ def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRe
                     f"{prefix}table_cost_ratio": spent["mean_cost"] / full_cost,
                     f"{prefix}flops_per_image": spent_flops["mean_cost"],
                     **{f"{prefix}exit_share_{k}": v for k, v in enumerate(shares.tolist())}}
+    # (a) is timed as what it is, the plain forward pass (no exit heads but the last, no
+    # bookkeeping); its accuracy above came from the cascade's code with no exit taken
+    calls = {prefix: lambda x, kw=kwargs: net.infer(x, **kw) for prefix, kwargs in variants.items()
+             if prefix != "full_"} | {"full_": net}
     for batch, suffix in ((1, "b1"), (config.serving_batch, "serving")):
         sample = images[:latency_images] if batch == 1 else images
-        measured = interleaved_ms_per_image({prefix: lambda x, kw=kwargs: net.infer(x, **kw)
-                                             for prefix, kwargs in variants.items()}, sample, batch)
+        measured = interleaved_ms_per_image(calls, sample, batch)
         metrics |= {f"{prefix}ms_per_image_{suffix}": ms for prefix, ms in measured.items()}
         metrics |= {f"{prefix}speedup_{suffix}": measured["full_"] / ms
                     for prefix, ms in measured.items() if prefix != "full_"}
@@ -168,7 +202,7 @@ def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRe
         predicted = torch.cat([net.infer(images[i:i + 1024], thresholds).labels
                                for i in range(0, len(images), 1024)])
         measured = interleaved_ms_per_image({"cascade": lambda x, t=thresholds: net.infer(x, t),
-                                             "full": lambda x: net.infer(x, never, full)},
+                                             "full": net},
                                             sample, 1)
         sweep.append({"tolerance": float(tolerance),
                       "test_accuracy": (predicted == labels).float().mean().item(),
@@ -190,7 +224,8 @@ def register_cascade(run_id: str, name: str, config: CascadeConfig, dataset: Dat
     meta = {"classes": dataset.classes, "image_size": dataset.image_size,
             "channels": dataset.channels, "mean": dataset.mean, "std": dataset.std,
             "spec": {"widths": spec.widths, "super_modules": spec.super_modules,
-                     "sub_widths": spec.sub_widths, "confidence": spec.confidence}}
+                     "sub_widths": spec.sub_widths, "confidence": spec.confidence,
+                     "exit_pool": spec.exit_pool}}
     model_uri = log_weights_pyfunc(run_id, "cascade_pyfunc_model.py", meta,
                                    trained_cascade(config, dataset, calibrated).state_dict())
     return promote_on_test_images(run_id, name, model_uri, dataset, calibrated.md5,

@@ -116,6 +116,18 @@ def kill_when_written(args: list[str], folder: Path, pattern: str, timeout: floa
     proc.wait()
 
 
+def task_states(flow_state) -> dict[str, str]:
+    """Task run name -> state name (`Cached`, `Completed`, ...) of one flow run."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    flow_run_id = flow_state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(
+            id=FlowRunFilterId(any_=[flow_run_id])))
+    return {run.name: run.state.name for run in runs}
+
+
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     """`python -m flows *argv` inside this process (the stack already imported): its exit code
     (0 when the command returns), stdout and stderr. For what happens before any work; a

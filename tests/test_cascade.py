@@ -135,7 +135,7 @@ def hand_table() -> ExitTable:
     return ExitTable(confidence, correct, torch.tensor([[1.0, 3.0, 6.0]] * 4))
 
 
-def test_outcome_and_greedy_calibration_by_hand():
+def test_outcome_and_calibration_by_hand():
     table = hand_table()
     outcome = table.outcome(torch.tensor([0.8, 0.9]))
     # exits: image 0 at 0 (0.9 > 0.8), image 1 at 1 (0.95 > 0.9), images 2, 3 at 2
@@ -152,10 +152,30 @@ def test_outcome_and_greedy_calibration_by_hand():
     assert thresholds[1] == pytest.approx(0.5)
     assert table.outcome(thresholds)["accuracy"] == pytest.approx(0.75)
     assert table.outcome(thresholds)["mean_cost"] == pytest.approx((1 + 3 + 6 + 3) / 4)
-    # a budget the greedy can meet only by giving up accuracy
+    # a budget met only by giving up accuracy
     cheap = calibrate_for_budget(table, 3.0)
     assert table.outcome(cheap)["mean_cost"] <= 3.0
     assert table.outcome(cheap)["accuracy"] < 0.75
+
+
+def test_calibration_finds_the_cheapest_thresholds_of_an_exhaustive_search():
+    # small random tables, every threshold that changes an exit tried: 0, each confidence, 1
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        confidence = torch.rand(8, 3, generator=generator)
+        correct = torch.rand(8, 3, generator=generator) < torch.tensor([0.5, 0.7, 0.9])
+        table = ExitTable(confidence, correct, torch.tensor([[1.0, 2.5, 6.0]] * 8))
+        target = table.full_accuracy() - 0.125  # one image of eight may be lost
+        options = [[0.0, *confidence[:, k].tolist(), 1.0] for k in range(2)]
+        outcomes = [table.outcome(torch.tensor([t0, t1])) for t0 in options[0]
+                    for t1 in options[1]]
+        best = min(o["mean_cost"] for o in outcomes if o["accuracy"] >= target - 1e-9)
+        found = table.outcome(calibrate_for_accuracy(table, target))
+        assert found["accuracy"] >= target - 1e-9
+        assert found["mean_cost"] == pytest.approx(best)
+        richest = max(o["accuracy"] for o in outcomes if o["mean_cost"] <= 3.0 + 1e-9)
+        assert table.outcome(calibrate_for_budget(table, 3.0))["accuracy"] == pytest.approx(
+            richest)
 
 
 def test_oracle_is_never_worse_than_any_path_and_exit():
@@ -203,8 +223,8 @@ def test_latency_table_times_every_part_and_counts_flops():
                                    "1.exit", "2.predictor", "2.sub0", "2.sub1", "2.exit"}
     assert all(entry["ms"]["1"] > 0 and entry["ms"]["4"] > 0
                for entry in table["parts"].values())
-    # exit 0: a linear layer 4 -> 3 on the pooled map: 2 x 4 x 3 FLOPs
-    assert table["parts"]["0.exit"]["flops"] == 2 * 4 * 3
+    # exit 0: a linear layer on the 4 channels pooled to 4 x 4 cells, 64 -> 3: 2 x 64 x 3 FLOPs
+    assert table["parts"]["0.exit"]["flops"] == 2 * 64 * 3
     assert table["parts"]["1.sub1"]["flops"] > table["parts"]["1.sub0"]["flops"]
     assert part_costs(table, 4)["0.block"] == pytest.approx(table["parts"]["0.block"]["ms"]["4"]
                                                             / 4)
@@ -264,3 +284,27 @@ def test_an_exit_table_is_priced_again_per_part():
         assert timed.cost[row].tolist() == [2.0, 5.0, 8.0]  # predictors counted
         second = 4.0 + 2.0 + (10.0 if path[1] == 1 else 2.0) + 2.0  # predictor, sub, exit
         assert priced.cost[row].tolist() == [4.0, second, second + 6.0]
+
+
+def test_a_batch_and_its_images_one_by_one_get_the_same_cascade():
+    # one image at a time takes the no-regrouping path (all stay or all leave at each exit);
+    # a batch regroups: both must give every image the same exit, class and sub-networks
+    net = small_net(seed=3)
+    x = torch.randn(48, 1, 28, 28)
+    predictor = net.blocks[1].predictor  # made to split the batch between its sub-networks
+    torch.nn.init.normal_(predictor[-1].weight)
+    with torch.no_grad():
+        scores = predictor(net.blocks[0](x))
+        predictor[-1].bias[1] -= (scores[:, 1] - scores[:, 0]).median()
+    first, _ = confidence_of(net.exits[0](net.blocks[0](x)))
+    second = net.infer(x, torch.tensor([first.median().item(), 0.0]))
+    stayed = second.confidence[second.exits == 1]
+    thresholds = torch.tensor([first.median().item(), stayed.median().item()])
+    batch = net.infer(x, thresholds)
+    assert len(batch.exits.unique()) == 3
+    assert set(batch.choices[batch.exits > 0, 1].tolist()) == {0, 1}  # both sub-networks ran
+    alone = [net.infer(x[i:i + 1], thresholds) for i in range(len(x))]
+    assert batch.exits.tolist() == [int(a.exits) for a in alone]
+    assert batch.labels.tolist() == [int(a.labels) for a in alone]
+    assert batch.choices.tolist() == [a.choices[0].tolist() for a in alone]
+    assert torch.allclose(batch.confidence, torch.cat([a.confidence for a in alone]), atol=1e-5)

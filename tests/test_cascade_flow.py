@@ -4,6 +4,7 @@ pyfunc, and its bad input on the command line."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ from mlflow import MlflowClient
 
 from tasks import tracking
 from tasks.cascade_config import CascadeConfig
-from tests.conftest import run_cli
+from tests.conftest import kill_when_written, run_cli, task_states
 
 
 def smoke_cascade(**overrides) -> CascadeConfig:
@@ -66,6 +67,20 @@ def test_the_calibrated_cascade_keeps_its_promise_on_validation(run):
     assert calibration["val_accuracy"] >= min(calibration["val_full_accuracy"] - 0.003,
                                               calibration["val_routed_accuracy"]) - 1e-9
     assert sum(metrics[f"exit_share_{k}"] for k in range(3)) == pytest.approx(1)
+    # the predictors are kept only if the calibrated cascade with them meets the target where
+    # their most frequent choices fixed for good (no predictor run) miss it, or is cheaper
+    target = calibration["val_full_accuracy"] - 0.003 - 1e-9
+    # (missed, cost): after a fallback the run's own figures are the fixed ones, a tie
+    choices_fixed = (calibration["val_accuracy_predictors_fixed"] < target,
+                     calibration["val_cost_ratio_predictors_fixed"])
+    as_run = (calibration["val_accuracy"] < target, calibration["val_cost_ratio"])
+    assert bool(calibration["predictors_kept"]) == (as_run < choices_fixed)
+    from tasks.checkpoints import load_checkpoint
+    from tasks.versioning import ArtifactStore
+
+    weights = load_checkpoint(ArtifactStore(), run.calibration.checkpoint)["model"]
+    fixed = [int(weights[f"blocks.{k}.fixed"]) for k in (1, 2)]
+    assert (min(fixed) < 0) == bool(calibration["predictors_kept"]), fixed
     assert metrics["test_accuracy"] > 0.3  # it learns (chance: 0.1)
     assert metrics["full_test_accuracy"] > 0.3
     assert metrics["oracle_accuracy"] >= max(metrics["test_accuracy"],
@@ -101,6 +116,28 @@ def test_the_registered_pyfunc_runs_the_real_cascade(run):
     assert (np.array(out["exit"]) == direct.exits.numpy() + 1).all()
     assert [prepared.classes[i] for i in direct.labels.tolist()] == list(out["label"])
     assert run.registration.accuracy == pytest.approx(run.test_accuracy)  # as served
+
+
+def test_killed_run_resumes_from_the_last_finished_round():
+    from flows.cascade import cascade
+
+    args = ["--profile", "smoke", "--epochs", "2", "--train-limit", "768", "--lr", "0.1",
+            "--min-steps", "150", "--seed", "7", "--threads", "1", "--model-name",
+            "cascade-resume"]
+    # (--threads 1 also checks that the latency table is named for the threads the tasks
+    # set, not the calling process's: the run had stopped on a device mismatch)
+    checkpoints = Path(os.environ["COMPACTML_ARTIFACTS"]) / "checkpoints" / "cascade"
+    # module 1's first round written: the sets, the latency table and module 0 are stored
+    kill_when_written(["cascade", *args], checkpoints, "module-1-round-001.pt.dvc")
+    assert not list(checkpoints.rglob(".*.tmp"))
+    state = cascade(smoke_cascade(seed=7, threads=1, model_name="cascade-resume"),
+                    return_state=True)
+    states = task_states(state)
+    assert states["difficulty-sets"] == states["latency-table"] == "Cached"
+    assert states["module-0-round-1"] == states["module-0-round-2"] == "Cached"
+    assert states["module-2-round-2"] == "Completed"
+    assert state.result().test_accuracy > 0.3
+    assert tracking.model_versions("cascade-resume") == []  # smoke runs never register
 
 
 def _prepared(config: CascadeConfig):

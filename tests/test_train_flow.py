@@ -9,23 +9,13 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 from PIL import Image
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from flows.train import train
 from tasks import tracking
 from tasks.config import TrainConfig
 from tasks.versioning import data_dvc_hash
 from tests.conftest import SMOKE_MODEL as NAME
-from tests.conftest import kill_when_written, smoke
-
-
-def task_states(flow_state) -> dict[str, str]:
-    flow_run_id = flow_state.state_details.flow_run_id
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(
-            id=FlowRunFilterId(any_=[flow_run_id])))
-    return {run.name: run.state.name for run in runs}
+from tests.conftest import kill_when_written, smoke, task_states
 
 
 def test_run_records_config_metrics_versions_and_champion(first_run):

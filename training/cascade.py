@@ -14,9 +14,11 @@
 3. The predictor is then fitted again on a second training set, disjoint from the first
    (`predictor_step`: on the first set the sub-networks are right too often to tell them
    apart), or one sub-network is chosen for good on it (`fixed_choice`).
-4. The exit thresholds are calibrated on validation (`calibrate_for_accuracy`,
-   `calibrate_for_budget`) from an `ExitTable`: every image's confidence, correctness and
-   cost at every exit of the path the predictors choose for it.
+4. The exit thresholds are calibrated on validation from an `ExitTable` (every image's
+   confidence, correctness and cost at every exit of the path the predictors choose for it):
+   every combination of candidate thresholds is scored (`threshold_grid`), and the cheapest
+   that keeps an accuracy (`calibrate_for_accuracy`) or the most accurate within a cost
+   (`calibrate_for_budget`) is taken.
 """
 
 from __future__ import annotations
@@ -307,41 +309,74 @@ def _cost_table(net: CascadeNet, paths: Tensor, costs: dict[str, float],
                         for p in paths.tolist()])
 
 
-def calibrate_for_accuracy(table: ExitTable, target: float, grid: int = 200) -> Tensor:
-    """Thresholds, exit by exit from the input side, each the lowest candidate (the quantiles
-    of that exit's confidences, and 1: never leave) that keeps the cascade's accuracy on the
-    table at least `target`; the later exits meanwhile take no image. Lower thresholds let
-    more images leave early, so this is the cheapest cascade the greedy order finds."""
-    modules = table.confidence.shape[1]
-    thresholds = torch.ones(modules - 1)
-    levels = torch.linspace(0, 1, grid)
-    for k in range(modules - 1):
-        candidates = torch.cat([table.confidence[:, k].quantile(levels), torch.ones(1)])
-        for t in candidates.unique().clamp(min=1e-6).tolist():
-            trial = thresholds.clone()
-            trial[k] = t
-            if table.outcome(trial)["accuracy"] >= target:
-                thresholds = trial
-                break
-    return thresholds
+@dataclass
+class ThresholdGrid:
+    """Every combination of candidate thresholds for a table's K - 1 exits, scored at once:
+    `thresholds` (C, K - 1), and the cascade's `accuracy` and `mean_cost` (C,) with each."""
+
+    thresholds: Tensor
+    accuracy: Tensor
+    mean_cost: Tensor
+
+    def cheapest(self, target: float) -> Tensor:
+        """The thresholds of least mean cost whose accuracy is at least `target` (the most
+        accurate of those on a tie); none leave early if no combination reaches it."""
+        feasible = self.accuracy >= target - 1e-9
+        if not bool(feasible.any()):
+            return torch.ones(self.thresholds.shape[1])
+        cost = torch.where(feasible, self.mean_cost, torch.inf)
+        ties = feasible & (cost <= cost.min() + 1e-12)
+        return self.thresholds[torch.where(ties, self.accuracy, -1.0).argmax()]
+
+    def most_accurate(self, budget: float) -> Tensor:
+        """The most accurate thresholds whose mean cost is at most `budget` (the cheaper on a
+        tie); the cheapest of all when none is within it (the caller reports the miss)."""
+        within = self.mean_cost <= budget + 1e-12
+        if not bool(within.any()):
+            return self.thresholds[self.mean_cost.argmin()]
+        accuracy = torch.where(within, self.accuracy, -1.0)
+        ties = within & (accuracy >= accuracy.max() - 1e-12)
+        return self.thresholds[torch.where(ties, self.mean_cost, torch.inf).argmin()]
 
 
-def calibrate_for_budget(table: ExitTable, budget: float, steps: int = 30) -> Tensor:
-    """The most accurate thresholds of the greedy calibration whose mean cost is at most
-    `budget` (in the table's cost unit): a bisection over the accuracy given up."""
-    full = table.full_accuracy()
-    low, high = 0.0, 1.0
-    best = calibrate_for_accuracy(table, full - high)
-    if table.outcome(best)["mean_cost"] > budget:
-        return best  # the cheapest the greedy finds; the caller reports the budget missed
-    for _ in range(steps):
-        middle = (low + high) / 2
-        trial = calibrate_for_accuracy(table, full - middle)
-        if table.outcome(trial)["mean_cost"] <= budget:
-            best, high = trial, middle
-        else:
-            low = middle
-    return best
+def threshold_grid(table: ExitTable, combinations: int = 40_000) -> ThresholdGrid:
+    """Scores every combination of candidate thresholds on the table: for each exit but the
+    last, 1e-6 (every image leaves), the quantiles of its confidences (as many as `combinations`
+    allows over K - 1 exits: 200 each for K = 3) and 1 (no image leaves). Searching the exits
+    jointly finds cascades that a greedy, exit-by-exit order misses: spending all the accuracy
+    that may be given up at the first exit can leave none for a later exit that is still far
+    cheaper than the last."""
+    count, modules = table.confidence.shape
+    per_exit = max(2, int(combinations ** (1 / (modules - 1))))
+    levels = torch.linspace(0, 1, per_exit)
+    candidates = [torch.cat([table.confidence[:, k].float().quantile(levels),
+                             torch.tensor([0.0, 1.0])]).clamp(min=1e-6).unique()
+                  for k in range(modules - 1)]  # thresholds live in (0, 1]
+    grid = torch.cartesian_prod(*candidates).reshape(-1, modules - 1)
+    correct, cost = table.correct.float(), table.cost.float()
+    accuracy, mean_cost = [], []
+    for trial in grid.split(max(1, 2 ** 22 // max(count, 1))):
+        # from the last exit back: an image that leaves at exit k takes exit k's outcome
+        right = correct[:, -1].expand(len(trial), -1)
+        spent = cost[:, -1].expand(len(trial), -1)
+        for k in range(modules - 2, -1, -1):
+            leave = table.confidence[None, :, k] > trial[:, k, None]
+            right = torch.where(leave, correct[None, :, k], right)
+            spent = torch.where(leave, cost[None, :, k], spent)
+        accuracy.append(right.mean(1))
+        mean_cost.append(spent.mean(1))
+    return ThresholdGrid(grid, torch.cat(accuracy), torch.cat(mean_cost))
+
+
+def calibrate_for_accuracy(table: ExitTable, target: float) -> Tensor:
+    """The cheapest thresholds on the table whose accuracy is at least `target`."""
+    return threshold_grid(table).cheapest(target)
+
+
+def calibrate_for_budget(table: ExitTable, budget: float) -> Tensor:
+    """The most accurate thresholds on the table whose mean cost is at most `budget` (in the
+    table's cost unit)."""
+    return threshold_grid(table).most_accurate(budget)
 
 
 @torch.no_grad()

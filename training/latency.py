@@ -24,8 +24,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from models.cascade import CascadeNet
 
 
-def device_name(device: torch.device) -> str:
-    """What the times depend on: the processor (or GPU) and, on a CPU, the thread count."""
+def device_name(device: torch.device, threads: int | None = None) -> str:
+    """What the times depend on: the processor (or GPU) and, on a CPU, the thread count
+    (`threads`, or PyTorch's current setting)."""
     if device.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(device)}"
     if device.type == "mps":
@@ -38,7 +39,7 @@ def device_name(device: torch.device) -> str:
         processor = names[0] if names else processor
     except OSError:
         pass
-    return f"cpu: {processor}, {torch.get_num_threads()} threads"
+    return f"cpu: {processor}, {threads or torch.get_num_threads()} threads"
 
 
 def _sync(device: torch.device) -> None:
@@ -139,6 +140,13 @@ def path_costs(net: CascadeNet, costs: dict[str, float], path: tuple[int, ...],
         total += costs[f"{k}.exit"]
         out.append(total)
     return out
+
+
+def full_network_cost(net: CascadeNet, costs: dict[str, float], path: tuple[int, ...]) -> float:
+    """The cost of the network without exits along `path`: its blocks and the last exit head
+    only (what `CascadeNet.forward` runs; no predictor, no earlier exit head)."""
+    passed = sum(costs[f"{k}.exit"] for k in range(net.modules_count - 1))
+    return path_costs(net, costs, path, routed=False)[-1] - passed
 
 
 @torch.no_grad()
