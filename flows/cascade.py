@@ -146,6 +146,10 @@ def cascade(config: CascadeConfig) -> CascadeSummary:
         "share of test images leaving at each exit": ", ".join(
             f"{metrics[f'exit_share_{k}']:.2f}" for k in range(len(config.widths))),
         "thresholds": ", ".join(f"{t:.3f}" for t in calibration.thresholds),
+        **({"predictors": "kept: their per-image choice beats their most frequent one fixed, on "
+            "validation" if calibration.metrics["predictors_kept"] else "fixed to their most "
+            "frequent choice (no worse on validation, and no predictor to run)"}
+           if "predictors_kept" in calibration.metrics else {}),
         "oracle": f"accuracy {metrics['oracle_accuracy']:.4f}, the cascade's cost "
                   f"{metrics['cost_over_oracle']:.2f}x the oracle's",
     })
