@@ -81,8 +81,7 @@ def calibrate_thresholds(config: CascadeConfig, dataset: DatasetRef, latency: Ar
     full = full_network(net)
     plain = validation_table(config, dataset, net, costs, fixed=full)
     full_accuracy = plain.full_accuracy()
-    full_cost = full_network_cost(net, costs, tuple(full.get(k, 0)
-                                                    for k in range(net.modules_count)))
+    full_cost = full_network_cost(net, costs)
     target = full_accuracy - config.accuracy_tolerance
     budget = None if config.latency_budget is None else config.latency_budget * full_cost
 
@@ -162,9 +161,7 @@ def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRe
                 "plain_": {"thresholds": payload["plain_thresholds"].to(device), "fixed": full}}
     table = read_table(latency)
     costs, flops = part_costs(table), part_costs(table, key="flops")
-    full_path = tuple(full.get(k, 0) for k in range(net.modules_count))
-    full_cost = full_network_cost(net, costs, full_path)
-    full_flops = full_network_cost(net, flops, full_path)
+    full_cost, full_flops = full_network_cost(net, costs), full_network_cost(net, flops)
     metrics: dict[str, float] = {}
     for prefix, kwargs in variants.items():
         out = [net.infer(images[i:i + 1024], **kwargs) for i in range(0, len(images), 1024)]

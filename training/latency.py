@@ -142,9 +142,11 @@ def path_costs(net: CascadeNet, costs: dict[str, float], path: tuple[int, ...],
     return out
 
 
-def full_network_cost(net: CascadeNet, costs: dict[str, float], path: tuple[int, ...]) -> float:
-    """The cost of the network without exits along `path`: its blocks and the last exit head
-    only (what `CascadeNet.forward` runs; no predictor, no earlier exit head)."""
+def full_network_cost(net: CascadeNet, costs: dict[str, float]) -> float:
+    """The cost of the full network, what `CascadeNet.forward` runs: every block (each
+    super-network module's most expensive sub-network) and the last exit head only (no
+    predictor, no earlier exit head)."""
+    path = tuple(net.most_expensive(k) for k in range(net.modules_count))
     passed = sum(costs[f"{k}.exit"] for k in range(net.modules_count - 1))
     return path_costs(net, costs, path, routed=False)[-1] - passed
 
