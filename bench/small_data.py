@@ -6,7 +6,8 @@ pixels (bilinear resize for S != 28); `digits` is scikit-learn's 1,797 handwritt
 8 x 8 pixels (a data set of another kind, where raw pixels are strong). Each flow runs with
 its defaults (`quick` profile) on each set and seed, through the real flow (data preparation,
 tracking, versioning, registration), and its test accuracy (the folder's own test split, 20%)
-is set beside:
+and, on the Fashion-MNIST sets, its holdout accuracy (the served model, as registered, on
+Fashion-MNIST's 10,000 test images, which no set draws from, resized alike) are set beside:
 
 - the raw-pixel baselines of the same splits (3-NN and a linear classifier, `training.baselines`);
 - a long run of the same network: the `train` flow's recipe with that flow's network
@@ -14,9 +15,11 @@ is set beside:
   the minimum steps and the most passes, no early stopping (the network trained long enough).
 
 Targets: every flow above both baselines on every set, and within 1 point of the long run.
-A test split of 300 images moves by 2 points between splits, so `--split-per-seed` gives each
-seed its own split (`split_seed` = seed, for the baselines and the long runs too): the means
-then average over splits as well as seeds.
+A test split of 100 or 300 images moves by 2-5 points between splits, so `--split-per-seed`
+gives each seed its own split (`split_seed` = seed, for the baselines and the long runs too):
+the means then average over splits as well as seeds. The holdout's 10,000 images take the test
+images' noise away (a point is 100 images, not one): what is left is the training's and the
+split's. The baselines are scored on the holdout too (fitted on the same training split).
 
     python -m bench.small_data                              # 4 sets, 3 seeds, 3 flows
     python -m bench.small_data --sets 1500x28 --seeds 0 --flows train
@@ -32,16 +35,19 @@ from pathlib import Path
 # Every run trains anew (a benchmark must not be served from Prefect's cache).
 os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from bench.common import mean_std, print_json, print_table  # noqa: E402
+from bench.common import mean_std, parse_overrides, print_json, print_table  # noqa: E402
 from flows.distill import distill  # noqa: E402
 from flows.pbt import pbt  # noqa: E402
 from flows.train import train  # noqa: E402
-from tasks.config import DistillConfig, PBTConfig, TrainConfig  # noqa: E402
-from tasks.data import fashion_mnist_root  # noqa: E402
+from tasks.config import DataSection, DistillConfig, PBTConfig, TrainConfig  # noqa: E402
+from tasks.data import fashion_mnist_root, split_source  # noqa: E402
 from tasks.environment import data_dir  # noqa: E402
+from tasks.registration import pyfunc_accuracy  # noqa: E402
+from training.baselines import raw_pixel_baselines  # noqa: E402
 from training.datasets import load_fashion_mnist  # noqa: E402
 
 SETS = ("500x28", "1500x28", "5000x28", "1500x8", "digits")
@@ -70,6 +76,17 @@ def digits_folder() -> Path:
     return root
 
 
+def class_folder(name: str) -> str:
+    """The folder (and so the class name) of a Fashion-MNIST class in the sets."""
+    return name.replace("/", "-")
+
+
+def resized(image: torch.Tensor, size: int) -> Image.Image:
+    """A Fashion-MNIST image (uint8 1 x 28 x 28) as the sets store it at `size` pixels."""
+    picture = Image.fromarray(image[0].numpy(), mode="L")
+    return picture if size == 28 else picture.resize((size, size), Image.BILINEAR)
+
+
 def image_folder(images: int, size: int) -> Path:
     """The ImageFolder of `images` Fashion-MNIST training images at `size` pixels (made once
     under data/small/, written under a temporary name and renamed)."""
@@ -82,20 +99,49 @@ def image_folder(images: int, size: int) -> Path:
     for label, name in enumerate(source.classes):
         picks = (source.labels == label).nonzero().flatten()
         picks = picks[torch.randperm(len(picks), generator=generator)[:images // 10]]
-        folder = partial / name.replace("/", "-")
+        folder = partial / class_folder(name)
         folder.mkdir(parents=True, exist_ok=True)
         for n, index in enumerate(picks.tolist()):
-            image = Image.fromarray(source.images[index, 0].numpy(), mode="L")
-            if size != 28:
-                image = image.resize((size, size), Image.BILINEAR)
-            image.save(folder / f"{n:05d}.png")
+            resized(source.images[index], size).save(folder / f"{n:05d}.png")
     partial.rename(root)
     return root
 
 
+class Holdout:
+    """Fashion-MNIST's 10,000 test images at a set's size: what no set draws from."""
+
+    def __init__(self, size: int):
+        test = load_fashion_mnist(fashion_mnist_root(), train=False)
+        self.images = np.stack([np.asarray(resized(image, size)) for image in test.images])
+        self.labels = [class_folder(test.classes[i]) for i in test.labels.tolist()]
+
+    def model_accuracy(self, model_uri: str) -> float:
+        """The served model's accuracy on the holdout (its classes are the folder names)."""
+        return pyfunc_accuracy(model_uri, self.images, self.labels)
+
+    def baselines(self, folder: Path, size: int, split_seed: int) -> dict[str, float]:
+        """The raw-pixel baselines fitted on the split's training images (k-NN; the linear
+        classifier's penalty chosen on its validation images), scored on the holdout."""
+        source, splits = split_source(DataSection(data=str(folder), image_size=size,
+                                                  split_seed=split_seed))
+        index = {name: i for i, name in enumerate(source.classes)}
+        holdout = torch.from_numpy(self.images)[:, None]
+        images = torch.cat([source.images[splits["train"]], source.images[splits["val"]],
+                            holdout])
+        labels = torch.cat([source.labels[splits["train"]], source.labels[splits["val"]],
+                            torch.tensor([index[label] for label in self.labels])])
+        ends = torch.tensor([len(splits["train"]), len(splits["val"]), len(holdout)]).cumsum(0)
+        positions = torch.arange(len(images))
+        found = raw_pixel_baselines(images, labels, {
+            "train": positions[:ends[0]], "val": positions[ends[0]:ends[1]],
+            "test": positions[ends[1]:]})
+        return {"knn": found["knn_test_accuracy"], "linear": found["linear_test_accuracy"]}
+
+
 def run_flow(flow: str, folder: Path, size: int, seed: int, split_seed: int = 0,
-             **overrides) -> dict:
-    """One run of `flow` with its defaults on `folder`; its test accuracy and baselines."""
+             holdout: Holdout | None = None, **overrides) -> dict:
+    """One run of `flow` with its defaults on `folder`: its test accuracy, baselines and (with
+    `holdout`) holdout accuracy."""
     common = {"data": str(folder), "image_size": size, "seed": seed, "progress": False,
               "split_seed": split_seed,
               "model_name": f"bench-small-{flow}-{folder.name}", **overrides}
@@ -109,8 +155,15 @@ def run_flow(flow: str, folder: Path, size: int, seed: int, split_seed: int = 0,
     else:
         summary = pbt(PBTConfig(**common))
         baselines = None
-    return {"test_accuracy": summary.test_accuracy, "baselines": baselines,
-            "seconds": time.perf_counter() - started, "alias": summary.registration.alias}
+    seconds = time.perf_counter() - started
+    return {"test_accuracy": summary.test_accuracy, "baselines": baselines, "seconds": seconds,
+            "alias": summary.registration.alias, "holdout_accuracy": None if holdout is None
+            else holdout.model_accuracy(summary.registration.model_uri)}
+
+
+def spread(pair: tuple[float, float] | None) -> str:
+    """`mean ± std`, or `-` for none."""
+    return "-" if pair is None else f"{pair[0]:.4f} ± {pair[1]:.4f}"
 
 
 def main() -> None:
@@ -127,7 +180,12 @@ def main() -> None:
                         "run (default: those of --flows)")
     parser.add_argument("--split-per-seed", action="store_true", help="each seed its own "
                         "train / validation / test split (split_seed = seed)")
+    parser.add_argument("--no-holdout", action="store_true", help="skip scoring on "
+                        "Fashion-MNIST's test images")
+    parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                        help="config fields of the flows' runs (not the long runs')")
     args = parser.parse_args()
+    overrides = parse_overrides(args.set)
     long_seeds = args.seeds if args.long_seeds is None else args.long_seeds
     long_models = args.long_models if args.long_models is not None else sorted(
         {NETWORKS[flow] for flow in args.flows})
@@ -138,17 +196,21 @@ def main() -> None:
         else:
             images, size = (int(part) for part in spec.split("x"))
             folder = image_folder(images, size)
+        holdout = None if spec == "digits" or args.no_holdout else Holdout(size)
         runs: dict[str, list[dict]] = {}
+        held_baselines = []
         for seed in args.seeds:
+            split = seed if args.split_per_seed else 0
+            if holdout is not None and (args.split_per_seed or not held_baselines):
+                held_baselines.append(holdout.baselines(folder, size, split))
             for flow in args.flows:
-                split = seed if args.split_per_seed else 0
-                runs.setdefault(flow, []).append(run_flow(flow, folder, size, seed, split))
+                runs.setdefault(flow, []).append(run_flow(flow, folder, size, seed, split,
+                                                          holdout, **overrides))
                 print(f"{spec} seed {seed} {flow}: {runs[flow][-1]}", flush=True)
             for model in long_models if args.long_factor and seed in long_seeds else []:
                 fields = TrainConfig.model_fields
                 runs.setdefault(f"long {model}", []).append(run_flow(
-                    "train", folder, size, seed, seed if args.split_per_seed else 0,
-                    model=model, patience=None,
+                    "train", folder, size, seed, split, holdout, model=model, patience=None,
                     min_steps=fields["min_steps"].default * args.long_factor,
                     max_epochs=fields["max_epochs"].default * args.long_factor,
                     model_name=f"bench-small-long-{model}-{folder.name}"))
@@ -158,25 +220,32 @@ def main() -> None:
                      if r["baselines"]]
         knn = mean_std([b["knn_test_accuracy"] for b in baselines]) if baselines else None
         linear = mean_std([b["linear_test_accuracy"] for b in baselines]) if baselines else None
+        held = {name: mean_std([b[name] for b in held_baselines]) if held_baselines else None
+                for name in ("knn", "linear")}
         for flow, flow_runs in runs.items():
             long_runs = runs.get(f"long {NETWORKS.get(flow)}")
-            long = mean_std([r["test_accuracy"] for r in long_runs]) if long_runs else None
-            accuracies = [r["test_accuracy"] for r in flow_runs]
-            mean, std = mean_std(accuracies)
-            row = {"set": spec, "flow": flow, "test_accuracy": accuracies, "mean": mean,
-                   "std": std, "seconds": mean_std([r["seconds"] for r in flow_runs])[0],
-                   "aliases": [r["alias"] for r in flow_runs]}
+            row = {"set": spec, "flow": flow, "seconds": mean_std(
+                [r["seconds"] for r in flow_runs])[0], "aliases": [r["alias"] for r in flow_runs]}
+            cells = []
+            for score in ("test_accuracy", "holdout_accuracy"):
+                accuracies = [r[score] for r in flow_runs]
+                if None in accuracies:
+                    cells += ["-", "-"]
+                    continue
+                mean, std = mean_std(accuracies)
+                long = mean_std([r[score] for r in long_runs])[0] if long_runs else None
+                row |= {score: accuracies, f"{score}_mean": mean, f"{score}_std": std,
+                        f"{score}_vs_long": None if long is None else mean - long}
+                cells += [f"{mean:.4f} ± {std:.4f}", "-" if long is None else f"{mean - long:+.4f}"]
             results.append(row)
-            rows.append([spec, flow, f"{mean:.4f} ± {std:.4f}",
-                         " / ".join(f"{a:.4f}" for a in accuracies),
-                         f"{knn[0]:.4f} ± {knn[1]:.4f}" if knn else "-",
-                         f"{linear[0]:.4f} ± {linear[1]:.4f}" if linear else "-",
-                         f"{mean - long[0]:+.4f}" if long else "-",
-                         f"{row['seconds']:.0f}"])
-    print_table(["set", "flow", "test accuracy (mean ± std)", "per seed", "3-NN pixels",
-                 "linear pixels", "vs long run", "s / run"], rows)
+            rows.append([spec, flow, *cells[:2], spread(knn), spread(linear), *cells[2:],
+                         spread(held["knn"]), spread(held["linear"]), f"{row['seconds']:.0f}"])
+        results.append({"set": spec, "holdout_baselines": held_baselines})
+    print_table(["set", "flow", "test accuracy", "vs long", "3-NN pixels", "linear pixels",
+                 "holdout accuracy", "vs long", "3-NN holdout", "linear holdout", "s / run"],
+                rows)
     print_json({"benchmark": "small_data", "seeds": args.seeds, "long_seeds": long_seeds,
-                "split_per_seed": args.split_per_seed,
+                "split_per_seed": args.split_per_seed, "overrides": overrides,
                 "long_factor": args.long_factor, "results": results})
 
 

@@ -27,7 +27,19 @@ def test_a_tiny_data_set_gets_a_smaller_batch_and_is_capped_in_passes():
     assert fitted_batch_size(360, 24) == 24  # a batch already small enough stays
     budget = fit_budget(40, 128, 8, 1000, 400)  # 16 images a step, 2 steps an epoch
     assert (budget.batch_size, budget.steps_per_epoch) == (16, 2)
-    assert budget.repeats == 50 and budget.epochs == 400  # 63 wanted, capped at 400 / 8
+    assert budget.repeats == 50 and budget.epochs == 400  # 500 wanted, capped at 400 / 8
+
+
+def test_a_lowered_batch_takes_proportionally_more_steps():
+    # 360 images: batch 32 (a quarter of 128), 11 steps an epoch, 88 in 8 epochs; the minimum
+    # of 1,000 steps of 128 images is 4,000 steps of 32: ceil(4000 / 88) = 46 repeats
+    budget = fit_budget(360, 128, 8, 1000, 400)
+    assert (budget.batch_size, budget.repeats, budget.steps) == (32, 46, 4048)
+    assert budget.steps * budget.batch_size >= 1000 * 128  # the same images seen
+    # the default minimum on the same images reaches the cap of 400 passes first
+    assert fit_budget(360, 128, 8, 3000, 400).epochs == 400
+    # a batch configured small enough is not lowered, so nothing is scaled
+    assert fit_budget(360, 32, 8, 1000, 400).repeats == 12  # ceil(1000 / 88)
 
 
 def test_rounds_that_draw_a_subset_and_no_minimum():
