@@ -7,10 +7,10 @@ and score each image's difficulty; measure every part's time on this device (the
 table); train the modules input side first, each on the easiest share of the first set that
 its position allows (a super-network module with the latency-aware loss), then fit each
 super-network module's predictor on the second set (after the last module; with frozen
-stage training, right after its own); calibrate the exit
-thresholds on validation; test the real cascade beside the full network, the plain confidence
-cascade and the oracle; register it (a pyfunc that runs the real cascade) and promote it like
-`train`'s models.
+stage training, right after its own); refit the early exit heads to the last exit (on the
+first set, the rest frozen); calibrate the exit thresholds on validation; test the real
+cascade beside the full network, the plain confidence cascade and the oracle; register it
+(a pyfunc that runs the real cascade) and promote it like `train`'s models.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from tasks.cascade import (
     measure_latency,
     module_budget,
     read_table,
+    refit_exits,
     serving_device,
     train_module_round,
 )
@@ -117,6 +118,15 @@ def cascade(config: CascadeConfig) -> CascadeSummary:
                     logger.info("module %d predictor (%s): %s", j, config.predictor,
                                 ", ".join(f"{key}={value:.3f}"
                                           for key, value in fitted.metrics.items()))
+        if config.exit_distill_epochs:
+            refit = refit_exits(config, dataset, sets, checkpoint)
+            tracking.log_metrics(run_id, refit.metrics)
+            tracking.log_artifact_refs(run_id, {"checkpoint.exits-refit": refit.checkpoint})
+            checkpoint = refit.checkpoint
+            logger.info("exit heads refitted to the last exit: validation %s", ", ".join(
+                f"{refit.metrics[f'exit{k}_val_accuracy_before_refit']:.4f} -> "
+                f"{refit.metrics[f'exit{k}_val_accuracy']:.4f}"
+                for k in range(len(config.widths) - 1)))
         calibration = calibrate_thresholds(config, dataset, latency, checkpoint)
         tracking.log_metrics(run_id, calibration.metrics)
         tracking.log_artifact_refs(run_id, {"checkpoint.calibrated": calibration.checkpoint})

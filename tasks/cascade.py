@@ -1,8 +1,8 @@
-"""The `cascade` flow's training tasks: difficulty sets, the latency table, module rounds and
-predictor fitting (calibration, test and registration: `tasks.cascade_evaluation`). Each
-loads its inputs by reference, calls `training.cascade` / `training.latency`, writes and
-versions its output, and returns the reference with its metrics; each is cached on its
-inputs, so a killed run resumes.
+"""The `cascade` flow's training tasks: difficulty sets, the latency table, module rounds,
+predictor fitting and the exit heads' refit (calibration, test and registration:
+`tasks.cascade_evaluation`). Each loads its inputs by reference, calls `training.cascade` /
+`training.latency`, writes and versions its output, and returns the reference with its
+metrics; each is cached on its inputs, so a killed run resumes.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from training.cascade import (
     StageModel,
     curriculum,
     difficulty,
+    distill_exits,
+    exit_accuracies,
     fixed_choice,
     module_step,
     predictor_step,
@@ -252,4 +254,36 @@ def fit_predictor(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
     relpath = f"checkpoints/cascade/{run_key(config, dataset)}/module-{k}-predictor.pt"
     payload = {"model": net.state_dict(), "module": k}
     return EpochResult(epoch=0, checkpoint=save_checkpoint(store, relpath, payload),
+                       metrics=metrics)
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name="distill-exits")
+def refit_exits(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
+                checkpoint: ArtifactRef) -> EpochResult:
+    """Every exit head but the last refitted to the last exit on the first training set (the
+    images the modules trained on; `training.cascade.distill_exits`), the rest of the
+    network unchanged. Metrics: each exit's validation accuracy before
+    (`exit{k}_val_accuracy_before_refit`) and after (`exit{k}_val_accuracy`), and the
+    refit's last loss."""
+    device = setup_device(config)
+    store = ArtifactStore()
+    data = load_dataset(dataset)
+    first = load_checkpoint(store, sets.artifact)["modules"][-1]  # the last module's: all
+    net = new_cascade(config, dataset)
+    net.load_state_dict(load_checkpoint(store, checkpoint)["model"])
+    net.to(device)
+
+    def val() -> list[float]:
+        return exit_accuracies(net, split_batches(data, dataset, "val", 1024, device))
+
+    before = val()
+    metrics = distill_exits(net, Batches(data.images, data.labels, first, 1024, Normalize(
+        dataset.mean, dataset.std), device=device), config.exit_distill_epochs, config.lr,
+        config.exit_distill_temperature, config.exit_distill_weight, config.seed)
+    after = val()
+    metrics |= {f"exit{k}_val_accuracy_before_refit": v for k, v in enumerate(before)} | {
+        f"exit{k}_val_accuracy": v for k, v in enumerate(after)}
+    relpath = f"checkpoints/cascade/{run_key(config, dataset)}/exits-refit.pt"
+    return EpochResult(epoch=0, checkpoint=save_checkpoint(store, relpath,
+                                                           {"model": net.state_dict()}),
                        metrics=metrics)

@@ -27,6 +27,7 @@ class CascadeConfig(ProfiledConfig, DataSection, OptimSection, RunSection):
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
         "smoke": {**{k: v for k, v in TrainConfig.PROFILES["smoke"].items() if k != "model"},
                   "widths": (8, 16, 16), "predictor_epochs": 1, "latency_repeats": 3,
+                  "exit_distill_epochs": 3,
                   "serving_batch": 32},
         "quick": {},
         "full": {**{k: v for k, v in TrainConfig.PROFILES["full"].items()
@@ -74,6 +75,20 @@ class CascadeConfig(ProfiledConfig, DataSection, OptimSection, RunSection):
                                   "loss: how many errors the most expensive sub-network's time "
                                   "is worth (above 0.005 every image went to the cheapest "
                                   "sub-network here, at 1.5 points)")
+    exit_distill_epochs: int = Field(30, ge=0, le=10000, description="after the modules and "
+                                     "predictors: passes that refit every exit head but the "
+                                     "last to the last exit's softened outputs and the labels, "
+                                     "on the frozen network's maps of the first training set "
+                                     "(`training.cascade.distill_exits`); 0: keep the heads")
+    exit_distill_weight: float = Field(0.5, ge=0.0, le=1.0, description="the share of the "
+                                       "distillation term in the refit's loss (the rest: "
+                                       "cross-entropy on the labels)")
+    exit_distill_temperature: float = Field(4.0, gt=0.0, le=100.0, description="the softening "
+                                            "temperature of the exit refit's distillation term")
+    count_gains: bool = Field(False, description="calibrating, let images an early exit gets "
+                              "right and the last exit misses make up for images it loses (the "
+                              "net accuracy); default: only the losses count, so the thresholds "
+                              "do not spend the validation split's chance gains")
     calibrate: Literal["accuracy", "budget"] = Field("accuracy", description="thresholds for an "
                                                      "accuracy (the full network's on validation "
                                                      "minus accuracy_tolerance) or a budget")

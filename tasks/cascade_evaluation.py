@@ -71,12 +71,18 @@ def full_network(net: CascadeNet) -> dict[int, int]:
 def calibrate_thresholds(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRef,
                          checkpoint: ArtifactRef) -> Calibration:
     """The exit thresholds (given, or calibrated on validation for the full network's accuracy
-    minus `accuracy_tolerance`, or for `latency_budget`), written into a new checkpoint beside
+    minus `accuracy_tolerance`, or for `latency_budget`; unless `count_gains`, on the images
+    an early exit loses alone, `ExitTable.losses_only`), written into a new checkpoint beside
     the thresholds of two references measured by the test: the plain confidence cascade
     (every super-network module at its most expensive sub-network, calibrated alike) and the
     sweep of accuracy tolerances (`SWEEP`, the accuracy-latency curve)."""
     net = trained_cascade(config, dataset, checkpoint)
     costs = part_costs(read_table(latency))
+
+    def scored(table: ExitTable) -> ThresholdGrid:
+        """The table's grid, on its net accuracy or (by default) its losses alone."""
+        return threshold_grid(table if config.count_gains else table.losses_only())
+
     table = validation_table(config, dataset, net, costs)
     full = full_network(net)
     plain = validation_table(config, dataset, net, costs, fixed=full)
@@ -98,7 +104,7 @@ def calibrate_thresholds(config: CascadeConfig, dataset: DatasetRef, latency: Ar
             return outcome["mean_cost"] > budget + 1e-12, -outcome["accuracy"]
         return outcome["accuracy"] < target - 1e-9, outcome["mean_cost"]
 
-    grid = threshold_grid(table)  # scored once, queried for every calibration below
+    grid = scored(table)  # scored once, queried for every calibration below
     thresholds = calibrate(grid)
     routed = [k for k in range(net.modules_count) if net.is_super(k)
               and int(net.blocks[k].fixed) < 0]
@@ -110,7 +116,7 @@ def calibrate_thresholds(config: CascadeConfig, dataset: DatasetRef, latency: Ar
         # within the budget).
         majority = {k: int(table.paths[:, k].mode().values) for k in routed}
         fixed_table = validation_table(config, dataset, net, costs, fixed=majority)
-        fixed_grid = threshold_grid(fixed_table)
+        fixed_grid = scored(fixed_table)
         fixed_thresholds = calibrate(fixed_grid)
         mine, theirs = table.outcome(thresholds), fixed_table.outcome(fixed_thresholds)
         keep = rank(mine) < rank(theirs)
@@ -123,7 +129,7 @@ def calibrate_thresholds(config: CascadeConfig, dataset: DatasetRef, latency: Ar
             table, grid, thresholds = fixed_table, fixed_grid, fixed_thresholds
     net.thresholds.copy_(thresholds)
     outcome = table.outcome(thresholds)
-    plain_thresholds = threshold_grid(plain).cheapest(target)
+    plain_thresholds = scored(plain).cheapest(target)
     sweep = {str(t): grid.cheapest(full_accuracy - t) for t in SWEEP}
     metrics = {"val_accuracy": outcome["accuracy"], "val_full_accuracy": full_accuracy,
                "val_routed_accuracy": table.full_accuracy(),

@@ -16,6 +16,10 @@ from training.cascade import (
     calibrate_for_budget,
     curriculum,
     difficulty,
+    distill_exits,
+    distillation_loss,
+    exit_accuracies,
+    exit_inputs,
     exit_table,
     module_step,
     oracle,
@@ -156,6 +160,23 @@ def test_outcome_and_calibration_by_hand():
     cheap = calibrate_for_budget(table, 3.0)
     assert table.outcome(cheap)["mean_cost"] <= 3.0
     assert table.outcome(cheap)["accuracy"] < 0.75
+
+
+def test_counting_losses_only_keeps_chance_gains_from_paying_for_losses():
+    # one early exit; image 1 is lost there (right at the last exit), image 2 gained
+    confidence = torch.tensor([[0.9, 1.0], [0.8, 1.0], [0.7, 1.0], [0.6, 1.0]])
+    correct = torch.tensor([[True, True], [False, True], [True, False], [True, True]])
+    table = ExitTable(confidence, correct, torch.tensor([[1.0, 3.0]] * 4))
+    strict = table.losses_only()
+    assert strict.correct[:, 0].tolist() == [True, False, False, True]
+    assert strict.full_accuracy() == table.full_accuracy() == pytest.approx(0.75)
+    everyone = torch.tensor([0.5])  # all four leave at exit 0
+    assert table.outcome(everyone)["accuracy"] == pytest.approx(0.75)  # the gain pays
+    assert strict.outcome(everyone)["accuracy"] == pytest.approx(0.5)  # the loss counts
+    # for the full network's accuracy: the net count sends everyone out at exit 0; counting
+    # losses only, exit 0 may take image 0 alone (image 1, at 0.8, would be lost)
+    assert calibrate_for_accuracy(table, 0.75)[0] < 0.6
+    assert 0.8 <= calibrate_for_accuracy(strict, 0.75)[0] < 0.9
 
 
 def test_calibration_finds_the_cheapest_thresholds_of_an_exhaustive_search():
@@ -308,3 +329,37 @@ def test_a_batch_and_its_images_one_by_one_get_the_same_cascade():
     assert batch.labels.tolist() == [int(a.labels) for a in alone]
     assert batch.choices.tolist() == [a.choices[0].tolist() for a in alone]
     assert torch.allclose(batch.confidence, torch.cat([a.confidence for a in alone]), atol=1e-5)
+
+
+def test_the_distillation_loss_by_hand():
+    logits, labels = torch.zeros(1, 2), torch.tensor([0])
+    teacher = torch.tensor([[math.log(3.0), 0.0]])  # softmax (0.75, 0.25); the logits' (0.5, 0.5)
+    kl = 0.75 * math.log(0.75 / 0.5) + 0.25 * math.log(0.25 / 0.5)
+    assert distillation_loss(logits, teacher, labels, 1.0, 1.0).item() == pytest.approx(kl)
+    # at T = 2 the same softened distributions (teacher doubled), the term times T^2 = 4
+    assert distillation_loss(logits, 2 * teacher, labels, 2.0, 1.0).item() == pytest.approx(4 * kl)
+    assert distillation_loss(logits, teacher, labels, 1.0, 0.0).item() == pytest.approx(
+        math.log(2.0))  # weight 0: the cross-entropy alone
+    same = distillation_loss(teacher, teacher, labels, 3.0, 1.0).item()
+    assert same == pytest.approx(0.0, abs=1e-5)
+
+
+def test_refitting_the_exits_makes_them_agree_with_the_last_and_changes_nothing_else():
+    net = small_net(exit_pool=2)
+    x = torch.randn(256, 1, 28, 28)
+    with torch.no_grad():  # labels the last exit gets right: the refit's two targets agree
+        y = net.infer(x, torch.tensor([1.0, 1.0])).labels
+    batches = [(None, x[i:i + 64], y[i:i + 64]) for i in range(0, 256, 64)]
+    before = exit_accuracies(net, batches)
+    assert before[2] == 1.0 and max(before[:2]) < 0.8
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    metrics = distill_exits(net, batches, epochs=40, lr=0.1, temperature=2.0, weight=0.5, seed=0)
+    after = exit_accuracies(net, batches)
+    assert after[0] > before[0] + 0.1 and after[1] > before[1] + 0.1 and after[2] == 1.0
+    assert set(metrics) == {"exit0_distill_loss", "exit1_distill_loss"}
+    changed = {k for k, v in net.state_dict().items() if not torch.equal(v, state[k])}
+    assert changed == {"exits.0.fc.weight", "exits.0.fc.bias", "exits.1.fc.weight",
+                       "exits.1.fc.bias"}
+    inputs, final, labels = exit_inputs(net, batches)
+    assert [tuple(i.shape) for i in inputs] == [(256, 4 * 4), (256, 8 * 4)]  # C x 2 x 2
+    assert (final.argmax(1) == labels).all()

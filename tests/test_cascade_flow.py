@@ -42,7 +42,7 @@ def test_modules_train_in_order_on_rising_difficulty_and_everything_is_tracked(r
     assert metrics["second_set_images"] + images[-1] == metrics["data_train_images"]
     assert metrics["second_set_images"] == round(0.2 * metrics["data_train_images"])
     for key in ("difficulty_sets", "latency_table", "checkpoint.calibrated",
-                "checkpoint.module-1.predictor"):
+                "checkpoint.module-1.predictor", "checkpoint.exits-refit"):
         assert len(tags[f"dvc.{key}"]) == 32, key
     assert len(tracking.artifact_refs(run.run_id)["checkpoint.module-2.epoch-002"]["md5"]) == 32
     for k in range(3):
@@ -50,7 +50,8 @@ def test_modules_train_in_order_on_rising_difficulty_and_everything_is_tracked(r
         assert [m.step for m in history] == [1, 2]
     assert {"module1_loss_route", "predictor1_share_0", "predictor2_share_1", "val_accuracy",
             "test_accuracy", "full_test_accuracy", "plain_test_accuracy", "speedup_b1",
-            "oracle_accuracy", "threshold_0", "threshold_1"} <= set(metrics)
+            "oracle_accuracy", "threshold_0", "threshold_1", "exit0_distill_loss",
+            "exit1_val_accuracy_before_refit", "exit1_val_accuracy"} <= set(metrics)
     assert metrics["predictor1_share_0"] + metrics["predictor1_share_1"] == pytest.approx(1)
     files = {f.path for f in client.list_artifacts(run.run_id, "cascade")}
     assert files == {"cascade/latency.json", "cascade/sweep.json",
@@ -58,6 +59,21 @@ def test_modules_train_in_order_on_rising_difficulty_and_everything_is_tracked(r
     table = json.loads(Path(client.download_artifacts(run.run_id, "cascade/latency.json"))
                        .read_text())
     assert table["batch_sizes"] == [1, 32] and "2.sub1" in table["parts"]
+
+
+def test_the_exit_refit_changes_the_early_heads_alone(run):
+    from tasks.versioning import ArtifactStore, md5_of
+
+    refs = tracking.artifact_refs(run.run_id)
+
+    def weights(name: str) -> dict:
+        path = ArtifactStore().path_of(refs[name]["path"])
+        assert md5_of(path) == refs[name]["md5"]
+        return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+    before, after = weights("checkpoint.module-2.predictor"), weights("checkpoint.exits-refit")
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and changed <= {f"exits.{k}.fc.{p}" for k in (0, 1) for p in ("weight", "bias")}
 
 
 def test_the_calibrated_cascade_keeps_its_promise_on_validation(run):
