@@ -40,8 +40,8 @@ from torch import Tensor, nn
 
 from models.cascade import CascadeNet, SuperModule, confidence_of
 from training.latency import path_costs
-from training.loops import Step, cosine_lr
-from training.recipe import sgd
+from training.loops import Step
+from training.recipe import sgd, train_round
 
 Batches = Iterable[tuple[Tensor, Tensor, Tensor]]
 DIFFICULTY = ("loss", "margin")
@@ -283,34 +283,30 @@ def distill_exits(net: CascadeNet, batches: Batches, epochs: int, lr: float,
                   ) -> dict[str, float]:
     """Refits the linear layer of every exit head but the last to the last exit's softened
     outputs and the labels (`distillation_loss`), on the maps the frozen network gives for
-    `batches` (computed once: the blocks, predictors and the last exit do not change). SGD
-    with momentum, a cosine schedule over `epochs` passes of `batch_size` maps, shuffled from
-    `seed`. Returns each head's mean loss over its last pass (`exit{k}_distill_loss`)."""
+    `batches` (computed once: the blocks, predictors and the last exit do not change), by the
+    recipe's loop (`training.recipe.train_round`: SGD with momentum, a cosine schedule over
+    `epochs` passes of `batch_size` maps, shuffled from `seed`). Returns each head's mean
+    loss over its last pass (`exit{k}_distill_loss`)."""
     inputs, teacher, labels = exit_inputs(net, batches)
     generator = torch.Generator().manual_seed(seed)
+    size = min(batch_size, len(labels))
+
+    def step(model: nn.Module, ids: Tensor, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        return {"loss": distillation_loss(model(x), teacher[ids], y, temperature, weight)}
+
     metrics = {}
     for k, maps in enumerate(inputs):
         head = net.exits[k].fc
-        head.train()
-        optimizer = sgd(head.parameters(), lr, 0.9, 5e-4)
-        size = min(batch_size, len(labels))
-        per_epoch = len(labels) // size
-        losses: list[float] = []
-        for epoch in range(epochs):
+
+        def batches_for(_epoch: int, maps: Tensor = maps) -> list[tuple[Tensor, Tensor, Tensor]]:
             order = torch.randperm(len(labels), generator=generator).to(labels.device)
-            losses = []
-            for n in range(per_epoch):
-                for group in optimizer.param_groups:
-                    group["lr"] = cosine_lr(lr, epoch * per_epoch + n, epochs * per_epoch)
-                rows = order[n * size:(n + 1) * size]
-                loss = distillation_loss(head(maps[rows]), teacher[rows], labels[rows],
-                                         temperature, weight)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                losses.append(loss.item())
+            return [(rows, maps[rows], labels[rows]) for rows in order.split(size)
+                    if len(rows) == size]  # a short last batch is dropped
+
+        losses = train_round(head, sgd(head.parameters(), lr, 0.9, 5e-4), batches_for, step,
+                             labels.device, range(epochs), lr, (0, epochs))
         head.eval()
-        metrics[f"exit{k}_distill_loss"] = sum(losses) / max(len(losses), 1)
+        metrics[f"exit{k}_distill_loss"] = losses.get("loss", 0.0)
     return metrics
 
 
