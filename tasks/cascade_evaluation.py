@@ -50,7 +50,7 @@ class CascadeTest(BaseModel):
     sweep: list[dict[str, float]]
 
 
-SWEEP = (0.0, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)  # accuracy given up on validation
+SWEEP = (0.0, 0.002, 0.003, 0.004, 0.005, 0.01, 0.02, 0.05, 0.1)  # accuracy given up on validation
 
 
 def validation_table(config: CascadeConfig, dataset: DatasetRef, net: CascadeNet,
@@ -153,7 +153,8 @@ def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRe
     cascade, each exit's share, milliseconds per image measured at batch 1 (the first
     `latency_images` test images) and at the serving batch (interleaved passes), the latency
     table's predicted cost and FLOPs per image, and the oracle (`oracle_`). Then the sweep's
-    accuracy and time at batch 1 (on 300 images)."""
+    accuracy, time at batch 1 (on 300 images) and cost by the table (over the full network's
+    and over the oracle's)."""
     device = setup_device(config)
     net = trained_cascade(config, dataset, calibrated).to(device)
     payload = load_checkpoint(ArtifactStore(), calibrated)
@@ -169,13 +170,14 @@ def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRe
     costs, flops = part_costs(table), part_costs(table, key="flops")
     full_cost, full_flops = full_network_cost(net, costs), full_network_cost(net, flops)
     metrics: dict[str, float] = {}
+    tables: dict[str, ExitTable] = {}
     for prefix, kwargs in variants.items():
         out = [net.infer(images[i:i + 1024], **kwargs) for i in range(0, len(images), 1024)]
         predicted, exits = torch.cat([o.labels for o in out]), torch.cat([o.exits for o in out])
         shares = torch.bincount(exits.cpu(), minlength=net.modules_count).float() / len(exits)
         fixed = kwargs.get("fixed")
         batches = split_batches(data, dataset, "test", 1024, device)
-        paths = exit_table(net, batches, costs, fixed)
+        paths = tables[prefix] = exit_table(net, batches, costs, fixed)
         thresholds = kwargs.get("thresholds", net.thresholds).cpu()
         spent = paths.outcome(thresholds)
         spent_flops = paths.priced(net, flops).outcome(thresholds)
@@ -201,6 +203,7 @@ def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRe
     sweep = []
     sample = images[:300]
     for tolerance, thresholds in payload["sweep"].items():
+        priced = tables[""].outcome(thresholds.cpu())["mean_cost"]
         thresholds = thresholds.to(device)
         predicted = torch.cat([net.infer(images[i:i + 1024], thresholds).labels
                                for i in range(0, len(images), 1024)])
@@ -211,6 +214,8 @@ def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRe
                       "test_accuracy": (predicted == labels).float().mean().item(),
                       "ms_per_image_b1": measured["cascade"],
                       "speedup_b1": measured["full"] / measured["cascade"],
+                      "table_cost_ratio": priced / full_cost,
+                      "cost_over_oracle": priced / best["mean_cost"],
                       **{f"threshold_{k}": t for k, t in enumerate(thresholds.tolist())}})
     return CascadeTest(metrics=metrics, sweep=sweep)
 
