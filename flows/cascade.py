@@ -74,6 +74,17 @@ class CascadeSummary(BaseModel):
         return self.test.metrics["test_accuracy"]
 
 
+def predictor_choice(metrics: dict[str, float]) -> str:
+    """The summary's line on what the calibration kept of the super-network's routing."""
+    if metrics["predictors_kept"]:
+        return ("kept: their per-image choice beats their most frequent one fixed and the most "
+                "expensive sub-networks, on validation")
+    if metrics["most_expensive_fixed"]:
+        return ("the most expensive sub-networks fixed (the plain cascade): their most frequent "
+                "choice misses the target or costs more, on validation")
+    return "fixed to their most frequent choice (no worse on validation, and no predictor to run)"
+
+
 @flow(name=FLOW_NAME, description="Train a cascaded early-exit network with super-network "
       "modules module by module on sets of rising difficulty, calibrate its exits, measure it "
       "against the full network, register it and promote it if it beats the champion.")
@@ -156,9 +167,7 @@ def cascade(config: CascadeConfig) -> CascadeSummary:
         "share of test images leaving at each exit": ", ".join(
             f"{metrics[f'exit_share_{k}']:.2f}" for k in range(len(config.widths))),
         "thresholds": ", ".join(f"{t:.3f}" for t in calibration.thresholds),
-        **({"predictors": "kept: their per-image choice beats their most frequent one fixed, on "
-            "validation" if calibration.metrics["predictors_kept"] else "fixed to their most "
-            "frequent choice (no worse on validation, and no predictor to run)"}
+        **({"predictors": predictor_choice(calibration.metrics)}
            if "predictors_kept" in calibration.metrics else {}),
         "oracle": f"accuracy {metrics['oracle_accuracy']:.4f}, the cascade's cost "
                   f"{metrics['cost_over_oracle']:.2f}x the oracle's",

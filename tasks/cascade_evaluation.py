@@ -110,23 +110,35 @@ def calibrate_thresholds(config: CascadeConfig, dataset: DatasetRef, latency: Ar
               and int(net.blocks[k].fixed) < 0]
     predictors: dict[str, float] = {}
     if routed and config.thresholds is None:
-        # A predictor must pay for its own time: the same network with each routed module's
-        # most frequent choice fixed (no predictor run) is calibrated alike, and wins if it is
-        # no worse (meets the goal, and is as cheap at the accuracy target or as accurate
-        # within the budget).
+        # A predictor must pay for its own time, and the super-network's choice must not
+        # make the cascade worse than the plain one: the same network with each routed
+        # module's most frequent choice fixed for good (no predictor run), and with its most
+        # expensive sub-network fixed (the plain cascade), are calibrated alike; the choice
+        # that meets the goal and is cheapest (at the accuracy target) or most accurate
+        # (within the budget) wins, the predictors only when strictly better. (A most
+        # frequent choice can lose more than the tolerance by itself: the target is the most
+        # expensive network's accuracy; then no exit at all would be "calibrated".)
         majority = {k: int(table.paths[:, k].mode().values) for k in routed}
-        fixed_table = validation_table(config, dataset, net, costs, fixed=majority)
-        fixed_grid = scored(fixed_table)
-        fixed_thresholds = calibrate(fixed_grid)
-        mine, theirs = table.outcome(thresholds), fixed_table.outcome(fixed_thresholds)
-        keep = rank(mine) < rank(theirs)
-        predictors = {"predictors_kept": float(keep),
+        choices = {"most frequent": (majority, validation_table(
+                       config, dataset, net, costs, fixed=majority)),
+                   "most expensive": ({k: full[k] for k in routed}, plain),
+                   "predictors": (None, table)}
+        calibrated = {}
+        for choice, (fixed, candidate) in choices.items():
+            candidate_grid = grid if fixed is None else scored(candidate)
+            calibrated[choice] = (candidate_grid, calibrate(candidate_grid))
+        outcomes = {choice: choices[choice][1].outcome(calibrated[choice][1])
+                    for choice in choices}
+        best = min(choices, key=lambda choice: rank(outcomes[choice]))  # first among ties
+        theirs = outcomes["most frequent"]
+        predictors = {"predictors_kept": float(best == "predictors"),
+                      "most_expensive_fixed": float(best == "most expensive"),
                       "val_accuracy_predictors_fixed": theirs["accuracy"],
                       "val_cost_ratio_predictors_fixed": theirs["mean_cost"] / full_cost}
-        if not keep:
-            for k, choice in majority.items():
-                net.blocks[k].fixed.fill_(choice)
-            table, grid, thresholds = fixed_table, fixed_grid, fixed_thresholds
+        fixed, table = choices[best]
+        grid, thresholds = calibrated[best]
+        for k, choice in (fixed or {}).items():
+            net.blocks[k].fixed.fill_(choice)
     net.thresholds.copy_(thresholds)
     outcome = table.outcome(thresholds)
     plain_thresholds = scored(plain).cheapest(target)
