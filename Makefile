@@ -11,12 +11,11 @@ DEBIAN_DATA := /usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz
 DEBIAN_WORDNET := /usr/share/wordnet/data.noun  # image_text: class descriptions
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PROFILE ?= quick
-MODEL ?= resnet18
 
 .PHONY: run test setup data lint ui bench deploy worker serve clean
 
-run: setup data  ## train, test, register and promote a model on Fashion-MNIST
-	$(PY) -m flows train --profile $(PROFILE) --model $(MODEL)
+run: setup data  ## the retraining pipeline on Fashion-MNIST: train, test, register, promote
+	$(PY) -m flows pipeline --profile $(PROFILE)
 
 test: setup data  ## the fast test suite
 	$(PY) -m pytest -q
@@ -62,6 +61,7 @@ bench: setup data  ## the benchmarks (tables, then one JSON line each)
 	$(PY) -m bench.sparsify
 	$(PY) -m bench.cascade
 	$(PY) -m bench.image_text
+	$(PY) -m bench.pipeline
 
 deploy: setup  ## register prefect.yaml's deployments with the server at PREFECT_API_URL
 	$(VENV)/bin/prefect work-pool create local --type process --overwrite
@@ -70,8 +70,8 @@ deploy: setup  ## register prefect.yaml's deployments with the server at PREFECT
 worker: setup  ## a process worker that runs deployments from the `local` pool
 	$(VENV)/bin/prefect worker start --pool local
 
-serve: setup  ## serve models:/$(NAME)@champion on 127.0.0.1:5001 (NAME=train by default)
-	PATH="$(ROOT)/$(VENV)/bin:$$PATH" $(VENV)/bin/mlflow models serve -m "models:/$(or $(NAME),train)@champion" \
+serve: setup  ## serve models:/$(NAME)@champion on 127.0.0.1:5001 (NAME=pipeline by default)
+	PATH="$(ROOT)/$(VENV)/bin:$$PATH" $(VENV)/bin/mlflow models serve -m "models:/$(or $(NAME),pipeline)@champion" \
 	  --env-manager local --host 127.0.0.1 --port 5001
 
 clean:

@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # the stack is imported by the command that runs, not by `--h
     from tasks.config import DistillConfig, PBTConfig, SparsifyConfig, TrainConfig
     from tasks.features import FeaturesConfig
     from tasks.image_text_config import ImageTextConfig
+    from tasks.pipeline_config import PipelineConfig
     from tasks.prediction import PredictConfig
     from tasks.registry import PromoteConfig, RollbackConfig
 
@@ -163,6 +164,28 @@ def run_image_text(config: ImageTextConfig) -> None:
     _print_registration(summary)
 
 
+def run_pipeline(config: PipelineConfig) -> None:
+    """The retraining pipeline: distill, PBT on the student, sparsity fine-tuning, a fallback
+    cascade of the sparse student and the teacher; register and promote it. Ends at once when
+    the champion came from the same data, config and code."""
+    from flows.pipeline import pipeline
+
+    summary = _exit_on_data_error(lambda: pipeline(config))
+    if summary.skipped:
+        print(f"\nnothing to retrain: the champion came from the same data, config and code "
+              f"(MLflow run {summary.run_id})")
+        return
+    print("\n" + "\n".join(
+        f"{step.name:>9}: test {step.test_accuracy:.4f}" + (
+            "" if step.zero_fraction is None else f", exact zeros {step.zero_fraction:.3f}")
+        for step in summary.steps))
+    metrics = summary.fallback.metrics
+    print(f"{'cascade':>9}: test {summary.test_accuracy:.4f}; the student answers "
+          f"{metrics['test_student_share']:.0%}, {metrics['ms_per_image_b1']:.3f} ms per image "
+          f"at batch 1 (teacher {metrics['teacher_ms_per_image_b1']:.3f})")
+    _print_registration(summary)
+
+
 def _exit_on_model_error(config, call):
     """Runs `call()`; a model version that does not load, like bad input, exits with code 2."""
     from mlflow.exceptions import MlflowException
@@ -268,6 +291,7 @@ COMMANDS = [
     Command("sparsify", "tasks.config:SparsifyConfig", run_sparsify),
     Command("cascade", "tasks.cascade_config:CascadeConfig", run_cascade),
     Command("image-text", "tasks.image_text_config:ImageTextConfig", run_image_text),
+    Command("pipeline", "tasks.pipeline_config:PipelineConfig", run_pipeline),
     Command("predict", "tasks.prediction:PredictConfig", run_predict),
     Command("features", "tasks.features:FeaturesConfig", run_features),
     Command("promote", "tasks.registry:PromoteConfig", run_promote),

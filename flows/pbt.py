@@ -21,7 +21,14 @@ from typing import Any
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
-from flows.skeleton import budgeted_classifier, finish, prepare, publish, run_tags
+from flows.skeleton import (
+    Prepared,
+    budgeted_classifier,
+    finish,
+    prepare,
+    publish,
+    run_tags,
+)
 from tasks import tracking
 from tasks.config import PBTConfig
 from tasks.data import DatasetRef
@@ -38,8 +45,9 @@ from tasks.pbt import (
 )
 from tasks.registration import Registration
 from tasks.runners import submitter, task_runner, worker_threads
-from tasks.training import classifier_config, run_key
+from tasks.training import ClassifierConfig, classifier_config, run_key
 from tasks.versioning import ArtifactRef
+from training.budget import Budget
 from training.pbt import PopulationFailed
 
 FLOW_NAME = "pbt"
@@ -98,23 +106,26 @@ def lineage_figure(lineage: list[dict[str, Any]]):
 
 @flow(name="pbt-population", description="The burn-in and the stages of `pbt`.")
 def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str],
-                   batch_size: int, repeats: int) -> PopulationResult:
+                   batch_size: int, repeats: int, start: ArtifactRef | None = None
+                   ) -> PopulationResult:
     """Burn-in, then stages of train / evaluate / copy / explore; see the module docstring.
 
     Every epoch of the config is `repeats` passes at `batch_size` images (the budget fitted to
-    the data set, `training.budget`)."""
+    the data set, `training.budget`). `start`: weights every member starts from (a checkpoint
+    of `model` weights only, e.g. the `pipeline`'s distilled student) instead of its seed's
+    initialization."""
     logger = get_run_logger()
     submit = submitter(config)
     threads = worker_threads(config, config.threads)
     base = classifier_config(config.model_copy(update={"threads": threads,
                                                        "batch_size": batch_size}))
-    population = run_key(config, dataset)
+    population = run_key(config, dataset) + ("" if start is None else f"-from-{start.md5[:12]}")
     members = config.members
     burn_in = config.burn_in_epochs * repeats
     total = burn_in + config.stages * config.round_epochs * repeats  # passes
     burn_in_values = {name: getattr(base, name) for name in HYPERPARAMETERS}
     hyperparameters = [burn_in_values] * members
-    checkpoints: list[Any] = [None] * members
+    checkpoints: list[Any] = [start] * members
     parents: list[int | None] = [None] * members
     lineage: list[dict[str, Any]] = []
 
@@ -209,6 +220,37 @@ def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str
                             val_images=dataset.sizes["val"])
 
 
+def run_population(config: PBTConfig, prepared: Prepared, run_id: str,
+                   experiment: str = FLOW_NAME, start: ArtifactRef | None = None
+                   ) -> tuple[ClassifierConfig, PopulationResult, Budget]:
+    """The population's budget on the prepared data, its members' runs nested under `run_id`
+    (in `experiment`), the population itself (`pbt_population`, from `start`'s weights when
+    given) and its lineage logged; the best's classifier config, the population and its
+    budget."""
+    classifier, budget = budgeted_classifier(
+        config, prepared, run_id, config.burn_in_epochs + config.stages * config.round_epochs)
+    member_runs = [tracking.start_run(experiment, f"member-{m}", parent_run_id=run_id)
+                   for m in range(config.members)]
+    try:
+        population = pbt_population.with_options(task_runner=task_runner(config))(
+            config, prepared.dataset, member_runs, budget.batch_size, budget.repeats, start)
+    finally:
+        for member_run in member_runs:
+            tracking.end_run(member_run)
+    lineage = population.lineage
+    tracking.log_dict(run_id, {"lineage": lineage}, "pbt/lineage.json")
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "lineage.jsonl"
+        path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in lineage))
+        tracking.log_file(run_id, path, "pbt")
+    tracking.log_artifact_refs(run_id, {"lineage": population.lineage_log})
+    tracking.log_figure(run_id, lineage_figure(lineage), "pbt/lineage.png")
+    tracking.log_metrics(run_id, {"stages_run": population.stages} | {
+        f"best_{k}": v for k, v in population.hyperparameters.items()})
+    return member_config(classifier, population.best.member,
+                         population.hyperparameters), population, budget
+
+
 @flow(name=FLOW_NAME, description="Population-based training: members train in stages, the "
       "best's weights are copied to all and the others explore hyperparameters around its; "
       "the final best is registered and promoted if it beats the champion and the raw-pixel "
@@ -220,28 +262,7 @@ def pbt(config: PBTConfig) -> PBTSummary:
     with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
         prepared = prepare(config, run_id)
         config = prepared.apply(config)
-        classifier, budget = budgeted_classifier(
-            config, prepared, run_id, config.burn_in_epochs + config.stages * config.round_epochs)
-        member_runs = [tracking.start_run(FLOW_NAME, f"member-{m}", parent_run_id=run_id)
-                       for m in range(config.members)]
-        try:
-            population = pbt_population.with_options(task_runner=task_runner(config))(
-                config, prepared.dataset, member_runs, budget.batch_size, budget.repeats)
-        finally:
-            for member_run in member_runs:
-                tracking.end_run(member_run)
-        lineage = population.lineage
-        tracking.log_dict(run_id, {"lineage": lineage}, "pbt/lineage.json")
-        with tempfile.TemporaryDirectory() as folder:
-            path = Path(folder) / "lineage.jsonl"
-            path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in lineage))
-            tracking.log_file(run_id, path, "pbt")
-        tracking.log_artifact_refs(run_id, {"lineage": population.lineage_log})
-        tracking.log_figure(run_id, lineage_figure(lineage), "pbt/lineage.png")
-        best_config = member_config(classifier, population.best.member,
-                                    population.hyperparameters)
-        tracking.log_metrics(run_id, {"stages_run": population.stages} | {
-            f"best_{k}": v for k, v in population.hyperparameters.items()})
+        best_config, population, budget = run_population(config, prepared, run_id)
         finished = finish(run_id, name, config, best_config, prepared,
                           population.best.checkpoint, population.best.metrics["val_accuracy"],
                           SCORED_WEIGHTS)

@@ -18,9 +18,9 @@ ZERO_SHOT_PARAM = "classes"  # image_text models: the class descriptions to choo
 class ModelVersionSection(StrictConfig):
     """Which registered model version: a name, and an alias or a version number."""
 
-    model_name: str = Field("train", min_length=1, description="the registered model's name "
-                            "(train: what `make run` registers; distill, pbt, sparsify, "
-                            "cascade, image_text, or a --model-name given to a flow)")
+    model_name: str = Field("pipeline", min_length=1, description="the registered model's "
+                            "name (pipeline: what `make run` registers; train, distill, pbt, "
+                            "sparsify, cascade, image_text, or a --model-name given to a flow)")
     alias: str | None = Field("champion", description="the version's alias; ignored when "
                               "--version is given")
     version: int | None = Field(None, ge=1, description="a version number; none: the alias")

@@ -208,14 +208,16 @@ def register_and_promote(run_id: str, name: str, dataset: DatasetRef, program: A
 
 
 def promote_on_test_images(run_id: str, name: str, model_uri: str, dataset: DatasetRef,
-                           program_md5: str, policy: Policy, refusal: str | None
-                           ) -> Registration:
+                           program_md5: str, policy: Policy, refusal: str | None,
+                           tags: dict[str, str] | None = None) -> Registration:
     """`promote` for a classifier's pyfunc: scored by its accuracy on the data set's test
-    split, timed on its images (read once, and only if something is scored)."""
+    split, timed on its images (read once, and only if something is scored). The version is
+    tagged with the data set's hash (`dataset`) and `tags`."""
     split = functools.cache(lambda: test_images(dataset))
     return promote(run_id, name, model_uri, lambda uri: pyfunc_accuracy(uri, *split()),
-                   dataset.classes, program_md5, {"dataset": dataset.artifact.md5}, policy,
-                   refusal, timer=lambda uri: served_ms_per_image(uri, split()[0]))
+                   dataset.classes, program_md5, {"dataset": dataset.artifact.md5}
+                   | (tags or {}), policy, refusal,
+                   timer=lambda uri: served_ms_per_image(uri, split()[0]))
 
 
 def promote(run_id: str, name: str, model_uri: str, score: Callable[[str], float] | None,

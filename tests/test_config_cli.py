@@ -83,7 +83,7 @@ def test_required_options_say_so_in_the_help(capsys):
         main(COMMANDS, ["predict", "--help"])
     out = capsys.readouterr().out
     assert "PydanticUndefined" not in out and "(required)" in out
-    assert "default: train" in out  # the model `make run` registers
+    assert "default: pipeline" in out  # the model `make run` registers
 
 
 def test_cli_names_an_unreadable_image_and_exits_2(tmp_path):
@@ -139,7 +139,7 @@ def test_each_sparsify_task_has_its_defaults_below_the_profile_and_the_given_val
 def test_every_flow_takes_no_register():
     from flows.cli import make_parser
 
-    for command in ("train", "distill", "pbt", "sparsify", "cascade", "image-text"):
+    for command in ("train", "distill", "pbt", "sparsify", "cascade", "image-text", "pipeline"):
         parser, _ = make_parser(COMMANDS, command)
         assert parser.parse_args([command, "--no-register"]).registry is False
         assert parser.parse_args([command, "--no-registry"]).registry is False

@@ -73,14 +73,16 @@ def test_deploy_then_run_from_the_server(server):
     _cli(env, "work-pool", "create", "local", "--type", "process", "--overwrite")
     _cli(env, "--no-prompt", "deploy", "--all")
     deployments = {d["name"]: d for d in _api(url, "/deployments/filter", {})}
-    assert set(deployments) == {"train", "train-nightly", "distill", "pbt", "sparsify",
-                                "sparsify-detection", "sparsify-contour", "cascade", "image_text"}
+    assert set(deployments) == {"train", "pipeline", "pipeline-nightly", "distill", "pbt",
+                                "sparsify", "sparsify-detection", "sparsify-contour", "cascade",
+                                "image_text"}
     assert deployments["sparsify"]["parameters"] == {"config": {"profile": "quick"}}
     assert deployments["sparsify-contour"]["parameters"] == {
         "config": {"profile": "quick", "task": "contour"}}
     assert deployments["distill"]["parameters"] == {"config": {"profile": "quick"}}
     assert deployments["train"]["parameters"] == {"config": {"profile": "quick"}}
-    schedules = deployments["train-nightly"]["schedules"]
+    assert deployments["pipeline-nightly"]["entrypoint"] == "flows/pipeline.py:pipeline"
+    schedules = deployments["pipeline-nightly"]["schedules"]
     assert [s["schedule"]["cron"] for s in schedules] == ["0 3 * * *"]
     assert not schedules[0]["active"]  # retraining is switched on in the UI, not by deploying
     params = {"config": {"profile": "smoke", "model_name": "deployed", "train_limit": 512,

@@ -1,0 +1,144 @@
+"""The `pipeline` flow's final model beside the `train` flow's, and what each step adds.
+
+Per seed, in one process: the real `pipeline` flow (`quick`: Fashion-MNIST, 20,000 training
+images) and the real `train` flow with its defaults (`resnet18` width 8, what `make run`
+trained before the pipeline), neither registering. On the same 10,000 test images: test
+accuracy, milliseconds per image of the served pyfuncs at batch 1 (the two models' calls
+interleaved, median), parameters, and the share of exact zeros in the feature maps the
+sparsity term regularizes (the train model's feature maps alike; measured on the test
+images). Then each step's model (teacher, distilled student, PBT's best, sparse student, the
+fallback cascade) with its test accuracy and its change over the step before.
+
+    python -m bench.pipeline                  # 3 seeds, about 10 minutes a seed on 2 cores
+    python -m bench.pipeline --seeds 0 --set pbt_stages=3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+# Every run trains anew (a benchmark must not be served from Prefect's cache).
+os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
+
+from bench.common import mean_std, parse_overrides, print_json, print_table  # noqa: E402
+from flows.pipeline import pipeline  # noqa: E402
+from flows.skeleton import data_section  # noqa: E402
+from flows.train import train  # noqa: E402
+from tasks import tracking  # noqa: E402
+from tasks.config import TrainConfig  # noqa: E402
+from tasks.data import load_dataset, prepare_dataset, source_version  # noqa: E402
+from tasks.pipeline_config import PipelineConfig  # noqa: E402
+from tasks.registration import test_images  # noqa: E402
+from tasks.training import classifier_config, split_batches, trained_model  # noqa: E402
+from tasks.versioning import ArtifactRef  # noqa: E402
+from training.pruning import parameter_count  # noqa: E402
+from training.sparsity import activation_stats  # noqa: E402
+
+STEPS = ("teacher", "distill", "pbt", "sparsify")
+LATENCY_IMAGES = 300
+
+
+def zeros_and_parameters(classifier, dataset, checkpoint: ArtifactRef, weights: str = "model"
+                         ) -> tuple[float, int]:
+    """The exact-zero share of the network's feature maps but the embedding (the layers
+    `sparsify` regularizes by default), over the test images, and its parameter count."""
+    import torch
+
+    model = trained_model(classifier, dataset, checkpoint, weights)
+    layers = list(model.feature_layers[:-1])
+    stats = activation_stats(model, layers, split_batches(
+        load_dataset(dataset), dataset, "test", 1024, torch.device("cpu")), torch.device("cpu"))
+    return statistics.fmean(stats.zero_fraction.values()), parameter_count(model)
+
+
+def served_ms(uris: dict[str, str], images) -> dict[str, float]:
+    """Each pyfunc's median milliseconds per image at batch 1, calls interleaved."""
+    models = {name: tracking.load_pyfunc(uri) for name, uri in uris.items()}
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for n in range(LATENCY_IMAGES + 5):
+        for name, model in models.items():
+            started = time.perf_counter()
+            model.predict(images[n % len(images)][None])
+            if n >= 5:
+                times[name].append((time.perf_counter() - started) * 1e3)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def run(seed: int, overrides: dict[str, str]) -> dict:
+    """One pipeline run and one train run on the same data; their figures."""
+    started = time.perf_counter()
+    summary = pipeline(PipelineConfig(**{"seed": seed, "progress": False, "registry": False,
+                                         "skip_unchanged": False, **overrides}))
+    seconds = time.perf_counter() - started
+    baseline = TrainConfig(seed=seed, progress=False, registry=False)
+    trained = train(baseline)
+    data = data_section(baseline)
+    dataset = prepare_dataset(data, source_version(data))
+    refs = tracking.artifact_refs(trained.run_id)["checkpoint.final"]
+    train_zeros, train_parameters = zeros_and_parameters(
+        classifier_config(baseline), dataset, ArtifactRef(**refs))
+    steps = {step.name: step for step in summary.steps}
+    sparse = steps["sparsify"]
+    student_zeros, student_parameters = zeros_and_parameters(sparse.classifier, dataset,
+                                                             sparse.checkpoint, sparse.weights)
+    teacher = steps["teacher"]
+    teacher_parameters = zeros_and_parameters(teacher.classifier, dataset, teacher.checkpoint)[1]
+    images, _ = test_images(dataset)
+    ms = served_ms({"pipeline": summary.registration.model_uri,
+                    "train": trained.registration.model_uri}, images)
+    metrics = summary.fallback.metrics
+    return {"seconds": seconds,
+            "steps": {name: step.test_accuracy for name, step in steps.items()},
+            "pipeline": {"accuracy": summary.test_accuracy, "ms": ms["pipeline"],
+                         "zeros": student_zeros, "student_parameters": student_parameters,
+                         "teacher_parameters": teacher_parameters,
+                         "student_share": metrics["test_student_share"]},
+            "train": {"accuracy": trained.test_accuracy, "ms": ms["train"],
+                      "zeros": train_zeros, "parameters": train_parameters}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="pipeline config fields for every run (e.g. pbt_stages=3)")
+    args = parser.parse_args()
+    overrides = parse_overrides(args.set)
+    runs = [run(seed, overrides) for seed in args.seeds]
+
+    def stat(path: tuple[str, str]) -> tuple[float, float]:
+        return mean_std([r[path[0]][path[1]] for r in runs])
+
+    pipe_acc, train_acc = stat(("pipeline", "accuracy")), stat(("train", "accuracy"))
+    pipe_ms, train_ms = stat(("pipeline", "ms")), stat(("train", "ms"))
+    print_table(["model", "test accuracy", "ms / image, batch 1 (served)", "parameters",
+                 "exact zeros (feature maps)"], [
+        ["`train` (resnet18, defaults)", f"{train_acc[0]:.4f} ± {train_acc[1]:.4f}",
+         f"{train_ms[0]:.3f}", f"{runs[0]['train']['parameters']:,}",
+         f"{stat(('train', 'zeros'))[0]:.3f}"],
+        ["`pipeline` (sparse student, teacher fallback)",
+         f"{pipe_acc[0]:.4f} ± {pipe_acc[1]:.4f}", f"{pipe_ms[0]:.3f}",
+         f"{runs[0]['pipeline']['student_parameters']:,} + "
+         f"{runs[0]['pipeline']['teacher_parameters']:,}",
+         f"{stat(('pipeline', 'zeros'))[0]:.3f} (student)"]])
+    share = stat(("pipeline", "student_share"))
+    print(f"\nthe student answers {share[0]:.0%} of the test images; pipeline over train: "
+          f"accuracy {pipe_acc[0] - train_acc[0]:+.4f}, time {pipe_ms[0] / train_ms[0]:.2f}x; "
+          f"a pipeline run {mean_std([r['seconds'] for r in runs])[0] / 60:.1f} minutes\n")
+    rows, previous = [], None
+    for name in (*STEPS, "cascade"):
+        values = [r["steps"][name] if name in r["steps"] else r["pipeline"]["accuracy"]
+                  for r in runs]
+        mean, std = mean_std(values)
+        rows.append([name, f"{mean:.4f} ± {std:.4f}",
+                     "" if previous is None or name == "distill" else f"{mean - previous:+.4f}"])
+        previous = mean
+    print_table(["step", "test accuracy", "change over the step before"], rows)
+    print_json({"runs": runs})
+
+
+if __name__ == "__main__":
+    main()

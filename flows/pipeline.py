@@ -1,0 +1,238 @@
+"""The `pipeline` flow: the retraining run that chains the techniques into one model.
+
+1. Data check: the data set is prepared and its DVC hash recorded; with `--skip-unchanged`
+   (the default) a run whose champion this pipeline trained on the same data, config and code
+   ends here, in seconds (scheduled retraining on data that did not change).
+2. `distill`'s stages (its subflow): the recency data queue draws each stage's images, the
+   teacher trains stage by stage, its features fill the multi-state bank, the student learns
+   from the bank and the labels.
+3. `pbt`'s population (its subflow) on the distilled student: every member starts from the
+   student's weights, trains a burn-in epoch and `--pbt-stages` stages with evaluation, weight
+   copy and hyperparameter exploration, then the greedy soup.
+4. `sparsify`'s rounds on PBT's best: fine-tuning with the activation-sparsity term, then the
+   activation thresholds (`--zero-threshold-tolerance`).
+5. The fallback cascade (`training.fallback`): the sparse student answers the images it is
+   confident about, the teacher the rest, the threshold fitted on validation with the measured
+   time of each network as the cost.
+6. Registration and promotion of the cascade as one pyfunc, as in every flow.
+
+One MLflow run holds it all: each step's metrics on a nested run (`teacher`, `student`, `pbt`
+with its members, `sparsify`, `fallback`), and on the parent each step's validation and test
+accuracy (`step_<name>_test_accuracy`, ...), so what each step adds or costs is in one place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from prefect import flow, get_run_logger
+from pydantic import BaseModel, ConfigDict
+
+from flows.distill import distill_stages, fitted_plan
+from flows.pbt import run_population
+from flows.skeleton import (
+    Finished,
+    Prepared,
+    budgeted_classifier,
+    judge_baseline,
+    prepare,
+    publish,
+    run_tags,
+)
+from flows.sparsify import train_sparse
+from tasks import tracking
+from tasks.caching import code_version, result_fields
+from tasks.pbt import SCORED_WEIGHTS
+from tasks.pipeline import Fallback, fit_fallback, hand_over, register_fallback
+from tasks.pipeline_config import PipelineConfig
+from tasks.registration import CHAMPION, Policy, Registration
+from tasks.reporting import publish_summary
+from tasks.runners import task_runner
+from tasks.training import ClassifierConfig, TestResult, classifier_config, test_and_export
+from tasks.versioning import ArtifactRef
+
+FLOW_NAME = "pipeline"
+KEY_TAG = "pipeline.key"
+
+
+class StepResult(BaseModel):
+    """One step's model: its checkpoint, classifier config, validation and test accuracy, and
+    (the sparse student) the exact-zero fraction of its regularized activations (validation)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    classifier: ClassifierConfig
+    checkpoint: ArtifactRef
+    weights: str
+    val_accuracy: float
+    test_accuracy: float
+    zero_fraction: float | None = None
+
+
+class PipelineSummary(BaseModel):
+    """What a `pipeline` run gives back; `skipped` when the champion already came from the
+    same data, config and code (nothing trained)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    run_id: str
+    skipped: bool = False
+    steps: list[StepResult] = []
+    fallback: Fallback | None = None
+    test_accuracy: float | None = None
+    registration: Registration | None = None
+
+
+def pipeline_key(config: PipelineConfig, dataset_md5: str) -> str:
+    """What the final model depends on: the result-relevant config, the data set's hash and
+    the code; the registered version carries it (`pipeline.key`)."""
+    fields = {k: v for k, v in result_fields(config).items() if k != "skip_unchanged"}
+    text = json.dumps([fields, dataset_md5, code_version()], sort_keys=True, default=str)
+    return hashlib.md5(text.encode()).hexdigest()
+
+
+def unchanged_champion(name: str, key: str) -> str | None:
+    """The champion's version if this pipeline trained it from the same key, else None."""
+    version = tracking.alias_version(name, CHAMPION)
+    if version is not None and tracking.version_tags(name, version).get(KEY_TAG) == key:
+        return version
+    return None
+
+
+def tested(step: str, classifier: ClassifierConfig, prepared: Prepared, checkpoint: ArtifactRef,
+           val_accuracy: float, run_id: str, weights: str = "model",
+           zero_fraction: float | None = None) -> tuple[StepResult, TestResult]:
+    """A step's model scored on the test split and exported; logged on the parent run as
+    `step_<step>_*`."""
+    test = test_and_export(classifier, prepared.dataset, checkpoint, weights)
+    result = StepResult(name=step, classifier=classifier, checkpoint=checkpoint, weights=weights,
+                        val_accuracy=val_accuracy, test_accuracy=test.metrics["test_accuracy"],
+                        zero_fraction=zero_fraction)
+    tracking.log_metrics(run_id, {f"step_{step}_val_accuracy": val_accuracy,
+                                  f"step_{step}_test_accuracy": result.test_accuracy}
+                         | ({} if zero_fraction is None
+                            else {f"step_{step}_zero_fraction": zero_fraction}))
+    tracking.log_artifact_refs(run_id, {f"program.{step}": test.program})
+    return result, test
+
+
+def fallback_row(metrics: dict[str, float]) -> str:
+    """The summary's line on the fallback cascade."""
+    return (f"the student answers {metrics['test_student_share']:.0%} of the test images; "
+            f"{metrics['ms_per_image_b1']:.3f} ms per image at batch 1 (teacher "
+            f"{metrics['teacher_ms_per_image_b1']:.3f}, student "
+            f"{metrics['student_ms_per_image_b1']:.3f})")
+
+
+def run_distill(config: PipelineConfig, prepared: Prepared, run_id: str):
+    """Step 2: `distill`'s stages; the teacher's and the student's last stage."""
+    plan = fitted_plan(config, prepared.dataset, run_id)
+    with tracking.tracked_run(FLOW_NAME, "teacher", plan.teacher, parent_run_id=run_id) \
+            as teacher_run, \
+            tracking.tracked_run(FLOW_NAME, "student", plan.student, parent_run_id=run_id) \
+            as student_run:
+        stages = distill_stages.with_options(task_runner=task_runner(config))(
+            config, plan, prepared.dataset, run_id, teacher_run, student_run)
+    return plan, stages[-1]
+
+
+def run_pbt(config: PipelineConfig, prepared: Prepared, run_id: str, start: ArtifactRef):
+    """Step 3: `pbt`'s population from the distilled student's weights; the best member's
+    classifier config and result."""
+    pbt = prepared.apply(config.pbt_config())
+    with tracking.tracked_run(FLOW_NAME, "pbt", pbt, parent_run_id=run_id) as pbt_run:
+        best_config, population, _ = run_population(pbt, prepared, pbt_run, FLOW_NAME, start)
+    return best_config, population.best
+
+
+def run_sparsify(config: PipelineConfig, prepared: Prepared, run_id: str, start: ArtifactRef):
+    """Step 4: `sparsify`'s rounds from PBT's best; its classifier config, kept round and
+    activation report."""
+    sparse = prepared.apply(config.sparsify_config())
+    with tracking.tracked_run(FLOW_NAME, "sparsify", sparse, parent_run_id=run_id) as sparse_run:
+        classifier, budget = budgeted_classifier(sparse, prepared, sparse_run, sparse.epochs)
+        _, best, report = train_sparse(sparse, classifier, prepared, budget, sparse_run, start)
+        tracking.log_dict(sparse_run, report.model_dump(), "sparsity/report.json")
+    return classifier, best, report
+
+
+@flow(name=FLOW_NAME, description="The retraining pipeline: data check, distillation from a "
+      "multi-state teacher feature bank, PBT on the student, sparsity fine-tuning, a fallback "
+      "cascade of the sparse student and the teacher; registered and promoted only if it beats "
+      "the champion and the raw-pixel baselines. Finishes at once when the champion came from "
+      "the same data, config and code.")
+def pipeline(config: PipelineConfig) -> PipelineSummary:
+    """Runs the steps of the module docstring; registers the cascade as `config.model_name`
+    (default `pipeline`)."""
+    logger = get_run_logger()
+    name = config.registered_name(FLOW_NAME)
+    run_name = f"{FLOW_NAME}-{config.teacher_model}-to-{config.student_model}-seed{config.seed}"
+    with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
+        prepared = prepare(config, run_id)  # 1. the data check
+        config = prepared.apply(config)
+        key = pipeline_key(config, prepared.dataset.artifact.md5)
+        tracking.set_tags(run_id, {KEY_TAG: key})
+        if config.skip_unchanged and config.registry and (
+                version := unchanged_champion(name, key)):
+            message = (f"the champion (models:/{name}/{version}) was trained by this pipeline "
+                       f"on the same data ({prepared.dataset.artifact.md5[:12]}), config and "
+                       "code: nothing to retrain")
+            logger.info(message)
+            tracking.set_tags(run_id, {"registry.decision": message})
+            publish_summary("pipeline-summary", f"pipeline on {config.data}: unchanged",
+                            {"decision": message, "MLflow run": run_id})
+            return PipelineSummary(run_id=run_id, skipped=True)
+        dataset = prepared.dataset
+        plan, last = run_distill(config, prepared, run_id)  # 2.
+        teacher = classifier_config(plan.teacher)
+        steps = []
+        teacher_step, teacher_test = tested("teacher", teacher, prepared, last.teacher.checkpoint,
+                                            last.teacher.metrics["val_accuracy"], run_id)
+        student_step, _ = tested("distill", classifier_config(plan.student), prepared,
+                                 last.student.checkpoint, last.student.metrics["val_accuracy"],
+                                 run_id)
+        steps += [teacher_step, student_step]
+        pbt_classifier, best = run_pbt(config, prepared, run_id, hand_over(  # 3.
+            last.student.checkpoint, "model", "distill"))
+        pbt_step, _ = tested("pbt", pbt_classifier, prepared, best.checkpoint,
+                             best.metrics["val_accuracy"], run_id, SCORED_WEIGHTS)
+        steps.append(pbt_step)
+        sparse_classifier, sparse, report = run_sparsify(config, prepared, run_id, hand_over(
+            best.checkpoint, SCORED_WEIGHTS, "pbt"))  # 4.
+        zeros = sum(layer.zero_fraction for layer in report.layers.values()) / max(
+            len(report.layers), 1)
+        sparse_step, sparse_test = tested("sparsify", sparse_classifier, prepared,
+                                          sparse.checkpoint, sparse.metrics["val_accuracy"],
+                                          run_id, zero_fraction=zeros)
+        steps.append(sparse_step)
+        with tracking.tracked_run(FLOW_NAME, "fallback", parent_run_id=run_id) \
+                as fallback_run:  # 5.
+            fallback = fit_fallback(sparse_classifier, teacher, dataset, sparse.checkpoint,
+                                    last.teacher.checkpoint, config.fallback_tolerance)
+            tracking.log_metrics(fallback_run, fallback.metrics
+                                 | {"tolerance": config.fallback_tolerance})
+        tracking.log_metrics(run_id, {f"fallback_{k}": v for k, v in fallback.metrics.items()}
+                             | {"test_accuracy": fallback.metrics["test_accuracy"],
+                                "val_accuracy": fallback.metrics["val_accuracy"]})
+        baseline = judge_baseline(run_id, prepared, fallback.metrics["val_accuracy"])  # 6.
+        registration = register_fallback(
+            run_id, name, dataset, sparse_test.program, teacher_test.program, fallback,
+            Policy.of(config), baseline.refusal() if config.baseline_gate and not baseline.beaten
+            else None, {KEY_TAG: key})
+        finished = Finished(test=TestResult(metrics={
+            "test_accuracy": fallback.metrics["test_accuracy"]}, program=sparse_test.program),
+            registration=registration, baseline=baseline)
+        summary = PipelineSummary(run_id=run_id, steps=steps, fallback=fallback,
+                                  test_accuracy=fallback.metrics["test_accuracy"],
+                                  registration=registration)
+    publish("pipeline-summary", f"pipeline: {config.teacher_model} -> {config.student_model} "
+            f"on {config.data}", run_id, finished, {
+                **{f"step {s.name}": f"test {s.test_accuracy:.4f}, validation "
+                   f"{s.val_accuracy:.4f}" + ("" if s.zero_fraction is None else
+                                              f", exact zeros {s.zero_fraction:.3f}")
+                   for s in steps},
+                "fallback cascade": fallback_row(fallback.metrics),
+            })
+    return summary

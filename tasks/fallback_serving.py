@@ -1,0 +1,50 @@
+"""The registered `pipeline` model: an MLflow pyfunc that runs the fallback cascade on raw images.
+
+Two `torch.export` programs travel with it, the sparse student (`program`) and the teacher
+(`fallback`), with the calibrated threshold in its meta JSON. Inputs as the classifier's
+(`tasks.serving.input_images`). The student answers every image; only those whose confidence
+is at most the threshold run through the teacher (`training.fallback.fallback_infer`). The
+output has one row per image: `label`, `confidence` and `exit` (1: the student, 2: the
+teacher). `embed` (`python -m flows features`) gives the student's embeddings.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import torch
+
+from tasks.serving import CHUNK, ImageClassifierModel, input_images
+from training.fallback import fallback_infer
+from training.preprocess import images_to_batch
+
+
+def logits_of(program):
+    """The program's logits (exported programs also return the embedding)."""
+    def call(images: torch.Tensor) -> torch.Tensor:
+        out = program(images)
+        return out[0] if isinstance(out, tuple | list) else out
+    return call
+
+
+class FallbackModel(ImageClassifierModel):
+    """Raw images in; label, confidence and exit out (module docstring)."""
+
+    def load_context(self, context):  # noqa: ANN001 (MLflow reads type hints as a schema)
+        meta = self.read_meta(context)
+        self.threshold = float(meta["threshold"])
+        self.program = torch.export.load(context.artifacts["program"]).module()
+        self.student = logits_of(self.program)  # `embed` gives the student's embeddings
+        self.teacher = logits_of(torch.export.load(context.artifacts["fallback"]).module())
+
+    def predict(self, context, model_input, params=None):  # noqa: ANN001 (see load_context)
+        images = input_images(model_input)
+        rows = []
+        for start in range(0, len(images), CHUNK):
+            batch = images_to_batch(images[start:start + CHUNK], self.size, self.channels)
+            out = fallback_infer(self.student, self.teacher, self.normalize(batch),
+                                 self.threshold)
+            rows += [{"label": self.classes[label], "confidence": confidence, "exit": exit_ + 1}
+                     for label, confidence, exit_ in zip(out.labels.tolist(),
+                                                         out.confidence.tolist(),
+                                                         out.exits.tolist(), strict=True)]
+        return pd.DataFrame(rows)

@@ -1,0 +1,116 @@
+"""The `pipeline` flow's config (`flows/pipeline.py`): the `distill` flow's fields, then one
+group per later step (PBT on the student, sparsity fine-tuning, the teacher fallback). Each
+step runs on the config of its own flow, built here (`pbt_config`, `sparsify_config`), so a
+step trains exactly as its flow would."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from tasks.config import (
+    DistillConfig,
+    PBTConfig,
+    SparsifyConfig,
+    _comma_list,
+)
+
+# The fields every step shares with the pipeline (data, optimizer step, budget, run, runner).
+_SHARED_EXCLUDED = {
+    # the distill flow's own fields, and the later steps' groups below
+    "teacher_model", "teacher_width", "student_model", "student_width", "stages",
+    "teacher_pretrain_epochs", "teacher_fraction", "student_fraction", "front_weight",
+    "back_weight", "student_queue", "teacher_layer", "student_layer", "feature_loss",
+    "feature_weight", "ce_weight", "temperature", "bank_mode", "bank_dtype", "bank_memmap",
+    "initial_bank", "profile",
+}
+
+
+class PipelineConfig(DistillConfig):
+    """The retraining run that chains the techniques: the data check, the `distill` stages
+    (data queue, teacher stages, bank snapshots, student), PBT on the distilled student,
+    activation-sparsity fine-tuning of PBT's best, and a fallback cascade (the sparse student
+    answers what it is sure of, the teacher the rest), registered and promoted as one model."""
+
+    PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
+        "smoke": {**DistillConfig.PROFILES["smoke"], "pbt_members": 2, "pbt_stages": 1,
+                  "sparse_epochs": 1, "zero_threshold_tolerance": None},
+        # 6 stages (not distill's 10) keep `make run` within its minutes on 2 cores
+        "quick": {"stages": 6},
+        "full": {**DistillConfig.PROFILES["full"], "pbt_members": 8, "pbt_stages": 6,
+                 "pbt_round_epochs": 3, "sparse_epochs": 8},
+    }
+
+    # PBT on the distilled student (`pbt`'s fields of the same meaning)
+    pbt_members: int = Field(3, ge=2, le=256, description="PBT: networks in the population, "
+                             "each starting from the distilled student")
+    pbt_stages: int = Field(2, ge=1, le=10000, description="PBT: stages of train / evaluate / "
+                            "copy the best's weights / explore")
+    pbt_round_epochs: int = Field(1, ge=1, le=1000, description="PBT: epochs each member "
+                                  "trains per stage (after one burn-in epoch)")
+    pbt_lr_range: tuple[float, float] = Field((0.005, 0.1), description="PBT: bounds of the "
+                                              "learning rate it explores (log scale): a "
+                                              "fine-tuning, below a fresh run's")
+    # sparsity fine-tuning of PBT's best (`sparsify`'s fields of the same meaning)
+    sparse_epochs: int = Field(4, ge=1, le=1000, description="sparsity fine-tuning: rounds "
+                               "with the sparsity term, from PBT's best")
+    sparse_lr: float = Field(0.01, gt=0.0, le=10.0, description="sparsity fine-tuning: peak "
+                             "learning rate")
+    sparse_layers: tuple[str, ...] | None = Field(None, description="module names of the "
+                                                  "student whose outputs are regularized; none: "
+                                                  "its feature maps")
+    transform: Literal["abs", "power", "exp_abs", "exp_power", "abs_power"] = Field(
+        "abs", description="sparsity transform (see `sparsify --help`)")
+    sparsity_lambda: float = Field(0.3, ge=0.0, le=1e6, description="lambda of the sparsity "
+                                   "term on the largest map (0: fine-tune without it)")
+    lambda_gamma: float = Field(0.5, ge=0.0, le=4.0, description="lambda_l = lambda x "
+                                "(A_max / A_l)^gamma")
+    zero_threshold_tolerance: float | None = Field(
+        0.002, ge=0.0, le=1.0, description="after the fine-tuning, zero each regularized "
+        "layer's activations below a threshold costing at most this validation accuracy; "
+        "none: no thresholds")
+    # the fallback cascade
+    fallback_tolerance: float = Field(0.003, ge=0.0, le=1.0, description="the sparse student "
+                                      "answers an image when its confidence is above a "
+                                      "threshold, calibrated on validation as the cheapest "
+                                      "that loses at most this fraction of the images the "
+                                      "teacher gets right; 1: the student alone")
+    skip_unchanged: bool = Field(True, description="when the registered champion was trained "
+                                 "by this pipeline on the same data version with the same "
+                                 "config, finish at once without training (scheduled "
+                                 "retraining on unchanged data)")
+
+    @field_validator("sparse_layers", "pbt_lr_range", mode="before")
+    @classmethod
+    def _lists(cls, value: Any) -> Any:
+        return _comma_list(value)
+
+    @model_validator(mode="after")
+    def _steps_valid(self) -> PipelineConfig:
+        # each step's own config validates its fields (layers of the student, ranges, ...)
+        self.pbt_config()
+        self.sparsify_config()
+        return self
+
+    def shared(self, step: type) -> dict[str, Any]:
+        """The fields the `step` config takes over as they are."""
+        return {name: getattr(self, name) for name in DistillConfig.model_fields
+                if name not in _SHARED_EXCLUDED and name in step.model_fields}
+
+    def pbt_config(self) -> PBTConfig:
+        """The PBT step's config: the student's network, the pipeline's population."""
+        return PBTConfig(**self.shared(PBTConfig) | {
+            "profile": self.profile, "model": self.student_model, "width": self.student_width,
+            "members": self.pbt_members, "stages": self.pbt_stages,
+            "round_epochs": self.pbt_round_epochs, "burn_in_epochs": 1,
+            "lr_range": self.pbt_lr_range, "lr": min(self.lr, self.pbt_lr_range[1])})
+
+    def sparsify_config(self) -> SparsifyConfig:
+        """The sparsity fine-tuning's config: the student's network, `sparse_*` rounds."""
+        return SparsifyConfig(**self.shared(SparsifyConfig) | {
+            "profile": self.profile, "model": self.student_model, "width": self.student_width,
+            "epochs": self.sparse_epochs, "lr": self.sparse_lr,
+            "sparse_layers": self.sparse_layers, "transform": self.transform,
+            "sparsity_lambda": self.sparsity_lambda, "lambda_gamma": self.lambda_gamma,
+            "zero_threshold_tolerance": self.zero_threshold_tolerance})

@@ -1,0 +1,125 @@
+"""The `pipeline` flow end to end (real Prefect, MLflow, DVC and Fashion-MNIST): the steps chain
+(each starts from the last one's weights), everything lands on one MLflow run, the registered
+pyfunc runs the real fallback cascade, and a rerun on unchanged data trains nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from tasks import tracking
+from tasks.pipeline_config import PipelineConfig
+from tests.conftest import run_cli, task_states
+
+NAME = "smoke-pipeline"
+
+
+def smoke_pipeline(**overrides) -> PipelineConfig:
+    return PipelineConfig(**{"profile": "smoke", "registry": True, "model_name": NAME,
+                             **overrides})
+
+
+@pytest.fixture(scope="module")
+def run():
+    from flows.pipeline import pipeline
+
+    return pipeline(smoke_pipeline())
+
+
+def test_every_step_is_tracked_under_one_parent_run(run):
+    client = MlflowClient()
+    parent = client.get_run(run.run_id)
+    metrics = parent.data.metrics
+    assert [s.name for s in run.steps] == ["teacher", "distill", "pbt", "sparsify"]
+    for step in run.steps:
+        assert metrics[f"step_{step.name}_test_accuracy"] == step.test_accuracy
+        assert len(tracking.artifact_refs(run.run_id)[f"program.{step.name}"]["md5"]) == 32
+    assert 0 < metrics["step_sparsify_zero_fraction"] < 1
+    children = client.search_runs([parent.info.experiment_id],
+                                  f"tags.mlflow.parentRunId = '{run.run_id}'")
+    assert sorted(c.data.tags["mlflow.runName"] for c in children) == [
+        "fallback", "pbt", "sparsify", "student", "teacher"]
+    pbt = next(c for c in children if c.data.tags["mlflow.runName"] == "pbt")
+    members = client.search_runs([parent.info.experiment_id],
+                                 f"tags.mlflow.parentRunId = '{pbt.info.run_id}'")
+    assert len(members) == 2
+    assert parent.data.tags["pipeline.key"] == tracking.version_tags(
+        NAME, run.registration.version)["pipeline.key"]
+    assert metrics["test_accuracy"] == run.fallback.metrics["test_accuracy"] > 0.2
+
+
+def test_each_step_starts_from_the_last_ones_weights(run):
+    """PBT's members start from the distilled student and sparsity fine-tuning from PBT's
+    best: the hand-over checkpoints hold exactly those weights."""
+    from tasks.versioning import ArtifactStore
+
+    store = ArtifactStore()
+    folder = store.path_of("checkpoints/pipeline")
+    handed = {path.name.split("-")[0]: torch.load(path, map_location="cpu", weights_only=True)
+              for path in folder.glob("*.pt")}
+    assert set(handed) == {"distill", "pbt"}
+    refs = tracking.artifact_refs(run.run_id)
+    client = MlflowClient()
+    student = next(c for c in client.search_runs(
+        [client.get_run(run.run_id).info.experiment_id],
+        f"tags.mlflow.parentRunId = '{run.run_id}' and tags.mlflow.runName = 'student'"))
+    last = max(k for k in tracking.artifact_refs(student.info.run_id) if k.startswith(
+        "checkpoint.stage-"))
+    student_weights = torch.load(store.path_of(tracking.artifact_refs(
+        student.info.run_id)[last]["path"]), map_location="cpu", weights_only=True)["model"]
+    assert set(handed["distill"]) == {"model"}
+    for key, value in student_weights.items():
+        assert torch.equal(handed["distill"]["model"][key], value), key
+    assert "program.pbt" in refs
+
+
+def test_the_registered_pyfunc_runs_the_fallback_cascade(run):
+    import mlflow
+
+    from flows.skeleton import data_section
+    from tasks.data import prepare_dataset, source_version
+    from tasks.registration import test_images
+
+    config = smoke_pipeline()
+    data = data_section(config)
+    images, labels = test_images(prepare_dataset(data, source_version(data)))
+    model = mlflow.pyfunc.load_model(f"models:/{NAME}/{run.registration.version}")
+    out = model.predict(images)
+    assert list(out.columns) == ["label", "confidence", "exit"]
+    assert set(out["exit"]) <= {1, 2}
+    share = float((out["exit"] == 1).mean())
+    assert share == pytest.approx(run.fallback.metrics["test_student_share"], abs=0.02)
+    accuracy = float((np.array(out["label"]) == np.array(labels)).mean())
+    assert accuracy == pytest.approx(run.fallback.metrics["test_accuracy"], abs=0.02)
+    assert run.registration.accuracy == pytest.approx(accuracy)
+
+
+def test_a_rerun_on_unchanged_data_trains_nothing_and_changed_data_retrains(run):
+    from flows.pipeline import pipeline, pipeline_key
+
+    versions = tracking.model_versions(NAME)
+    state = pipeline(smoke_pipeline(), return_state=True)
+    again = state.result()
+    assert again.skipped and again.steps == []
+    assert set(task_states(state)) == {"prepare-dataset", "raw-pixel-baselines"}
+    assert tracking.model_versions(NAME) == versions
+    config = smoke_pipeline()
+    assert pipeline_key(config, "a" * 32) != pipeline_key(config, "b" * 32)
+    assert pipeline_key(config, "a" * 32) != pipeline_key(smoke_pipeline(pbt_stages=2), "a" * 32)
+    assert pipeline_key(config, "a" * 32) == pipeline_key(smoke_pipeline(
+        skip_unchanged=False, progress=True), "a" * 32)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--sparse-layers", "nope"], "sparse_layers ['nope'] are not modules of cnn2"),
+    (["--pbt-lr-range", "0.1,0.01"], "lr_range: low 0.1 must be below high 0.01"),
+    (["--fallback-tolerance", "2"], "fallback_tolerance"),
+])
+def test_bad_input_is_one_error_line_before_any_work(flags, message, capsys):
+    code, _, err = run_cli(capsys, "pipeline", "--profile", "smoke", *flags)
+    assert code == 2
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        "error: invalid configuration:"]
+    assert message in err, err

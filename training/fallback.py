@@ -1,0 +1,66 @@
+"""A two-stage cascade: a small network answers the images it is confident about and a larger
+one takes the rest (the `pipeline` flow's last step: the distilled, tuned, sparse student in
+front of its teacher).
+
+The exit rule and its calibration are the `cascade` flow's (`training.cascade`): the
+student's confidence (max softmax) against one threshold, chosen on the validation split as
+the cheapest that loses at most `tolerance` of the images the teacher gets right
+(`ExitTable.losses_only`), with the measured time of each network as the cost. Inference is
+real: only the images the student passes on run through the teacher.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from models.cascade import confidence_of
+from training.cascade import ExitTable, threshold_grid
+
+
+def fallback_table(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor,
+                   student_cost: float, teacher_cost: float) -> ExitTable:
+    """The two exits' confidence, correctness and cumulative cost for every image: exit 0
+    is the student alone, exit 1 the student then the teacher."""
+    student_conf, student_pred = confidence_of(student_logits)
+    teacher_conf, teacher_pred = confidence_of(teacher_logits)
+    count = len(labels)
+    cost = torch.tensor([student_cost, student_cost + teacher_cost]).expand(count, 2)
+    return ExitTable(torch.stack([student_conf, teacher_conf], 1).cpu(),
+                     torch.stack([student_pred == labels, teacher_pred == labels], 1).cpu(),
+                     cost.clone())
+
+
+def calibrate_fallback(table: ExitTable, tolerance: float) -> float:
+    """The cheapest threshold on `table` that loses at most `tolerance` (a fraction of the
+    images) of what the teacher alone gets right."""
+    return float(threshold_grid(table.losses_only()).cheapest(table.full_accuracy()
+                                                              - tolerance)[0])
+
+
+@dataclass
+class FallbackOutput:
+    """Per image: the predicted class, its confidence, and the exit taken (0: the student,
+    1: the teacher)."""
+
+    labels: Tensor
+    confidence: Tensor
+    exits: Tensor
+
+
+@torch.no_grad()
+def fallback_infer(student: Callable[[Tensor], Tensor], teacher: Callable[[Tensor], Tensor],
+                   images: Tensor, threshold: float) -> FallbackOutput:
+    """Runs the student on `images`; the images whose confidence is at most `threshold` (1:
+    all of them) run through the teacher, whose answer replaces the student's."""
+    confidence, labels = confidence_of(student(images))
+    exits = torch.zeros_like(labels)
+    passed = (confidence <= threshold).nonzero().flatten()
+    if len(passed):
+        late_conf, late_labels = confidence_of(teacher(images[passed]))
+        confidence, labels = confidence.clone(), labels.clone()
+        confidence[passed], labels[passed], exits[passed] = late_conf, late_labels, 1
+    return FallbackOutput(labels=labels, confidence=confidence, exits=exits)
