@@ -87,6 +87,7 @@ def fit_fallback(student: ClassifierConfig, teacher: ClassifierConfig, dataset: 
         "teacher": large, "student": small}, sample, 1)
     metrics = {"val_accuracy": val["accuracy"], "val_student_share": val["exit_share_0"],
                "val_teacher_accuracy": table.full_accuracy(),
+               "val_student_accuracy": table.correct[:, 0].float().mean().item(),
                "test_accuracy": test["accuracy"], "test_student_share": test["exit_share_0"],
                "test_teacher_accuracy": test_table.full_accuracy(),
                "test_student_accuracy": test_table.correct[:, 0].float().mean().item(),

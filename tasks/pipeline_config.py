@@ -36,8 +36,7 @@ class PipelineConfig(DistillConfig):
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
         "smoke": {**DistillConfig.PROFILES["smoke"], "pbt_members": 2, "pbt_stages": 1,
                   "sparse_epochs": 1, "zero_threshold_tolerance": None},
-        # 6 stages (not distill's 10) keep `make run` within its minutes on 2 cores
-        "quick": {"stages": 6},
+        "quick": {},
         "full": {**DistillConfig.PROFILES["full"], "pbt_members": 8, "pbt_stages": 6,
                  "pbt_round_epochs": 3, "sparse_epochs": 8},
     }

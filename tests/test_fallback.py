@@ -58,3 +58,11 @@ def test_inference_runs_the_teacher_on_the_passed_images_only():
     assert torch.allclose(out.confidence, torch.tensor([0.9, 0.9, 0.7, 0.7]))
     none_passed = fallback_infer(lambda x: STUDENT[x[:, 0].long()], teacher, images, 0.5)
     assert len(seen) == 1 and none_passed.exits.tolist() == [0, 0, 0, 0]
+
+
+def test_a_student_as_accurate_as_the_teacher_keeps_every_image():
+    teacher_wrong = logits_for([[0.2, 0.8], [0.2, 0.8], [0.3, 0.7], [0.3, 0.7]])  # 0.5
+    table = fallback_table(STUDENT, teacher_wrong, LABELS, 0.5, 2.0)  # the student: 0.5 too
+    threshold = calibrate_fallback(table, 0.0)
+    assert threshold == 0.0
+    assert table.outcome(torch.tensor([threshold]))["exit_share_0"] == 1.0
