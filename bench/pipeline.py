@@ -33,7 +33,7 @@ from tasks.data import load_dataset, prepare_dataset, source_version  # noqa: E4
 from tasks.pipeline_config import PipelineConfig  # noqa: E402
 from tasks.registration import test_images  # noqa: E402
 from tasks.training import classifier_config, split_batches, trained_model  # noqa: E402
-from tasks.versioning import ArtifactRef  # noqa: E402
+from tasks.versioning import ArtifactRef, ArtifactStore  # noqa: E402
 from training.pruning import parameter_count  # noqa: E402
 from training.sparsity import activation_stats  # noqa: E402
 
@@ -77,9 +77,11 @@ def run(seed: int, overrides: dict[str, str]) -> dict:
     trained = train(baseline)
     data = data_section(baseline)
     dataset = prepare_dataset(data, source_version(data))
-    refs = tracking.artifact_refs(trained.run_id)["checkpoint.final"]
+    ref = tracking.artifact_refs(trained.run_id)["checkpoint.final"]
+    size = ArtifactStore().path_of(ref["path"]).stat().st_size
     train_zeros, train_parameters = zeros_and_parameters(
-        classifier_config(baseline), dataset, ArtifactRef(**refs))
+        classifier_config(baseline), dataset, ArtifactRef(path=ref["path"], md5=ref["md5"],
+                                                          size=size))
     steps = {step.name: step for step in summary.steps}
     sparse = steps["sparsify"]
     student_zeros, student_parameters = zeros_and_parameters(sparse.classifier, dataset,
