@@ -60,9 +60,17 @@ def test_inference_runs_the_teacher_on_the_passed_images_only():
     assert len(seen) == 1 and none_passed.exits.tolist() == [0, 0, 0, 0]
 
 
-def test_a_student_as_accurate_as_the_teacher_keeps_every_image():
-    teacher_wrong = logits_for([[0.2, 0.8], [0.2, 0.8], [0.3, 0.7], [0.3, 0.7]])  # 0.5
-    table = fallback_table(STUDENT, teacher_wrong, LABELS, 0.5, 2.0)  # the student: 0.5 too
+def test_the_teacher_is_consulted_only_where_it_buys_accuracy():
+    # a teacher that answers as the student does: the cascade is no more accurate, so the
+    # student keeps every image
+    echo = logits_for([[0.7, 0.3], [0.7, 0.3], [0.7, 0.3], [0.7, 0.3]])
+    table = fallback_table(STUDENT, echo, LABELS, 0.5, 2.0)
     threshold = calibrate_fallback(table, 0.0)
     assert threshold == 0.0
     assert table.outcome(torch.tensor([threshold]))["exit_share_0"] == 1.0
+    # a teacher no more accurate than the student (0.5 each) but right where the student is
+    # unsure: the cascade (1.0) is worth it
+    complement = logits_for([[0.2, 0.8], [0.2, 0.8], [0.3, 0.7], [0.3, 0.7]])
+    table = fallback_table(STUDENT, complement, LABELS, 0.5, 2.0)
+    threshold = calibrate_fallback(table, 0.0)
+    assert table.outcome(torch.tensor([threshold]))["accuracy"] == 1.0

@@ -5,9 +5,9 @@ front of its teacher).
 The exit rule and its calibration are the `cascade` flow's (`training.cascade`): the
 student's confidence (max softmax) against one threshold, chosen on the validation split as
 the cheapest that loses at most `tolerance` of the images the teacher gets right
-(`ExitTable.losses_only`), with the measured time of each network as the cost; where the
-student alone is as accurate as the teacher on validation, it keeps every image. Inference is
-real: only the images the student passes on run through the teacher.
+(`ExitTable.losses_only`), with the measured time of each network as the cost; where that
+cascade is no more accurate on validation than the student alone, the student keeps every
+image. Inference is real: only the images the student passes on run through the teacher.
 """
 
 from __future__ import annotations
@@ -37,13 +37,14 @@ def fallback_table(student_logits: Tensor, teacher_logits: Tensor, labels: Tenso
 
 def calibrate_fallback(table: ExitTable, tolerance: float) -> float:
     """The cheapest threshold on `table` that loses at most `tolerance` (a fraction of the
-    images) of what the teacher alone gets right; 0 (no image passes on) where the student
-    alone is at least as accurate as the teacher: a network that is not more accurate is not
-    worth its time."""
-    if table.correct[:, 0].float().mean() >= table.full_accuracy():
+    images) of what the teacher alone gets right; 0 (no image passes on) where that cascade is
+    no more accurate on `table` than the student alone: the teacher's time must buy accuracy."""
+    threshold = float(threshold_grid(table.losses_only()).cheapest(table.full_accuracy()
+                                                                   - tolerance)[0])
+    student_alone = table.correct[:, 0].float().mean().item()
+    if table.outcome(torch.tensor([threshold]))["accuracy"] <= student_alone:
         return 0.0
-    return float(threshold_grid(table.losses_only()).cheapest(table.full_accuracy()
-                                                              - tolerance)[0])
+    return threshold
 
 
 @dataclass
