@@ -68,10 +68,28 @@ def _cli(env: dict, *args: str, timeout: int = 300) -> str:
     return done.stdout
 
 
-def test_deploy_then_run_from_the_server(server):
+@pytest.fixture(scope="module")
+def deployed(server):
+    """prefect.yaml deployed to the server, with the process work pool it names."""
     url, env = server
     _cli(env, "work-pool", "create", "local", "--type", "process", "--overwrite")
     _cli(env, "--no-prompt", "deploy", "--all")
+    return url, env
+
+
+def _run_deployment(url: str, env: dict, name: str, params: dict) -> dict:
+    """Starts a run of deployment `name` as the UI's Run button does, lets a process worker
+    run it, and returns the flow run (the newest of that deployment)."""
+    _cli(env, "deployment", "run", name, "--params", json.dumps(params))
+    _cli(env, "worker", "start", "--pool", "local", "--run-once", timeout=600)
+    deployment = _api(url, f"/deployments/name/{name}")
+    runs = _api(url, "/flow_runs/filter", {"deployments": {"id": {"any_": [deployment["id"]]}},
+                                           "sort": "EXPECTED_START_TIME_DESC", "limit": 1})
+    return runs[0]
+
+
+def test_deploy_registers_every_deployment_of_prefect_yaml(deployed):
+    url, env = deployed
     deployments = {d["name"]: d for d in _api(url, "/deployments/filter", {})}
     assert set(deployments) == {"train", "pipeline", "pipeline-nightly", "distill", "pbt",
                                 "sparsify", "sparsify-detection", "sparsify-contour", "cascade",
@@ -85,10 +103,47 @@ def test_deploy_then_run_from_the_server(server):
     schedules = deployments["pipeline-nightly"]["schedules"]
     assert [s["schedule"]["cron"] for s in schedules] == ["0 3 * * *"]
     assert not schedules[0]["active"]  # retraining is switched on in the UI, not by deploying
-    params = {"config": {"profile": "smoke", "model_name": "deployed", "train_limit": 512,
+    # running a deployment through a process worker: the nightly pipeline's test below
+
+
+def test_the_nightly_pipeline_retrains_only_when_the_data_changed(deployed, fashion_folder,
+                                                                  tmp_path):
+    """The scheduled deployment's run, triggered three times: it trains and registers; on the
+    same images it finishes without training; after a user adds images it retrains."""
+    import shutil
+
+    from mlflow import MlflowClient
+
+    url, env = deployed
+    folder = tmp_path / "shop"
+    shutil.copytree(fashion_folder, folder)
+    params = {"config": {"profile": "smoke", "data": str(folder), "model_name": "nightly",
                          "registry": True}}
-    _cli(env, "deployment", "run", "train/train", "--params", json.dumps(params))
-    _cli(env, "worker", "start", "--pool", "local", "--run-once", timeout=600)
-    runs = _api(url, "/flow_runs/filter", {})
-    assert [r["state"]["type"] for r in runs] == ["COMPLETED"]
-    assert tracking.alias_version("deployed", "champion") == "1"
+    client = MlflowClient()
+
+    def nightly() -> dict:
+        """The pipeline's MLflow run of one triggered nightly run (completed)."""
+        run = _run_deployment(url, env, "pipeline/pipeline-nightly", params)
+        assert run["state"]["type"] == "COMPLETED", run["state"]
+        found = client.search_runs(
+            [client.get_experiment_by_name("pipeline").experiment_id],
+            f"tags.`prefect.flow_run_id` = '{run['id']}'")
+        assert len(found) == 1
+        return found[0]
+
+    first = nightly()
+    assert tracking.alias_version("nightly", "champion") == "1"
+    assert "step_sparsify_test_accuracy" in first.data.metrics
+    second = nightly()  # the same images: nothing trained, nothing registered
+    assert second.data.tags["registry.decision"].startswith(
+        "the champion (models:/nightly/1) was trained by this pipeline on the same data")
+    assert "step_teacher_test_accuracy" not in second.data.metrics
+    assert second.data.tags["pipeline.key"] == first.data.tags["pipeline.key"]
+    assert tracking.model_versions("nightly") == ["1"]
+    for source in sorted(folder.iterdir()):  # the user adds images to every class
+        for n, image in enumerate(sorted(source.iterdir())[:5]):
+            shutil.copy(image, source / f"added{n}{image.suffix}")
+    third = nightly()
+    assert third.data.tags["pipeline.key"] != first.data.tags["pipeline.key"]
+    assert "step_sparsify_test_accuracy" in third.data.metrics
+    assert third.data.tags["registry.version"] == "2"
