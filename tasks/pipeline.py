@@ -47,7 +47,7 @@ def hand_over(checkpoint: ArtifactRef, entry: str, step: str) -> ArtifactRef:
 
 
 class Fallback(BaseModel):
-    """The fallback cascade's threshold, its exported networks and what it measured."""
+    """The fallback cascade's calibrated threshold and what it measured (`fit_fallback`)."""
 
     model_config = ConfigDict(frozen=True)
 

@@ -16,9 +16,9 @@ from tasks.config import (
     _comma_list,
 )
 
-# The fields every step shares with the pipeline (data, optimizer step, budget, run, runner).
+# The distill flow's own fields: not passed on to the later steps, which take the pipeline's
+# other fields (data, optimizer step, budget, run, runner) as they are (`shared`).
 _SHARED_EXCLUDED = {
-    # the distill flow's own fields, and the later steps' groups below
     "teacher_model", "teacher_width", "student_model", "student_width", "stages",
     "teacher_pretrain_epochs", "teacher_fraction", "student_fraction", "front_weight",
     "back_weight", "student_queue", "teacher_layer", "student_layer", "feature_loss",
@@ -77,7 +77,7 @@ class PipelineConfig(DistillConfig):
                                       "teacher gets right; 1: the student alone")
     skip_unchanged: bool = Field(True, description="when the registered champion was trained "
                                  "by this pipeline on the same data version with the same "
-                                 "config, finish at once without training (scheduled "
+                                 "config and code, finish at once without training (scheduled "
                                  "retraining on unchanged data)")
 
     @field_validator("sparse_layers", "pbt_lr_range", mode="before")
