@@ -12,12 +12,12 @@ DEBIAN_WORDNET := /usr/share/wordnet/data.noun  # image_text: class descriptions
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PROFILE ?= quick
 
-.PHONY: run test setup data lint ui bench deploy worker serve clean
+.PHONY: run test setup data browser lint ui bench deploy worker serve clean
 
 run: setup data  ## the retraining pipeline on Fashion-MNIST: train, test, register, promote
 	$(PY) -m flows pipeline --profile $(PROFILE)
 
-test: setup data  ## the fast test suite
+test: setup data browser  ## the fast test suite
 	$(PY) -m pytest -q
 
 setup: $(STAMP)
@@ -35,6 +35,11 @@ data: setup
 	  wordnet-base; }
 	$(PY) -m flows prepare-data
 
+# The deployment test opens the Prefect and MLflow pages in headless Chromium (Debian's).
+browser:
+	command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium; }
+
 lint: setup
 	$(VENV)/bin/ruff check .
 
@@ -48,7 +53,8 @@ ui: setup  ## Prefect UI on 127.0.0.1:4200 and MLflow UI on 127.0.0.1:5000
 	if $(PORT_FREE) 4200; then $(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200 & \
 	  pids="$$pids $$!"; else echo "the Prefect UI is already running at http://127.0.0.1:4200"; fi; \
 	if $(PORT_FREE) 5000; then $(VENV)/bin/mlflow ui --host 127.0.0.1 --port 5000 \
-	  --backend-store-uri "$(MLFLOW_TRACKING_URI)" & pids="$$pids $$!"; \
+	  --backend-store-uri "$(MLFLOW_TRACKING_URI)" --default-artifact-root "file://$(ROOT)/mlruns/artifacts" \
+	  & pids="$$pids $$!"; \
 	else echo "the MLflow UI is already running at http://127.0.0.1:5000"; fi; \
 	wait
 

@@ -35,7 +35,9 @@ def _api(url: str, path: str, body: dict | None = None) -> object:
 def server(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-server")
     port = _free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           # the UI's pages call this API (by default the standard port's)
+           "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api"}
     env.pop("PREFECT_API_URL", None)
     log = open(home / "server.log", "wb")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port",
@@ -59,6 +61,59 @@ def server(tmp_path_factory):
     proc.terminate()
     proc.wait(timeout=30)
     log.close()
+
+
+def _wait_for(url: str, proc: subprocess.Popen, log: Path, seconds: float = 120) -> None:
+    """Waits until `url` answers, failing with the log's tail if `proc` dies or time runs out."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=5).close()
+            return
+        except OSError:
+            if proc.poll() is not None:
+                pytest.fail(log.read_text()[-2000:])
+            time.sleep(0.5)
+    proc.kill()
+    pytest.fail(f"{url} did not answer within {seconds:.0f} s")
+
+
+@pytest.fixture(scope="module")
+def mlflow_ui(tmp_path_factory):
+    """MLflow's UI and API on 127.0.0.1, on the tests' tracking store."""
+    folder = tmp_path_factory.mktemp("mlflow-ui")
+    port = _free_port()
+    log = open(folder / "server.log", "wb")  # noqa: SIM115 (closed below)
+    uri = os.environ["MLFLOW_TRACKING_URI"]
+    # artifacts as the project keeps them, not behind the server (`mlflow-artifacts:/`): a
+    # server that creates the store's Default experiment first would send every client's
+    # models there (`make ui` does the same)
+    root = Path(uri.removeprefix("sqlite:///")).parent / "artifacts"
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "server",
+                             "--backend-store-uri", uri, "--default-artifact-root",
+                             root.resolve().as_uri(), "--host", "127.0.0.1", "--port",
+                             str(port)], stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    _wait_for(url, proc, folder / "server.log")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+    log.close()
+
+
+def _page(url: str) -> str:
+    """The page at `url` as a person's browser renders it (headless Chromium, its scripts run
+    for up to 20 s of virtual time), as HTML."""
+    import shutil
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert browser, "headless Chromium is missing: `make test` installs Debian's chromium"
+    done = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
+                           "--virtual-time-budget=20000", "--dump-dom", url],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
 
 
 def _cli(env: dict, *args: str, timeout: int = 300) -> str:
@@ -106,10 +161,12 @@ def test_deploy_registers_every_deployment_of_prefect_yaml(deployed):
     # running a deployment through a process worker: the nightly pipeline's test below
 
 
-def test_the_nightly_pipeline_retrains_only_when_the_data_changed(deployed, fashion_folder,
-                                                                  tmp_path):
+def test_the_nightly_pipeline_retrains_only_when_the_data_changed(deployed, mlflow_ui,
+                                                                  fashion_folder, tmp_path):
     """The scheduled deployment's run, triggered three times: it trains and registers; on the
-    same images it finishes without training; after a user adds images it retrains."""
+    same images it finishes without training; after a user adds images it retrains. Then the
+    pages a user opens show it: the flow run in Prefect's UI, the run and the registered
+    versions in MLflow's."""
     import shutil
 
     from mlflow import MlflowClient
@@ -121,10 +178,13 @@ def test_the_nightly_pipeline_retrains_only_when_the_data_changed(deployed, fash
                          "registry": True}}
     client = MlflowClient()
 
-    def nightly() -> dict:
+    flow_runs = []
+
+    def nightly():
         """The pipeline's MLflow run of one triggered nightly run (completed)."""
         run = _run_deployment(url, env, "pipeline/pipeline-nightly", params)
-        assert run["state"]["type"] == "COMPLETED", run["state"]
+        assert run["state"]["type"] == "COMPLETED", run["state"].get("message")
+        flow_runs.append(run)
         found = client.search_runs(
             [client.get_experiment_by_name("pipeline").experiment_id],
             f"tags.`prefect.flow_run_id` = '{run['id']}'")
@@ -147,3 +207,11 @@ def test_the_nightly_pipeline_retrains_only_when_the_data_changed(deployed, fash
     assert third.data.tags["pipeline.key"] != first.data.tags["pipeline.key"]
     assert "step_sparsify_test_accuracy" in third.data.metrics
     assert third.data.tags["registry.version"] == "2"
+
+    prefect_page = _page(f"{url.removesuffix('/api')}/runs/flow-run/{flow_runs[-1]['id']}")
+    assert flow_runs[-1]["name"] in prefect_page and "Completed" in prefect_page
+    models_page = _page(f"{mlflow_ui}/#/models/nightly")
+    assert "Version 2" in models_page and "Version 1" in models_page
+    experiment = third.info.experiment_id
+    run_page = _page(f"{mlflow_ui}/#/experiments/{experiment}/runs/{third.info.run_id}")
+    assert third.info.run_name in run_page and "step_sparsify_test_accuracy" in run_page
