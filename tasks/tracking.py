@@ -204,11 +204,18 @@ def log_pyfunc_model(run_id: str, python_model: str,
                      signature: ModelSignature | None = None) -> str:
     """Logs a pyfunc model (a models-from-code file) as an MLflow logged model linked to the
     run (its page lists it under "Logged models"); returns its `models:/m-...` URI.
-    `signature`: what the model declares (its prediction parameters)."""
+    `signature`: what the model declares (its prediction parameters).
+
+    The logged model is created in the run's experiment first: left to `Model.log`, MLflow
+    puts it in the active or Default experiment (0), where the run's page never finds it."""
+    run = client().get_run(run_id)
+    logged = client().create_logged_model(
+        experiment_id=run.info.experiment_id, name=name, source_run_id=run_id,
+        params={key: str(value) for key, value in run.data.params.items()})
     info = Model.log(artifact_path=None, name=name, flavor=mlflow.pyfunc, run_id=run_id,
-                     python_model=python_model, artifacts=dict(artifacts),
-                     pip_requirements=pip_requirements, code_paths=code_paths,
-                     signature=signature)
+                     model_id=logged.model_id, python_model=python_model,
+                     artifacts=dict(artifacts), pip_requirements=pip_requirements,
+                     code_paths=code_paths, signature=signature)
     return info.model_uri
 
 

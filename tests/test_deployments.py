@@ -207,6 +207,12 @@ def test_the_nightly_pipeline_retrains_only_when_the_data_changed(deployed, mlfl
     assert third.data.tags["pipeline.key"] != first.data.tags["pipeline.key"]
     assert "step_sparsify_test_accuracy" in third.data.metrics
     assert third.data.tags["registry.version"] == "2"
+    from tasks.versioning import ArtifactStore, md5_of
+
+    for name in ("dataset", "program.sparsify", "program.teacher"):  # versioned in DVC
+        ref = tracking.artifact_refs(third.info.run_id)[name]
+        path = ArtifactStore().path_of(ref["path"])
+        assert md5_of(path) == ref["md5"] and path.with_name(path.name + ".dvc").exists()
 
     prefect_page = _page(f"{url.removesuffix('/api')}/runs/flow-run/{flow_runs[-1]['id']}")
     assert flow_runs[-1]["name"] in prefect_page and "Completed" in prefect_page
@@ -215,3 +221,4 @@ def test_the_nightly_pipeline_retrains_only_when_the_data_changed(deployed, mlfl
     experiment = third.info.experiment_id
     run_page = _page(f"{mlflow_ui}/#/experiments/{experiment}/runs/{third.info.run_id}")
     assert third.info.run_name in run_page and "step_sparsify_test_accuracy" in run_page
+    assert "Logged models (1)" in run_page  # its model, linked to the run

@@ -48,6 +48,9 @@ def test_every_step_is_tracked_under_one_parent_run(run):
     assert parent.data.tags["pipeline.key"] == tracking.version_tags(
         NAME, run.registration.version)["pipeline.key"]
     assert metrics["test_accuracy"] == run.fallback.metrics["test_accuracy"] > 0.2
+    # the logged model sits in the run's experiment, so the run's page lists it
+    model = client.get_logged_model(run.registration.model_uri.removeprefix("models:/"))
+    assert (model.experiment_id, model.source_run_id) == (parent.info.experiment_id, run.run_id)
 
 
 def test_each_step_starts_from_the_last_ones_weights(run):
