@@ -7,6 +7,7 @@ metrics; each is cached on its inputs, so a killed run resumes.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -22,6 +23,7 @@ from tasks.caching import computation_key
 from tasks.cascade_config import CascadeConfig
 from tasks.checkpoints import load_checkpoint, save_checkpoint
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
+from tasks.ddp import round_job, train_round_data_parallel
 from tasks.training import EpochResult, run_key, setup_device, split_batches
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.baselines import fit_linear, flatten_pixels
@@ -171,7 +173,9 @@ def train_module_round(config: CascadeConfig, dataset: DatasetRef, sets: Cascade
     """Round `epoch` of module k on its curriculum set (`--stage-training`: the modules before
     it train along, or stay frozen), from `start` (the cascade as module k - 1 left it) or
     `previous` (this module's last round); then module k's exit scored on validation
-    (`module{k}_val_accuracy`: its most expensive sub-network)."""
+    (`module{k}_val_accuracy`: its most expensive sub-network). With `config.ddp_procs` > 1
+    the round trains data-parallel under torchrun (`tasks/ddp.py`) on the same batches and
+    schedule."""
     device = setup_device(config)
     store = ArtifactStore()
     data = load_dataset(dataset)
@@ -192,13 +196,24 @@ def train_module_round(config: CascadeConfig, dataset: DatasetRef, sets: Cascade
     optimizer_to(optimizer, device)
     relative = (relative_costs(net, part_costs(read_table(latency)), k) if net.is_super(k)
                 else None)
-    step = module_step(net, k, relative, config.latency_weight, config.label_smoothing, frozen)
     passes = range(epoch * budget.repeats, (epoch + 1) * budget.repeats)
+    seeds = [config.seed * 1000 + n + 100 * k for n in passes]  # each pass's shuffling
+    schedule, warmup = (0, budget.epochs), config.warmup_epochs * budget.repeats
     started = time.perf_counter()
-    losses = train_round(stage, optimizer, lambda n: _batches(
-        config, dataset, data, rows, budget.batch_size, device, config.seed * 1000 + n + 100 * k),
-        step, device, passes, config.lr, (0, budget.epochs), config.warmup_epochs *
-        budget.repeats, config.grad_clip)
+    if config.ddp_procs == 1:
+        step = module_step(net, k, relative, config.latency_weight, config.label_smoothing,
+                           frozen)
+        losses = train_round(stage, optimizer, lambda n: _batches(
+            config, dataset, data, rows, budget.batch_size, device, seeds[n - passes[0]]),
+            step, device, passes, config.lr, schedule, warmup, config.grad_clip)
+    else:
+        job = round_job(config, dataset, data, net, optimizer, rows, passes, schedule, warmup,
+                        seeds=seeds, batch_size=budget.batch_size, cascade={
+                            "spec": dataclasses.asdict(config.spec()), "k": k,
+                            "frozen": frozen, "latency_weight": config.latency_weight,
+                            "relative_time": None if relative is None else relative.cpu()})
+        losses = train_round_data_parallel(config.ddp_procs, job, net, optimizer, None,
+                                           config.threads)
     seconds = time.perf_counter() - started
     val = evaluate(stage, split_batches(data, dataset, "val", 1024, device), device)
     metrics = {f"module{k}_{name}": value for name, value in losses.items()} | {

@@ -153,9 +153,6 @@ class CascadeConfig(ProfiledConfig, DataSection, OptimSection, RunSection):
         if self.calibrate == "budget" and self.latency_budget is None:
             raise ValueError("latency_budget: --calibrate budget needs a budget (a share of the "
                              "full network's time, e.g. 0.4)")
-        if self.ddp_procs > 1:
-            raise ValueError("ddp_procs: the cascade trains its modules in one process (not "
-                             "data-parallel yet)")
         if self.latency_table is not None:
             self._check_table(Path(self.latency_table).expanduser())
         return self

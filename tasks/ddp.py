@@ -1,7 +1,8 @@
 """A training round run data-parallel inside a task: `torchrun` launches `training.ddp_round`.
 
 The task writes the round's job (`round_job`: data, states, passes, schedule; and for a
-distillation stage the student's adapter and the feature bank) to a temporary folder,
+distillation stage the student's adapter and the feature bank, for a cascade module round
+the module and its loss's settings) to a temporary folder,
 launches `torchrun --standalone --nproc-per-node N -m training.ddp_round JOB OUT` (gloo on
 CPUs, nccl on GPUs, one process per GPU), and loads rank 0's result back into its own model,
 optimizer, weight average and adapter, so everything after the round (validation, checkpoint,
@@ -27,6 +28,7 @@ from tasks.environment import PROJECT_ROOT
 from training.ddp_round import cpu_state
 
 if TYPE_CHECKING:
+    from tasks.cascade_config import CascadeConfig
     from tasks.training import ClassifierConfig
 
 
@@ -39,23 +41,28 @@ def torchrun() -> str:
     return str(Path(sys.executable).with_name("torchrun"))
 
 
-def round_job(config: ClassifierConfig, dataset: DatasetRef, data: LoadedDataset,
-              model: nn.Module, optimizer: torch.optim.Optimizer, positions: Tensor,
-              passes: range, schedule: tuple[int, int], warmup_epochs: float,
-              seeds: list[int] | None = None, seed: int | None = None,
+def round_job(config: ClassifierConfig | CascadeConfig, dataset: DatasetRef,
+              data: LoadedDataset, model: nn.Module, optimizer: torch.optim.Optimizer,
+              positions: Tensor, passes: range, schedule: tuple[int, int],
+              warmup_epochs: float, seeds: list[int] | None = None, seed: int | None = None,
               averaged: AveragedModel | None = None, average_decay: float | None = None,
-              distill: dict[str, Any] | None = None,
-              sparsity: dict[str, Any] | None = None) -> dict[str, Any]:
+              distill: dict[str, Any] | None = None, sparsity: dict[str, Any] | None = None,
+              cascade: dict[str, Any] | None = None, batch_size: int | None = None
+              ) -> dict[str, Any]:
     """The job of `training.ddp_round`: `passes` over the images at `positions` with the
-    config's optimizer settings, shuffled per pass by `seeds` or as one stream from `seed`;
-    `distill` (the student's layer, adapter and bank) makes it a distillation stage,
-    `sparsity` (a `SparsitySpec` dumped) adds the activation-sparsity term."""
+    config's optimizer settings and `batch_size` (default: the config's), shuffled per pass
+    by `seeds` or as one stream from `seed`; `distill` (the student's layer, adapter and
+    bank) makes it a distillation stage, `sparsity` (a `SparsitySpec` dumped) adds the
+    activation-sparsity term, `cascade` (the spec, module k, ...: `tasks.cascade`) makes
+    `model` a cascade whose module k trains."""
+    network = {"cascade": cascade} if cascade is not None else {"model": config.model,
+                                                                  "width": config.width}
     return {"images": data.images, "labels": data.labels, "positions": positions,
             "mean": dataset.mean, "std": dataset.std, "channels": dataset.channels,
-            "classes": len(dataset.classes), "model": config.model, "width": config.width,
+            "classes": len(dataset.classes), **network,
             "state": cpu_state(model), "optimizer": optimizer.state_dict(),
             "passes": list(passes), "seeds": seeds, "seed": seed, "schedule": list(schedule),
-            "warmup_epochs": warmup_epochs, "batch_size": config.batch_size,
+            "warmup_epochs": warmup_epochs, "batch_size": batch_size or config.batch_size,
             "augment": config.augment, "flip": config.flips(),
             "lr": config.lr, "momentum": config.momentum,
             "weight_decay": config.weight_decay, "label_smoothing": config.label_smoothing,

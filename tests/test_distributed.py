@@ -1,5 +1,5 @@
 """DDP with torchrun: 2 CPU processes (gloo) follow the one-process loss curve, in the
-pure loop and inside the train and PBT member tasks (`--ddp-procs`)."""
+pure loop and inside the train, PBT member, distill and cascade module tasks (`--ddp-procs`)."""
 
 from __future__ import annotations
 
@@ -135,3 +135,87 @@ def test_the_sparsity_term_and_thresholds_train_data_parallel_like_one_process()
     single, double = (_weights(r.checkpoint) for r in runs)
     for name, tensor in single.items():
         assert double[name].allclose(tensor, rtol=1e-3, atol=1e-5), name
+
+
+@pytest.fixture(scope="module")
+def tiny_cascade():
+    """A tiny cascade's settings, data, training sets and latency table: module 0 plain,
+    module 1 a super-network module (joint stage training: module 1's round trains module 0
+    along; no super-network module before it, whose random routes each process draws for
+    its own share)."""
+    from flows.skeleton import data_section
+    from tasks.cascade import difficulty_sets, measure_latency, serving_device
+    from tasks.data import prepare_dataset, source_version
+    from tests.test_cascade_flow import smoke_cascade
+
+    settings = {"super_modules": (1,), "train_limit": 512, "min_steps": None, "epochs": 1,
+                "threads": 1, "latency_repeats": 1}
+    config = smoke_cascade(**settings)
+    data = data_section(config)
+    dataset = prepare_dataset.fn(data, source_version(data))
+    return (settings, dataset, difficulty_sets.fn(config, dataset),
+            measure_latency.fn(config, dataset, serving_device(config)))
+
+
+@pytest.mark.parametrize("k", [0, 1], ids=["plain-module", "super-network-module"])
+def test_a_cascade_module_round_trains_data_parallel_like_one_process(k, tiny_cascade):
+    import torch
+
+    from tasks.cascade import new_cascade, train_module_round
+    from tests.test_cascade_flow import smoke_cascade
+
+    settings, dataset, sets, latency = tiny_cascade
+    configs = [smoke_cascade(**settings, ddp_procs=procs) for procs in (1, 2)]  # accepted
+    runs = [train_module_round.fn(config, dataset, sets, latency, k, 0, None, None)
+            for config in configs]
+    one, two = ({key[len(f"module{k}_"):]: value for key, value in r.metrics.items()}
+                for r in runs)
+    assert two["ddp_processes"] == 2 and "ddp_processes" not in one
+    assert two["loss_ce"] == pytest.approx(one["loss_ce"], rel=2e-3)
+    if k == 1:  # whether each sub-network is right (argmax) flips where logits are close
+        assert two["loss_route"] == pytest.approx(one["loss_route"], abs=0.05)
+    # Each process normalises its own share in BatchNorm (CPUs), so the weights are not
+    # equal: the gap between the two must be small beside how far the round moved them.
+    start = new_cascade(configs[0], dataset)
+    names = [name for name, _ in start.named_parameters()]
+    single, double = (_weights(r.checkpoint) for r in runs)
+    moved = torch.cat([(single[n] - start.state_dict()[n]).flatten() for n in names]).norm()
+    gap = torch.cat([(double[n] - single[n]).flatten() for n in names]).norm()
+    assert moved > 0 and gap < 0.2 * moved
+    assert _weights(runs[1].checkpoint, "optimizer")["state"]  # the momentum came back
+
+
+def test_a_cascade_round_under_torchrun_in_one_process_is_the_in_process_round(
+        tiny_cascade, monkeypatch):
+    """BatchNorm aside, the job carries everything: the same batches, schedule, step and
+    optimizer state (both ways, over two rounds) give the same weights bit for bit."""
+    import torch
+
+    import tasks.cascade
+    from tasks.cascade import train_module_round
+    from tasks.ddp import train_round_data_parallel
+    from tests.test_cascade_flow import smoke_cascade
+
+    settings, dataset, sets, latency = tiny_cascade
+    settings = settings | {"epochs": 2}
+
+    def rounds(procs: int):
+        config = smoke_cascade(**settings, ddp_procs=procs)
+        first = train_module_round.fn(config, dataset, sets, latency, 1, 0, None, None)
+        return train_module_round.fn(config, dataset, sets, latency, 1, 1, first.checkpoint,
+                                     None)
+
+    one = rounds(1)
+    monkeypatch.setattr(tasks.cascade, "train_round_data_parallel",
+                        lambda _procs, *args, **kwargs: train_round_data_parallel(1, *args,
+                                                                                  **kwargs))
+    torchrun = rounds(2)
+    assert torchrun.metrics["module1_ddp_processes"] == 1
+    assert torchrun.metrics["module1_loss"] == one.metrics["module1_loss"]
+    for name, tensor in _weights(one.checkpoint).items():
+        assert torch.equal(_weights(torchrun.checkpoint)[name], tensor), name
+    optimizers = [_weights(r.checkpoint, "optimizer") for r in (one, torchrun)]
+    assert optimizers[0]["param_groups"] == optimizers[1]["param_groups"]
+    for index, state in optimizers[0]["state"].items():
+        assert torch.equal(optimizers[1]["state"][index]["momentum_buffer"],
+                           state["momentum_buffer"]), index

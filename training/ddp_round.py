@@ -8,6 +8,9 @@ stream of batches over all passes, as a distillation stage draws them), the sche
 weight average. A `job["sparsity"]` adds the activation-sparsity term of `training.sparsity`
 to the step. A distillation job (`job["distill"]`) also holds the student's layer, its
 adapter and the feature bank: the step is then `training.distillation.distillation_step`.
+A cascade job (`job["cascade"]`) trains module k of a `models.cascade` network instead of a
+registered one: its state is the whole network's, its optimizer that of the module's
+`training.cascade.StageModel` parameters, its step `training.cascade.module_step`.
 
 Every process builds the same network and batches and trains its share of each batch
 (`training.distributed`: gloo on CPUs, nccl on CUDA); DDP averages the gradients, so a step
@@ -28,7 +31,9 @@ import torch
 from torch import nn
 
 from models import build_model
+from models.cascade import CascadeSpec, build_cascade
 from training.batches import Batches, Normalize
+from training.cascade import StageModel, module_step
 from training.device import place_model, resolve_device
 from training.distillation import FeatureAdapter, FeatureLoss, bank_targets, distillation_step
 from training.distributed import Distributed, start, stop, wrap
@@ -54,7 +59,11 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     if job.get("threads"):
         torch.set_num_threads(job["threads"])
     place = start(device)
-    model = build_model(job["model"], job["channels"], job["classes"], job["width"])
+    cascade = job.get("cascade")
+    if cascade is None:
+        model = build_model(job["model"], job["channels"], job["classes"], job["width"])
+    else:
+        model = build_cascade(CascadeSpec(**cascade["spec"]), job["channels"], job["classes"])
     model.load_state_dict(job["state"])
     distill = job.get("distill")
     adapter = None
@@ -62,8 +71,13 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         adapter = FeatureAdapter(*distill["adapter_shapes"])
         adapter.load_state_dict(distill["adapter"])
     # the parameters in the order the launching task's optimizer holds them
-    trainable = model if adapter is None else nn.ModuleList([model, adapter])
-    optimizer = sgd(trainable.parameters(), job["lr"], job["momentum"], job["weight_decay"])
+    stage = None if cascade is None else StageModel(model, cascade["k"], cascade["frozen"])
+    if stage is not None:
+        trainable = stage.trainable_parameters()
+    else:
+        trainable = list((model if adapter is None else nn.ModuleList([model, adapter]))
+                         .parameters())
+    optimizer = sgd(trainable, job["lr"], job["momentum"], job["weight_decay"])
     if job["optimizer"] is not None:
         optimizer.load_state_dict(job["optimizer"])
         set_momentum_and_decay(optimizer, job["momentum"], job["weight_decay"])
@@ -74,11 +88,16 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     averaged = None
     if job["average_decay"] is not None:
         averaged = start_average(model, job["average_decay"], job["averaged"])
-    trained = wrap(model, device, place)
+    trained = wrap(model, device, place) if stage is None else \
+        wrap_stage(stage, job, device, place)
     batches_for = pass_batches(job, device, place)
     with ExitStack() as hooks:
-        step = classification_step(job["label_smoothing"]) if distill is None else \
-            student_step(job, model, adapter, device, place, hooks)
+        if stage is not None:
+            step = call_model
+        elif distill is None:
+            step = classification_step(job["label_smoothing"])
+        else:
+            step = student_step(job, model, adapter, device, place, hooks)
         if job.get("sparsity") is not None:
             spec = job["sparsity"]
             transform = SparsityTransform(spec["transform"], spec["power"], spec["abs_power"],
@@ -118,6 +137,43 @@ def pass_batches(job: dict[str, Any], device: torch.device, place: Distributed):
         return lambda _epoch: stream
     seeds = dict(zip(job["passes"], job["seeds"], strict=True))
     return lambda epoch: batches(seeds[epoch])
+
+
+class StepModel(nn.Module):
+    """`step(model, ids, x, y)` as a module's forward, so that DDP sees the whole step (whose
+    loss may call sub-modules of `model` directly, as the cascade's does) and averages the
+    gradients of every parameter it reaches."""
+
+    def __init__(self, model: nn.Module, step: Step) -> None:
+        super().__init__()
+        self.model, self.step = model, step
+
+    def forward(self, ids: torch.Tensor, x: torch.Tensor, y: torch.Tensor
+                ) -> dict[str, torch.Tensor]:
+        return self.step(self.model, ids, x, y)
+
+
+def call_model(model: nn.Module, ids: torch.Tensor, x: torch.Tensor, y: torch.Tensor
+               ) -> dict[str, torch.Tensor]:
+    """The step of a `StepModel` (or its DDP wrapper): its forward."""
+    return model(ids, x, y)
+
+
+def wrap_stage(stage: StageModel, job: dict[str, Any], device: torch.device,
+               place: Distributed) -> nn.Module:
+    """The cascade job's `module_step` on `stage` as DDP trains it: the network's parameters
+    that the stage does not train need no gradients, and a step may leave some of the trained
+    ones without any (joint training never runs the predictors of the modules before k).
+    Each process draws its own random routes (`module_step`), seeded by the round's first
+    pass and its rank."""
+    cascade = job["cascade"]
+    trained = set(stage.trainable_parameters())
+    for parameter in stage.net.parameters():
+        parameter.requires_grad_(parameter in trained)
+    torch.manual_seed(job["seeds"][0] * 1000 + place.rank)
+    step = module_step(stage.net, stage.k, cascade["relative_time"], cascade["latency_weight"],
+                       job["label_smoothing"], stage.frozen)
+    return wrap(StepModel(stage, step), device, place, find_unused=True)
 
 
 def student_step(job: dict[str, Any], model: nn.Module, adapter: nn.Module,

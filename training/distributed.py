@@ -51,14 +51,18 @@ def start(device: torch.device) -> Distributed:
     return job
 
 
-def wrap(model: nn.Module, device: torch.device, job: Distributed) -> nn.Module:
-    """The model as DDP trains it (synchronous BatchNorm on CUDA); unchanged for one process."""
+def wrap(model: nn.Module, device: torch.device, job: Distributed,
+         find_unused: bool = False) -> nn.Module:
+    """The model as DDP trains it (synchronous BatchNorm on CUDA); unchanged for one process.
+    `find_unused`: some parameters that need gradients may get none in a step (DDP then looks
+    for them after each forward instead of waiting for their gradients)."""
     if job.world_size == 1:
         return model
     if device.type == "cuda":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        return DistributedDataParallel(model, device_ids=[device.index or job.local_rank])
-    return DistributedDataParallel(model)
+        return DistributedDataParallel(model, device_ids=[device.index or job.local_rank],
+                                       find_unused_parameters=find_unused)
+    return DistributedDataParallel(model, find_unused_parameters=find_unused)
 
 
 def stop() -> None:
