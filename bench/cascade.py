@@ -9,11 +9,13 @@ test task measures, on the same trained modules and the same test images:
 (d) the oracle: each image leaves at the cheapest exit and sub-networks that get it right.
 For each: test accuracy, milliseconds per image measured at batch 1 (the real cascade on 1,000
 test images, passes interleaved with the full network's) and at the serving batch, and FLOPs
-per image; the oracle is not a runnable model, its cost comes from the latency table. (c) over
+per image; the oracle is not a runnable model, its cost comes from the latency table (its
+FLOPs from the same search with FLOPs as the cost). (c) over
 a sweep of accuracy tolerances gives the accuracy-latency curve (logged to MLflow).
 
 Targets (issue 11): (c) at least 2.5 times faster than (a) at batch 1 at no more than 0.3
-points of accuracy lost, and (c)'s cost within 1.3 times the oracle's.
+points of accuracy lost, and (c)'s cost within 1.3 times the oracle's (by the table, the
+measured times decisions use; in FLOPs beside it).
 
     python -m bench.cascade                    # 3 seeds
     python -m bench.cascade --seeds 0 --set predictor=fixed
@@ -79,16 +81,19 @@ def main() -> None:
         figures[name] = {"accuracy": acc, "ms_b1": ms, "speedup_b1": speedup,
                          "images_per_second_serving": 1000 / ms_serving[0], "flops": flop}
     oracle, ratio = stat("oracle_accuracy"), stat("oracle_table_cost_ratio")
+    oracle_flops = stat("oracle_flops_per_image")
     rows.append(["(d) oracle", f"{oracle[0]:.4f} ± {oracle[1]:.4f}",
-                 f"{oracle[0] - full_accuracy:+.4f}", "", f"{1 / ratio[0]:.2f} (table)", "", ""])
-    figures["(d) oracle"] = {"accuracy": oracle, "cost_ratio": ratio}
+                 f"{oracle[0] - full_accuracy:+.4f}", "", f"{1 / ratio[0]:.2f} (table)", "",
+                 f"{oracle_flops[0] / 1e6:.2f}"])
+    figures["(d) oracle"] = {"accuracy": oracle, "cost_ratio": ratio, "flops": oracle_flops}
     print_table(["variant", "test accuracy", "vs (a)", "ms / image, batch 1",
                  "speed-up over (a), batch 1", "images / s, serving batch", "MFLOPs / image"],
                 rows)
     exits = {k: stat(f"exit_share_{k}") for k in range(len(runs[0]["thresholds"]) + 1)}
-    over_oracle = stat("cost_over_oracle")
+    over_oracle, flops_over = stat("cost_over_oracle"), stat("flops_over_oracle")
     print("\n(c) exits taken: " + ", ".join(f"exit {k + 1} {v[0]:.3f}" for k, v in exits.items())
-          + f"; cost over the oracle's {over_oracle[0]:.2f} ± {over_oracle[1]:.2f}")
+          + f"; cost over the oracle's {over_oracle[0]:.2f} ± {over_oracle[1]:.2f} by the table"
+          f" (measured time), {flops_over[0]:.2f} ± {flops_over[1]:.2f} in FLOPs")
     print("sweep (seed mean): tolerance, test accuracy, speed-up at batch 1, by the table, "
           "cost over the oracle's")
     sweep = []
@@ -100,7 +105,8 @@ def main() -> None:
               f"{1 / mean['table_cost_ratio'][0]:.2f}x  {mean['cost_over_oracle'][0]:.2f} "
               f"± {mean['cost_over_oracle'][1]:.2f}")
         sweep.append({"tolerance": point["tolerance"], **mean})
-    figures |= {"exit_shares": exits, "cost_over_oracle": over_oracle, "sweep": sweep}
+    figures |= {"exit_shares": exits, "cost_over_oracle": over_oracle,
+                "flops_over_oracle": flops_over, "sweep": sweep}
     print_json(figures)
 
 

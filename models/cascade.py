@@ -3,9 +3,10 @@ that is confident enough.
 
 A module is a block of two 3x3 conv-BN-ReLU layers (`hidden` channels, then the module's
 `out` channels; the first has stride 2, so each module halves the map: 28, 14, 7, 4 pixels)
-followed by an exit head (global average pooling, linear). A super-network module holds two or
-more such blocks with the same input and output shapes but different hidden widths (cost),
-and a predictor, a small network on the incoming feature map, that picks one per image.
+followed by an exit head (average pooling to a grid, then a classifier: one hidden layer for
+the early exits, linear for the last). A super-network module holds two or more such blocks
+with the same input and output shapes but different hidden widths (cost), and a predictor, a
+small network on the incoming feature map, that picks one per image.
 
 `CascadeNet.infer` runs the real cascade: the images still in play are regrouped after every
 exit and only they run the next module; inside a super-network module each image runs only
@@ -41,7 +42,10 @@ class CascadeSpec:
         confidence: `max_softmax` (the largest class probability) or `entropy` (1 minus the
             prediction's entropy over log C); both in [0, 1].
         exit_pool: each exit head pools its map to `exit_pool` x `exit_pool` cells before
-            its linear layer (1: global average pooling, which throws away where things are).
+            its classifier (1: global average pooling, which throws away where things are).
+        exit_hidden: the early exits' classifier is a hidden layer of `exit_hidden` units
+            (ReLU) and a linear layer; 0: a linear layer. The last exit's is always linear,
+            so the full network is the same whatever the early exits are.
     """
 
     widths: tuple[int, ...] = (16, 64, 128)
@@ -49,6 +53,7 @@ class CascadeSpec:
     sub_widths: tuple[float, ...] = (0.5, 2.0)
     confidence: str = "max_softmax"
     exit_pool: int = 4
+    exit_hidden: int = 64
 
     def __post_init__(self) -> None:
         if len(self.widths) < 2:
@@ -66,6 +71,8 @@ class CascadeSpec:
             raise ValueError(f"confidence must be one of {CONFIDENCE}, got {self.confidence!r}")
         if self.exit_pool < 1:
             raise ValueError(f"exit_pool must be at least 1, got {self.exit_pool}")
+        if self.exit_hidden < 0:
+            raise ValueError(f"exit_hidden must be 0 or more, got {self.exit_hidden}")
 
 
 def block(in_channels: int, hidden: int, out_channels: int, stride: int) -> nn.Sequential:
@@ -75,15 +82,20 @@ def block(in_channels: int, hidden: int, out_channels: int, stride: int) -> nn.S
 
 
 class ExitHead(nn.Module):
-    """An exit: average pooling to `pool` x `pool` cells and a linear classifier. A coarse
-    grid keeps the layout that global pooling loses (on Fashion-MNIST a linear model of the
-    raw pixels reaches 0.84; of 16 globally pooled channels far less) for a few thousand
-    multiply-adds more, so an early exit can answer for more images."""
+    """An exit: average pooling to `pool` x `pool` cells and a classifier `fc`, linear or
+    (`hidden` > 0) one hidden ReLU layer and a linear layer. A coarse grid keeps the layout
+    that global pooling loses (on Fashion-MNIST a linear model of the raw pixels reaches 0.84;
+    of 16 globally pooled channels far less) for a few thousand multiply-adds more, and the
+    hidden layer lets an early exit agree with the last one on more images (refitted to it,
+    the first exit's accuracy rose 1.3 points for 15k more multiply-adds), so more images leave
+    early at the same accuracy."""
 
-    def __init__(self, channels: int, num_classes: int, pool: int = 1) -> None:
+    def __init__(self, channels: int, num_classes: int, pool: int = 1, hidden: int = 0) -> None:
         super().__init__()
         self.pool = nn.Sequential(nn.AdaptiveAvgPool2d(pool), nn.Flatten())
-        self.fc = nn.Linear(channels * pool * pool, num_classes)
+        inputs = channels * pool * pool
+        self.fc = nn.Linear(inputs, num_classes) if not hidden else nn.Sequential(
+            nn.Linear(inputs, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, num_classes))
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fc(self.pool(x))
@@ -180,7 +192,9 @@ class CascadeNet(ImageClassifier):
                 blocks.append(SuperModule(subnets, channels))
             else:
                 blocks.append(block(channels, out, out, 2))
-            exits.append(ExitHead(out, num_classes, spec.exit_pool))
+            last = k == len(spec.widths) - 1
+            exits.append(ExitHead(out, num_classes, spec.exit_pool,
+                                  0 if last else spec.exit_hidden))
             channels = out
         self.blocks = nn.ModuleList(blocks)
         self.exits = nn.ModuleList(exits)

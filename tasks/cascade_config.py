@@ -46,8 +46,11 @@ class CascadeConfig(ProfiledConfig, DataSection, OptimSection, RunSection):
                                                           "confidence: the top class probability, "
                                                           "or 1 - entropy / log C")
     exit_pool: int = Field(4, ge=1, le=16, description="each exit head averages its map over "
-                           "exit_pool x exit_pool cells before its linear layer (1: global "
+                           "exit_pool x exit_pool cells before its classifier (1: global "
                            "average pooling)")
+    exit_hidden: int = Field(64, ge=0, le=4096, description="the early exits' classifier: a "
+                             "hidden ReLU layer of this many units, then a linear layer (0: "
+                             "linear; the last exit is always linear)")
     difficulty: Literal["loss", "margin"] = Field("loss", description="per-image difficulty: a "
                                                   "linear classifier on the raw pixels, fitted on "
                                                   "the other half of the images, its cross-entropy "
@@ -183,7 +186,7 @@ class CascadeConfig(ProfiledConfig, DataSection, OptimSection, RunSection):
         """The network's shape (`models.cascade.CascadeSpec`)."""
         return CascadeSpec(widths=self.widths, super_modules=tuple(sorted(set(
             self.super_modules))), sub_widths=self.sub_widths, confidence=self.confidence,
-            exit_pool=self.exit_pool)
+            exit_pool=self.exit_pool, exit_hidden=self.exit_hidden)
 
     def parts(self) -> list[str]:
         """The names of the parts a latency table must time."""

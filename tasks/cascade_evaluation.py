@@ -164,7 +164,8 @@ def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRe
     cascade (`plain_`: those sub-networks, exits calibrated alike): accuracy of the real
     cascade, each exit's share, milliseconds per image measured at batch 1 (the first
     `latency_images` test images) and at the serving batch (interleaved passes), the latency
-    table's predicted cost and FLOPs per image, and the oracle (`oracle_`). Then the sweep's
+    table's predicted cost and FLOPs per image, and the oracle (`oracle_`: its cost by the
+    table and, cheapest in FLOPs, its FLOPs; the cascade's over each). Then the sweep's
     accuracy, time at batch 1 (on 300 images) and cost by the table (over the full network's
     and over the oracle's)."""
     device = setup_device(config)
@@ -208,9 +209,12 @@ def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRe
         metrics |= {f"{prefix}speedup_{suffix}": measured["full_"] / ms
                     for prefix, ms in measured.items() if prefix != "full_"}
     best = oracle(net, split_batches(data, dataset, "test", 1024, device), costs)
+    best_flops = oracle(net, split_batches(data, dataset, "test", 1024, device), flops)
     metrics |= {"oracle_accuracy": best["accuracy"],
                 "oracle_table_cost_ratio": best["mean_cost"] / full_cost,
                 "cost_over_oracle": metrics["table_cost_ratio"] * full_cost / best["mean_cost"],
+                "oracle_flops_per_image": best_flops["mean_cost"],
+                "flops_over_oracle": metrics["flops_per_image"] / best_flops["mean_cost"],
                 "full_flops": full_flops}
     sweep = []
     sample = images[:300]
@@ -245,7 +249,7 @@ def register_cascade(run_id: str, name: str, config: CascadeConfig, dataset: Dat
             "channels": dataset.channels, "mean": dataset.mean, "std": dataset.std,
             "spec": {"widths": spec.widths, "super_modules": spec.super_modules,
                      "sub_widths": spec.sub_widths, "confidence": spec.confidence,
-                     "exit_pool": spec.exit_pool}}
+                     "exit_pool": spec.exit_pool, "exit_hidden": spec.exit_hidden}}
     model_uri = log_weights_pyfunc(run_id, "cascade_pyfunc_model.py", meta,
                                    trained_cascade(config, dataset, calibrated).state_dict())
     return promote_on_test_images(run_id, name, model_uri, dataset, calibrated.md5,

@@ -25,7 +25,8 @@ class CascadeModel(ImageClassifierModel):
         self.network = build_cascade(CascadeSpec(
             widths=tuple(spec["widths"]), super_modules=tuple(spec["super_modules"]),
             sub_widths=tuple(spec["sub_widths"]), confidence=spec["confidence"],
-            exit_pool=spec.get("exit_pool", 1)),  # models registered before it: 1
+            exit_pool=spec.get("exit_pool", 1),  # models registered before them: 1, 0
+            exit_hidden=spec.get("exit_hidden", 0)),
             self.channels, len(self.classes))
         self.network.load_state_dict(torch.load(context.artifacts["weights"],
                                                 map_location="cpu", weights_only=True))

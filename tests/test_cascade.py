@@ -244,8 +244,10 @@ def test_latency_table_times_every_part_and_counts_flops():
                                    "1.exit", "2.predictor", "2.sub0", "2.sub1", "2.exit"}
     assert all(entry["ms"]["1"] > 0 and entry["ms"]["4"] > 0
                for entry in table["parts"].values())
-    # exit 0: a linear layer on the 4 channels pooled to 4 x 4 cells, 64 -> 3: 2 x 64 x 3 FLOPs
-    assert table["parts"]["0.exit"]["flops"] == 2 * 64 * 3
+    # exit 0: the 4 channels pooled to 4 x 4 cells, 64 -> 64 hidden -> 3 classes; the last
+    # exit is linear: 8 channels x 16 cells -> 3 (a multiply-add is 2 FLOPs)
+    assert table["parts"]["0.exit"]["flops"] == 2 * 64 * 64 + 2 * 64 * 3
+    assert table["parts"]["2.exit"]["flops"] == 2 * 128 * 3
     assert table["parts"]["1.sub1"]["flops"] > table["parts"]["1.sub0"]["flops"]
     assert part_costs(table, 4)["0.block"] == pytest.approx(table["parts"]["0.block"]["ms"]["4"]
                                                             / 4)
@@ -307,6 +309,13 @@ def test_an_exit_table_is_priced_again_per_part():
         assert priced.cost[row].tolist() == [4.0, second, second + 6.0]
 
 
+def middle(values: torch.Tensor) -> float:
+    """A threshold halfway between two middle values: no image sits on it (there a batch's
+    and a single image's float rounding could send it different ways)."""
+    ordered = values.sort().values
+    return ((ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2).item()
+
+
 def test_a_batch_and_its_images_one_by_one_get_the_same_cascade():
     # one image at a time takes the no-regrouping path (all stay or all leave at each exit);
     # a batch regroups: both must give every image the same exit, class and sub-networks
@@ -316,11 +325,11 @@ def test_a_batch_and_its_images_one_by_one_get_the_same_cascade():
     torch.nn.init.normal_(predictor[-1].weight)
     with torch.no_grad():
         scores = predictor(net.blocks[0](x))
-        predictor[-1].bias[1] -= (scores[:, 1] - scores[:, 0]).median()
+        predictor[-1].bias[1] -= middle(scores[:, 1] - scores[:, 0])
     first, _ = confidence_of(net.exits[0](net.blocks[0](x)))
-    second = net.infer(x, torch.tensor([first.median().item(), 0.0]))
+    second = net.infer(x, torch.tensor([middle(first), 0.0]))
     stayed = second.confidence[second.exits == 1]
-    thresholds = torch.tensor([first.median().item(), stayed.median().item()])
+    thresholds = torch.tensor([middle(first), middle(stayed)])
     batch = net.infer(x, thresholds)
     assert len(batch.exits.unique()) == 3
     assert set(batch.choices[batch.exits > 0, 1].tolist()) == {0, 1}  # both sub-networks ran
@@ -358,8 +367,18 @@ def test_refitting_the_exits_makes_them_agree_with_the_last_and_changes_nothing_
     assert after[0] > before[0] + 0.1 and after[1] > before[1] + 0.1 and after[2] == 1.0
     assert set(metrics) == {"exit0_distill_loss", "exit1_distill_loss"}
     changed = {k for k, v in net.state_dict().items() if not torch.equal(v, state[k])}
-    assert changed == {"exits.0.fc.weight", "exits.0.fc.bias", "exits.1.fc.weight",
-                       "exits.1.fc.bias"}
+    # the early exits' classifiers (a hidden layer and a linear one), nothing else
+    assert changed == {f"exits.{k}.fc.{layer}.{p}" for k in (0, 1) for layer in (0, 2)
+                       for p in ("weight", "bias")}
     inputs, final, labels = exit_inputs(net, batches)
     assert [tuple(i.shape) for i in inputs] == [(256, 4 * 4), (256, 8 * 4)]  # C x 2 x 2
     assert (final.argmax(1) == labels).all()
+
+
+def test_early_exits_have_a_hidden_layer_the_last_exit_stays_linear():
+    net = small_net(exit_hidden=5)
+    assert [type(e.fc).__name__ for e in net.exits] == ["Sequential", "Sequential", "Linear"]
+    assert net.exits[0].fc[0].out_features == 5
+    assert all(isinstance(e.fc, torch.nn.Linear) for e in small_net(exit_hidden=0).exits)
+    with pytest.raises(ValueError, match="exit_hidden must be 0 or more, got -1"):
+        small_net(exit_hidden=-1)

@@ -15,7 +15,7 @@
    (`predictor_step`: on the first set the sub-networks are right too often to tell them
    apart), or one sub-network is chosen for good on it (`fixed_choice`).
 4. Every exit head but the last is refitted on the finished network (`distill_exits`): its
-   linear layer, on the pooled maps the frozen network gives along the paths inference takes,
+   classifier, on the pooled maps the frozen network gives along the paths inference takes,
    learns the final exit's softened outputs beside the labels (knowledge distillation from
    the network's own last exit, as in self-distillation and SDN). In training each early
    head last learned, by cross-entropy, on the hardest module's set, while the modules under
@@ -242,7 +242,7 @@ def fixed_choice(net: CascadeNet, k: int, batches: Batches, relative_time: Tenso
 def exit_inputs(net: CascadeNet, batches: Batches) -> tuple[list[Tensor], Tensor, Tensor]:
     """What the exit heads see, along the path inference takes (each super-network module
     routed by its predictor or fixed choice): every exit but the last, its pooled map (the
-    input of its linear layer), (N, C_k x pool x pool); the last exit's logits (N, classes);
+    input of its classifier), (N, C_k x pool x pool); the last exit's logits (N, classes);
     the labels (N,)."""
     net.eval()
     last = net.modules_count - 1
@@ -281,7 +281,7 @@ def distillation_loss(logits: Tensor, teacher: Tensor, labels: Tensor, temperatu
 def distill_exits(net: CascadeNet, batches: Batches, epochs: int, lr: float,
                   temperature: float, weight: float, seed: int, batch_size: int = 256
                   ) -> dict[str, float]:
-    """Refits the linear layer of every exit head but the last to the last exit's softened
+    """Refits the classifier (`fc`) of every exit head but the last to the last exit's softened
     outputs and the labels (`distillation_loss`), on the maps the frozen network gives for
     `batches` (computed once: the blocks, predictors and the last exit do not change), by the
     recipe's loop (`training.recipe.train_round`: SGD with momentum, a cosine schedule over
