@@ -424,7 +424,7 @@ class SparsitySpec(StrictConfig):
     each regularized layer's lambda, in order, and the transform with its parameters."""
 
     lambdas: dict[str, float]
-    transform: Literal["abs", "power", "exp_abs", "exp_power", "abs_power"]
+    transform: Literal["abs", "power", "exp_abs", "exp_power", "abs_power", "hoyer"]
     power: int
     abs_power: int
     base: float
@@ -479,9 +479,10 @@ class SparsifyConfig(TrainConfig):
                                                   "(any module of the network); none: its "
                                                   "feature maps (feature layers but the "
                                                   "embedding)")
-    transform: Literal["abs", "power", "exp_abs", "exp_power", "abs_power"] = Field(
+    transform: Literal["abs", "power", "exp_abs", "exp_power", "abs_power", "hoyer"] = Field(
         "abs", description="T(x) per activation: abs |x|, power x^N, exp_abs c^|x|, "
-        "exp_power c^(x^N), abs_power |x|^M")
+        "exp_power c^(x^N), abs_power |x|^M; or hoyer: each image's map's Hoyer-square "
+        "(sum |x|)^2 / (n sum x^2), which does not change with the map's scale")
     power: int = Field(2, ge=2, le=16, description="N of power and exp_power (even)")
     abs_power: int = Field(1, ge=1, le=16, description="M of abs_power (a whole number)")
     base: float = Field(2.0, le=1e6, description="c of exp_abs and exp_power (> 1)")

@@ -82,6 +82,22 @@ def test_metrics_report_and_plots_are_in_mlflow(sparse):
     assert len(run.data.tags["dvc.program.pruned"]) == 32
 
 
+def test_the_hoyer_square_trains_through_the_flow_and_raises_the_zeros(sparse):
+    """`--transform hoyer`: each image's map's Hoyer-square, in (0, 1], is the term logged
+    per layer, and at the same lambda and budget it zeros more than no term."""
+    from flows.sparsify import sparsify
+
+    hoyer = sparsify(smoke_sparsify(transform="hoyer", sparsity_lambda=0.5,
+                                    model_name="smoke-sparsify-hoyer"))
+    run = MlflowClient().get_run(hoyer.run_id)
+    assert run.data.params["transform"] == "hoyer"
+    for layer in ("block1", "block2"):
+        assert 0 < run.data.metrics[f"sparsity_{layer}"] <= 1, layer
+        zeros, plain = (r.layers[layer].zero_fraction for r in (hoyer.report, sparse.sweep[0.0]))
+        assert zeros > plain + 0.05, (layer, zeros, plain)
+    assert hoyer.test_accuracy > 0.25
+
+
 def test_init_from_fine_tunes_the_registered_weights_and_thresholds_add_zeros(sparse):
     """A near-zero learning rate keeps the registered network: the fine-tuned copy scores
     what it scored (a fresh network would be at chance; the thresholds cost at most their

@@ -97,6 +97,25 @@ def test_map_sparsity_is_zero_for_zeros_and_compares_maps_of_different_sizes():
     assert map_sparsity(half, abs_).item() == 1.0
 
 
+def test_hoyer_measures_each_image_s_map_by_hand_and_ignores_its_scale():
+    hoyer = SparsityTransform("hoyer")
+    maps = torch.tensor([[1.0, -1.0, 1.0, -1.0],   # every value the same magnitude: 1
+                         [2.0, 0.0, 0.0, 0.0]])    # one value carries the map: 1/4
+    assert map_sparsity(maps.view(2, 1, 2, 2), hoyer).item() == pytest.approx(0.625)
+    assert map_sparsity(3 * maps.view(2, 1, 2, 2), hoyer).item() == pytest.approx(0.625)
+    assert map_sparsity(torch.zeros(2, 3, 4, 4), hoyer).item() == 0.0
+    # (x1 + x2)^2 / (2 (x1^2 + x2^2)) at (1, 0.5): 0.9; its gradient
+    # (2 S1 S2 - 2 S1^2 x) / (n S2^2) is -0.24 for the large value, +0.48 for the small one:
+    # a descent step makes the large one larger and the small one smaller
+    x = torch.tensor([[1.0, 0.5]], requires_grad=True)
+    value = map_sparsity(x, hoyer)
+    value.backward()
+    assert value.item() == pytest.approx(0.9)
+    assert x.grad.flatten().tolist() == pytest.approx([-0.24, 0.48])
+    with pytest.raises(ValueError, match="whole map"):
+        hoyer(x)
+
+
 def test_smaller_maps_get_larger_lambdas_by_the_area_rule_or_an_explicit_list():
     areas = {"block1": map_area((16, 14, 14)), "block2": map_area((32, 7, 7)),
              "pool": map_area((1568,))}
@@ -136,7 +155,8 @@ def test_the_step_adds_the_weighted_penalty_and_a_layer_the_model_lacks_is_named
     assert losses["loss"].item() == pytest.approx(ce.item() + 0.5 * relu.abs().mean().item())
 
 
-def test_training_with_the_penalty_raises_the_zero_fraction():
+@pytest.mark.parametrize("kind", ["abs", "hoyer"])
+def test_training_with_the_penalty_raises_the_zero_fraction(kind):
     torch.manual_seed(1)
     x = torch.randn(64, 1, 6, 6)
     y = (x.mean((1, 2, 3)) > 0).long()
@@ -147,7 +167,7 @@ def test_training_with_the_penalty_raises_the_zero_fraction():
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         with FeatureHooks(model, ["1"]) as hooks:
             step = sparsity_step(classification_step(), hooks, {"1": lam},
-                                 SparsityTransform("abs"))
+                                 SparsityTransform(kind))
             for _ in range(60):
                 optimizer.zero_grad()
                 step(model, *batches[0])["loss"].backward()

@@ -14,6 +14,14 @@ different sizes comparable. The transforms (`SparsityTransform`):
 | `exp_power` | c^(x^N), c > 1, N even | 1 | 0 |
 | `abs_power` | \\|x\\|^M, M whole >= 1 | 0 | 0 (M = 1: the subgradient) |
 
+`hoyer` is not a transform of each value but a measure of the whole map: per image, the
+Hoyer-square `(sum |x|)^2 / (n sum x^2)` over its n values (Hurley and Rickard's sparsity
+measure, used for activations by Kurtz et al., ICML 2020), averaged over the batch. It lies in
+(0, 1]: 1 when every value has the same magnitude, 1/n when one value carries the map, 0 for an
+all-zero map. It does not change when the map is scaled, so it does not shrink every value as
+`abs` does (which the next layer's weights or a BatchNorm can undo); it makes few values carry
+the map and the rest small, which calibrated thresholds (`training.thresholds`) then zero.
+
 At exactly 0, |x| has no derivative; the code uses the subgradient 0 (what `torch.abs` gives),
 so an activation that is already exactly zero (a ReLU's output below threshold) is left where
 it is, and any value beside 0 is pulled toward it with the full slope. The exponentials are
@@ -40,8 +48,8 @@ from training.features import FeatureHooks
 from training.loops import Step
 from training.thresholds import thresholds_in_place
 
-TransformKind = Literal["abs", "power", "exp_abs", "exp_power", "abs_power"]
-TRANSFORMS: tuple[str, ...] = ("abs", "power", "exp_abs", "exp_power", "abs_power")
+TransformKind = Literal["abs", "power", "exp_abs", "exp_power", "abs_power", "hoyer"]
+TRANSFORMS: tuple[str, ...] = ("abs", "power", "exp_abs", "exp_power", "abs_power", "hoyer")
 MAX_EXPONENT = 80.0  # exp(80) ~ 5.5e34: below float32's limit, far above any activation's value
 NEAR_ZERO = 1e-3  # what counts as "nearly zero" in the statistics
 
@@ -52,7 +60,8 @@ class SparsityTransform:
 
     Args:
         kind: `abs`, `power` (x^N), `exp_abs` (c^|x|), `exp_power` (c^(x^N)), `abs_power`
-            (|x|^M).
+            (|x|^M), or `hoyer` (a measure of the whole map, not of each value:
+            `map_sparsity`).
         n: the even power N of `power` and `exp_power`.
         m: the whole power M >= 1 of `abs_power`.
         c: the base c > 1 of the exponentials.
@@ -84,6 +93,8 @@ class SparsityTransform:
 
     def __call__(self, x: Tensor) -> Tensor:
         """T applied to every value of `x` (in float32)."""
+        if self.kind == "hoyer":
+            raise ValueError("'hoyer' measures a whole map, not each value: use map_sparsity")
         x = x.float()
         if self.kind == "abs":
             return x.abs()
@@ -96,8 +107,8 @@ class SparsityTransform:
 
     def describe(self) -> str:
         """A short name for tables and metric tags, e.g. `exp_power(c=2,N=2)`."""
-        if self.kind == "abs":
-            return "abs"
+        if self.kind in ("abs", "hoyer"):
+            return self.kind
         if self.kind == "power":
             return f"power(N={self.n})"
         if self.kind == "abs_power":
@@ -109,8 +120,17 @@ class SparsityTransform:
 
 def map_sparsity(feature: Tensor, transform: SparsityTransform) -> Tensor:
     """S(map): the mean over the map's elements of `T(x) - T(0)`, averaged over the batch
-    (0 for an all-zero map, comparable across map sizes)."""
+    (0 for an all-zero map, comparable across map sizes); `hoyer`: `hoyer_square`."""
+    if transform.kind == "hoyer":
+        return hoyer_square(feature)
     return (transform(feature) - transform.at_zero).mean()
+
+
+def hoyer_square(feature: Tensor, eps: float = 1e-12) -> Tensor:
+    """Per image (the first dimension), `(sum |x|)^2 / (n sum x^2)` over its n values,
+    averaged over the batch: in (0, 1], 0 for an all-zero map, unchanged by scaling."""
+    x = feature.float().flatten(1)
+    return (x.abs().sum(1).pow(2) / (x.pow(2).sum(1) * x.shape[1] + eps)).mean()
 
 
 def map_area(shape: Sequence[int]) -> int:
