@@ -5,6 +5,8 @@ accuracy-latency sweep), and registration of the pyfunc that runs the real casca
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from prefect import task
 from pydantic import BaseModel, ConfigDict
@@ -27,7 +29,7 @@ from tasks.reporting import figure_pyplot
 from tasks.training import run_key, setup_device, split_batches
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.batches import Normalize
-from training.cascade import ExitTable, ThresholdGrid, exit_table, oracle, threshold_grid
+from training.cascade import ExitTable, ThresholdGrid, exit_table, oracles, threshold_grid
 from training.latency import full_network_cost, interleaved_ms_per_image, part_costs
 
 
@@ -208,8 +210,8 @@ def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRe
         metrics |= {f"{prefix}ms_per_image_{suffix}": ms for prefix, ms in measured.items()}
         metrics |= {f"{prefix}speedup_{suffix}": measured["full_"] / ms
                     for prefix, ms in measured.items() if prefix != "full_"}
-    best = oracle(net, split_batches(data, dataset, "test", 1024, device), costs)
-    best_flops = oracle(net, split_batches(data, dataset, "test", 1024, device), flops)
+    best, best_flops = oracles(net, split_batches(data, dataset, "test", 1024, device),
+                               [costs, flops])
     metrics |= {"oracle_accuracy": best["accuracy"],
                 "oracle_table_cost_ratio": best["mean_cost"] / full_cost,
                 "cost_over_oracle": metrics["table_cost_ratio"] * full_cost / best["mean_cost"],
@@ -244,12 +246,9 @@ def register_cascade(run_id: str, name: str, config: CascadeConfig, dataset: Dat
     raw images), scores it and the champion through their pyfuncs on the same test images,
     registers it, and makes it champion only if it scores higher and nothing refuses it
     (`refusal`: the raw-pixel baseline gate)."""
-    spec = config.spec()
     meta = {"classes": dataset.classes, "image_size": dataset.image_size,
             "channels": dataset.channels, "mean": dataset.mean, "std": dataset.std,
-            "spec": {"widths": spec.widths, "super_modules": spec.super_modules,
-                     "sub_widths": spec.sub_widths, "confidence": spec.confidence,
-                     "exit_pool": spec.exit_pool, "exit_hidden": spec.exit_hidden}}
+            "spec": dataclasses.asdict(config.spec())}  # every field of the network's shape
     model_uri = log_weights_pyfunc(run_id, "cascade_pyfunc_model.py", meta,
                                    trained_cascade(config, dataset, calibrated).state_dict())
     return promote_on_test_images(run_id, name, model_uri, dataset, calibrated.md5,

@@ -23,6 +23,7 @@ from training.cascade import (
     exit_table,
     module_step,
     oracle,
+    oracles,
     routing_loss,
     split_disjoint,
 )
@@ -214,6 +215,10 @@ def test_oracle_is_never_worse_than_any_path_and_exit():
     assert best["mean_cost"] <= full[-1]
     routed = path_costs(net, costs, (0, 0, 1))
     assert routed == [2.0, 2.0 + 1 + 1 + 1, 5.0 + 1 + 4 + 1]  # predictors counted
+    # several cost tables in one pass: each the same as the oracle under that table alone
+    flat = dict.fromkeys(costs, 1.0)
+    both = oracles(net, [(None, x, y)], [costs, flat])
+    assert both == [best, oracle(net, [(None, x, y)], flat)]
 
 
 def test_stage_training_leaves_the_frozen_modules_untouched():

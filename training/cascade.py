@@ -31,7 +31,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -469,24 +469,35 @@ def calibrate_for_budget(table: ExitTable, budget: float) -> Tensor:
     return threshold_grid(table).most_accurate(budget)
 
 
-@torch.no_grad()
 def oracle(net: CascadeNet, batches: Batches, costs: dict[str, float]) -> dict[str, float]:
     """Each image leaves at the cheapest (exit, sub-networks) that gets it right, no
     predictor run; an image no path gets right costs the cheapest path's last exit. Returns
     `accuracy` and `mean_cost`."""
+    return oracles(net, batches, [costs])[0]
+
+
+@torch.no_grad()
+def oracles(net: CascadeNet, batches: Batches, tables: Sequence[dict[str, float]]
+            ) -> list[dict[str, float]]:
+    """`oracle` under each of several cost tables (the measured times, the FLOPs, ...), from
+    one pass of every path over `batches`: which exits get an image right does not depend on
+    the costs, only which of them is cheapest."""
     net.eval()
-    right, spent = 0, []
+    right, images = 0, 0
+    spent: list[list[Tensor]] = [[] for _ in tables]
     for _, x, y in batches:
-        best = torch.full((len(y),), float("inf"))
-        fallback = float("inf")
-        for path, logits in net.exit_logits_of_paths(x).items():
-            cumulative = path_costs(net, costs, path, routed=False)
-            fallback = min(fallback, cumulative[-1])
-            for k, exit_logits in enumerate(logits):
-                correct = (exit_logits.argmax(1) == y).cpu()
-                best = torch.where(correct, best.clamp(max=cumulative[k]), best)
-        found = torch.isfinite(best)
-        right += int(found.sum())
-        spent.append(torch.where(found, best, torch.full_like(best, fallback)))
-    spent_all = torch.cat(spent)
-    return {"accuracy": right / max(len(spent_all), 1), "mean_cost": spent_all.mean().item()}
+        correct = {path: [(exit_logits.argmax(1) == y).cpu() for exit_logits in logits]
+                   for path, logits in net.exit_logits_of_paths(x).items()}
+        found = torch.stack([c for per_exit in correct.values() for c in per_exit]).any(0)
+        right, images = right + int(found.sum()), images + len(y)
+        for costs, kept in zip(tables, spent, strict=True):
+            best = torch.full((len(y),), float("inf"))
+            fallback = float("inf")
+            for path, per_exit in correct.items():
+                cumulative = path_costs(net, costs, path, routed=False)
+                fallback = min(fallback, cumulative[-1])
+                for k, hit in enumerate(per_exit):
+                    best = torch.where(hit, best.clamp(max=cumulative[k]), best)
+            kept.append(torch.where(found, best, torch.full_like(best, fallback)))
+    return [{"accuracy": right / max(images, 1), "mean_cost": torch.cat(kept).mean().item()}
+            for kept in spent]
