@@ -38,6 +38,7 @@ from tasks.sparsify import (
     sparsity_figure,
     sparsity_report,
     sparsity_spec,
+    zero_target_thresholds,
 )
 from tasks.training import ClassifierConfig, EpochResult
 from tasks.versioning import ArtifactRef
@@ -68,48 +69,72 @@ def train_sparse(config: SparsifyConfig, classifier: ClassifierConfig, prepared:
     best = train_epochs(classifier, prepared, budget, run_id, config.patience, FLOW_NAME,
                         sparsity=spec, start=start)
     thresholds: dict[str, float] = {}
-    if config.zero_threshold_tolerance is not None:
-        thresholded = calibrate_zero_thresholds(classifier, prepared.dataset, best.checkpoint,
-                                                tuple(spec.lambdas),
-                                                config.zero_threshold_tolerance)
-        tracking.log_metrics(run_id, thresholded.metrics(), step=0)
-        # one budget for all calibrations: the first one's unthresholded accuracy - tolerance
-        floor = thresholded.val_accuracy_before - config.zero_threshold_tolerance
-        for cycle in range(config.threshold_cycles):  # each calibration logged at its cycle
-            trained = threshold_cycle(config, classifier, prepared, budget, run_id, spec,
-                                      thresholded, cycle)
-            thresholded = calibrate_zero_thresholds(
-                classifier, prepared.dataset, trained.checkpoint, tuple(spec.lambdas),
-                config.zero_threshold_tolerance, floor)
-            tracking.log_metrics(run_id, thresholded.metrics(), step=cycle + 1)
-            best = trained
-        thresholds = thresholded.thresholds
-        best = best.model_copy(update={"checkpoint": thresholded.checkpoint, "metrics": (
-            best.metrics | {"val_accuracy": thresholded.val_accuracy})})
+    if config.zero_threshold_tolerance is not None or config.zero_target is not None:
+        best, thresholds = thresholded_training(config, classifier, prepared, budget, run_id,
+                                                spec, best)
     report = sparsity_report(classifier, prepared.dataset, best.checkpoint, spec
                              ).model_copy(update={"thresholds": thresholds})
     tracking.log_metrics(run_id, report.metrics())
     return spec, best, report
 
 
+def thresholded_training(config: SparsifyConfig, classifier: ClassifierConfig,
+                         prepared: Prepared, budget: Budget, run_id: str, spec: SparsitySpec,
+                         best: EpochResult) -> tuple[EpochResult, dict[str, float]]:
+    """Activation thresholds on `best`'s network: calibrated to `--zero-threshold-tolerance`
+    or set for `--zero-target` (in equal steps, one per calibration), raised over
+    `--threshold-cycles` of training with them in place, then `--threshold-settle-epochs`;
+    each calibration logged at its cycle. The kept round and its thresholds."""
+    layers = tuple(spec.lambdas)
+    steps = config.threshold_cycles + 1
+
+    def calibrate(checkpoint: ArtifactRef, done: int, floor: float | None) -> Thresholded:
+        if config.zero_target is not None:  # this step closes 1 / (steps left) of the gap
+            return zero_target_thresholds(classifier, prepared.dataset, checkpoint, layers,
+                                          config.zero_target, 1.0 / (steps - done))
+        return calibrate_zero_thresholds(classifier, prepared.dataset, checkpoint, layers,
+                                         config.zero_threshold_tolerance, floor)
+
+    thresholded = calibrate(best.checkpoint, 0, None)
+    tracking.log_metrics(run_id, thresholded.metrics(), step=0)
+    # one budget for all calibrations: the first one's unthresholded accuracy - tolerance
+    floor = thresholded.val_accuracy_before - (config.zero_threshold_tolerance or 0.0)
+    for cycle in range(config.threshold_cycles):
+        best = threshold_cycle(config, classifier, prepared, budget, run_id, spec, thresholded,
+                               cycle)
+        thresholded = calibrate(best.checkpoint, cycle + 1, floor)
+        tracking.log_metrics(run_id, thresholded.metrics(), step=cycle + 1)
+    best = best.model_copy(update={"checkpoint": thresholded.checkpoint, "metrics": (
+        best.metrics | {"val_accuracy": thresholded.val_accuracy})})
+    if config.threshold_settle_epochs:
+        settled = threshold_cycle(config, classifier, prepared, budget, run_id, spec,
+                                  thresholded, config.threshold_cycles, settle=True)
+        if settled.metrics["val_accuracy"] >= best.metrics["val_accuracy"]:
+            best = settled
+    return best, thresholded.thresholds
+
+
 def threshold_cycle(config: SparsifyConfig, classifier: ClassifierConfig, prepared: Prepared,
                     budget: Budget, run_id: str, spec: SparsitySpec, thresholded: Thresholded,
-                    cycle: int) -> EpochResult:
+                    cycle: int, settle: bool = False) -> EpochResult:
     """Cycle `cycle` (0-based) of `--threshold-cycles`: `--threshold-cycle-epochs` rounds
     from the calibrated checkpoint with its thresholds in place while training (FATReLU
     fine-tuning, Kurtz et al. 2020: the network adapts to the zeros it is given) and the term,
     at `--threshold-cycle-lr`, with a fresh optimizer; logged after the main rounds as
-    `checkpoint.cycle-N.epoch-NNN`. Returns the round with the best validation accuracy
-    (thresholds in place)."""
-    rounds = config.threshold_cycle_epochs
+    `checkpoint.cycle-N.epoch-NNN`. `settle`: the `--threshold-settle-epochs` rounds after
+    the last cycle (`checkpoint.settle.epoch-NNN`), with the final thresholds. Returns the
+    round with the best validation accuracy (thresholds in place)."""
+    rounds = config.threshold_settle_epochs if settle else config.threshold_cycle_epochs
     cycling = classifier.model_copy(update={"epochs": rounds, "lr": config.threshold_cycle_lr,
                                             "warmup_epochs": 0.0})
     held = spec.model_copy(update={"thresholds": thresholded.thresholds})
-    get_run_logger().info("threshold cycle %d/%d: %s", cycle + 1, config.threshold_cycles,
+    get_run_logger().info("threshold %s: %s", "settling" if settle else
+                          f"cycle {cycle + 1}/{config.threshold_cycles}",
                           ", ".join(f"{k} {v:.3g}" for k, v in thresholded.thresholds.items()))
     return train_epochs(cycling, prepared, budget, run_id, None, FLOW_NAME, sparsity=held,
-                        start=thresholded.checkpoint, name=f"checkpoint.cycle-{cycle + 1}",
-                        first_step=classifier.epochs + cycle * rounds)
+                        start=thresholded.checkpoint,
+                        name="checkpoint.settle" if settle else f"checkpoint.cycle-{cycle + 1}",
+                        first_step=classifier.epochs + cycle * config.threshold_cycle_epochs)
 
 
 def sweep_point(config: SparsifyConfig, lam: float, classifier: ClassifierConfig,
@@ -187,7 +212,8 @@ def sparsify(config: SparsifyConfig) -> SparsifySummary | DenseSummary:
             f"{k} {v.zero_fraction:.3f}" for k, v in report.layers.items()),
         **({"activation thresholds": ", ".join(f"{k} {v:.3g}" for k, v in
                                                 report.thresholds.items()) or "none affordable"}
-           if config.zero_threshold_tolerance is not None else {}),
+           if config.zero_threshold_tolerance is not None or config.zero_target is not None
+           else {}),
         "stored as bitmap + values": f"{report.metrics()['memory_bitmap_ratio']:.3f} of dense",
         "dead channels removed": f"{pruned.pruned_parameters} of {pruned.parameters} parameters "
                                  f"left, validation {pruned.pruned_val_accuracy:.4f}, CPU time "

@@ -504,6 +504,11 @@ class SparsifyConfig(TrainConfig):
         "regularized layer's activations up to a threshold, per layer the largest (of quantiles "
         "of its nonzero magnitudes) that costs at most this much validation accuracy, e.g. "
         "0.002; exported with the network; none: no thresholds")
+    zero_target: float | None = Field(
+        None, gt=0.0, lt=1.0, description="classification, instead of "
+        "--zero-threshold-tolerance: activation thresholds that give each regularized layer "
+        "this share of exact zeros on validation (e.g. 0.8), reached in equal steps over "
+        "--threshold-cycles, whatever the accuracy; none: thresholds by the tolerance")
     threshold_cycles: int = Field(0, ge=0, le=50, description="classification, with "
                                   "--zero-threshold-tolerance: after the first calibration, this "
                                   "many times train --threshold-cycle-epochs rounds with the "
@@ -514,6 +519,12 @@ class SparsifyConfig(TrainConfig):
                                         "cycle (each of the main run's passes per round)")
     threshold_cycle_lr: float = Field(0.005, gt=0.0, le=10.0, description="peak learning rate "
                                       "of each threshold cycle (cosine over its rounds)")
+    threshold_settle_epochs: int = Field(0, ge=0, le=100, description="classification, with "
+                                         "--zero-threshold-tolerance: after the last "
+                                         "calibration, train this many rounds with the final "
+                                         "thresholds in place (at --threshold-cycle-lr, the "
+                                         "term on) and keep the best on validation: the "
+                                         "network adapts to what the last calibration took")
     init_from: str | None = Field(None, description="fine-tune: start from the weights of a "
                                   "registered classifier, models:/NAME@ALIAS or "
                                   "models:/NAME/VERSION (the same --model and width, e.g. "
@@ -610,9 +621,21 @@ class SparsifyConfig(TrainConfig):
         if self.zero_threshold_tolerance is not None and self.task != "classification":
             raise ValueError(f"zero_threshold_tolerance: thresholds are calibrated for --task "
                              f"classification, not {self.task}")
-        if self.threshold_cycles and self.zero_threshold_tolerance is None:
+        if self.zero_target is not None and self.zero_threshold_tolerance is not None:
+            raise ValueError(f"zero_target: {self.zero_target} sets the thresholds by their "
+                             f"zeros, zero_threshold_tolerance by the accuracy: give one")
+        if self.zero_target is not None and self.task != "classification":
+            raise ValueError(f"zero_target: thresholds are for --task classification, not "
+                             f"{self.task}")
+        thresholded = self.zero_threshold_tolerance is not None or self.zero_target is not None
+        if self.threshold_settle_epochs and not thresholded:
+            raise ValueError(f"threshold_settle_epochs: {self.threshold_settle_epochs} rounds "
+                             f"settle thresholds: give --zero-threshold-tolerance (or "
+                             f"--zero-target) too")
+        if self.threshold_cycles and not thresholded:
             raise ValueError(f"threshold_cycles: {self.threshold_cycles} cycles raise "
-                             f"calibrated thresholds: give --zero-threshold-tolerance too")
+                             f"thresholds: give --zero-threshold-tolerance (or --zero-target) "
+                             f"too")
         if self.init_from is not None and self.task != "classification":
             raise ValueError(f"init_from: fine-tuning is for --task classification, not "
                              f"{self.task}")

@@ -36,7 +36,12 @@ from training.sparsity import (
     layer_shapes,
     map_area,
 )
-from training.thresholds import calibrate_thresholds, raise_thresholds
+from training.thresholds import (
+    calibrate_thresholds,
+    raise_thresholds,
+    thresholds_in_place,
+    thresholds_toward,
+)
 
 DEAD = 0.99  # a channel all zero on at least this share of the validation images is dead
 
@@ -143,17 +148,42 @@ def calibrate_zero_thresholds(config: ClassifierConfig, dataset: DatasetRef,
     accuracy minus `tolerance`) is the accuracy all of them together may not go below."""
     device = setup_device(config)
     model = place_model(trained_model(config, dataset, checkpoint), device)
-    current = load_checkpoint(ArtifactStore(), checkpoint).get("thresholds", {})
-    data = load_dataset(dataset)
-    val = split_batches(data, dataset, "val", 1024, device)
+    val = split_batches(load_dataset(dataset), dataset, "val", 1024, device)
     added, before, after = calibrate_thresholds(
         model, layers, val, device, lambda net: evaluate(net, val, device)["accuracy"],
         tolerance, floor)
-    thresholds = raise_thresholds(current, added)
+    return with_thresholds(model, checkpoint, added, before, after, f"{tolerance:g}")
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name="thresholds-for-zeros")
+def zero_target_thresholds(config: ClassifierConfig, dataset: DatasetRef,
+                           checkpoint: ArtifactRef, layers: tuple[str, ...], target: float,
+                           step: float) -> Thresholded:
+    """`--zero-target`: per layer, the activation threshold that takes its share of exact
+    zeros on the validation split `step` of the way to `target` (1: all the way; the
+    checkpoint's thresholds in place, each layer keeps the larger;
+    `training.thresholds.thresholds_toward`), written with the weights as a new checkpoint
+    versioned in DVC; the validation accuracy before and after."""
+    device = setup_device(config)
+    model = place_model(trained_model(config, dataset, checkpoint), device)
+    val = split_batches(load_dataset(dataset), dataset, "val", 1024, device)
+    before = evaluate(model, val, device)["accuracy"]
+    added = thresholds_toward(model, layers, val, device, target, step)
+    with thresholds_in_place(model, added):
+        after = evaluate(model, val, device)["accuracy"]
+    return with_thresholds(model, checkpoint, added, before, after, f"zeros-{target:g}")
+
+
+def with_thresholds(model: torch.nn.Module, checkpoint: ArtifactRef, added: dict[str, float],
+                    before: float, after: float, label: str) -> Thresholded:
+    """The checkpoint's weights with its thresholds raised by `added` (per layer the larger)
+    as a new checkpoint beside it (`...-thresholds-<label>.pt`, versioned in DVC)."""
+    thresholds = raise_thresholds(load_checkpoint(ArtifactStore(), checkpoint).get(
+        "thresholds", {}), added)
     payload = {"model": {k: v.cpu() for k, v in model.state_dict().items()},
                "thresholds": thresholds}
     relpath = str(Path(checkpoint.path).with_name(Path(checkpoint.path).stem +
-                                                  f"-thresholds-{tolerance:g}.pt"))
+                                                  f"-thresholds-{label}.pt"))
     return Thresholded(thresholds=thresholds, val_accuracy_before=before, val_accuracy=after,
                        checkpoint=save_checkpoint(ArtifactStore(), relpath, payload))
 

@@ -142,6 +142,28 @@ def test_init_from_fine_tunes_the_registered_weights_and_thresholds_add_zeros(sp
         sparsify(smoke_sparsify(init_from="models:/no-such-model@champion"))
 
 
+def test_a_zero_target_is_reached_in_steps_and_settled(sparse):
+    """`--zero-target 0.7` over one cycle: the first calibration goes half the way, the
+    second all the way; at a learning rate of 1e-9 the cycle and the settling rounds keep the
+    weights, so the registered network has the target's zeros in every layer (it had fewer)."""
+    from flows.sparsify import sparsify
+
+    client = MlflowClient()
+    target = sparsify(smoke_sparsify(init_from=sparse.registration.version_uri, lr=1e-9,
+                                     epochs=1, sparsity_lambda=0.0, lambda_sweep=None,
+                                     zero_target=0.7, threshold_cycles=1,
+                                     threshold_cycle_epochs=1, threshold_settle_epochs=1,
+                                     threshold_cycle_lr=1e-9, model_name="smoke-sparsify-zt"))
+    for layer, report in target.report.layers.items():
+        assert sparse.report.layers[layer].zero_fraction < 0.7 <= report.zero_fraction, layer
+        steps = {m.step: m.value for m in
+                 client.get_metric_history(target.run_id, f"zero_threshold_{layer}")}
+        assert sorted(steps) == [0, 1] and 0 < steps[0] < steps[1], (layer, steps)
+    refs = tracking.artifact_refs(target.run_id)
+    assert "checkpoint.settle.epoch-001" in refs and "checkpoint.cycle-1.epoch-001" in refs
+    assert target.test_accuracy > 0.25
+
+
 @pytest.fixture(scope="module", params=["detection", "contour"])
 def dense(request):
     """A detector and a contour network, each 2 rounds on 48 small canvases; the contour
@@ -234,6 +256,9 @@ def client_classes(summary) -> list[str]:
     (["--task", "contour", "--init-from", "models:/train@champion"],
      ["init_from: fine-tuning is for --task classification"]),
     (["--threshold-cycles", "2"], ["threshold_cycles", "--zero-threshold-tolerance"]),
+    (["--zero-target", "0.8", "--zero-threshold-tolerance", "0.01"],
+     ["zero_target: 0.8 sets the thresholds by their zeros", "give one"]),
+    (["--zero-target", "1.2"], ["zero_target"]),
 ])
 def test_bad_input_is_one_error_line_before_any_work(flags, names, capsys):
     code, _, err = run_cli(capsys, "sparsify", "--profile", "smoke", *flags)

@@ -15,6 +15,8 @@ from training.thresholds import (
     install_thresholds,
     raise_thresholds,
     thresholds_in_place,
+    thresholds_toward,
+    zero_fractions,
 )
 
 
@@ -126,3 +128,39 @@ def test_a_floor_bounds_the_score_instead_of_the_tolerance():
     top = candidate_thresholds(model, "1", batches, cpu)[-1]
     assert calibrate_thresholds(model, ["1"], batches, cpu, score, 0.0, floor=0.0)[0] == \
         {"1": pytest.approx(top)}  # the floor, not the tolerance 0, decides
+
+
+def test_thresholds_toward_a_zero_target_step_by_step():
+    """Layer "0" passes 0, 1, ..., 9 (one zero in ten); layer "1" shifts by -2.5 and applies
+    ReLU (three zeros). Half the way from 0.1 to 0.7 is 0.4: the smallest t with 40% of the
+    values at most t is 3, so "0" gets 40% zeros. "1" then sees 0 x 4, 4..9, so after its
+    shift and ReLU 0 x 4, 1.5..6.5: 40% zeros, half the way to 0.7 is 0.55, reached first at
+    t = 2.5 (60%). All the way, "0" needs t = 6 (0..6: 70%)."""
+    model = nn.Sequential(nn.Identity(), nn.Sequential(ShiftBy(-2.5), nn.ReLU()))
+    x = torch.arange(10.0).view(1, 10)
+    batches = [(torch.arange(1), x, torch.zeros(1, dtype=torch.long))]
+    cpu = torch.device("cpu")
+    assert zero_fractions(model, ["0", "1"], batches, cpu) == {"0": 0.1, "1": 0.3}
+    half = thresholds_toward(model, ["0", "1"], batches, cpu, target=0.7, step=0.5)
+    assert half == {"0": 3.0, "1": 2.5}
+    with thresholds_in_place(model, half):
+        assert zero_fractions(model, ["0", "1"], batches, cpu) == {"0": 0.4, "1": 0.6}
+    full = thresholds_toward(model, ["0", "1"], batches, cpu, target=0.7, step=1.0)
+    assert full["0"] == 6.0
+    with thresholds_in_place(model, full):
+        assert min(zero_fractions(model, ["0", "1"], batches, cpu).values()) >= 0.7
+    assert thresholds_toward(model, ["0"], batches, cpu, target=0.05, step=1.0) == {}
+    assert not any(m._forward_hooks for m in model.modules())
+    with pytest.raises(ValueError, match="step must be in"):
+        thresholds_toward(model, ["0"], batches, cpu, target=0.7, step=0.0)
+
+
+class ShiftBy(nn.Module):
+    """Adds a constant."""
+
+    def __init__(self, shift: float) -> None:
+        super().__init__()
+        self.shift = shift
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.shift

@@ -7,10 +7,13 @@ of the map whose magnitude is at most t. `calibrate_thresholds` picks, layer aft
 largest t among quantiles of the layer's nonzero magnitudes that keeps the score within a
 tolerance of the network without thresholds; `install_thresholds` adds them as forward hooks,
 which `torch.export` traces into the exported program (the served network zeros alike).
+`thresholds_toward` sets them by their zeros instead: the threshold that gives a layer a
+chosen share of exact zeros (a step of the way there, for a gradual schedule).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -60,9 +63,10 @@ def raise_thresholds(current: dict[str, float], added: dict[str, float]) -> dict
 
 
 @torch.no_grad()
-def candidate_thresholds(model: nn.Module, layer: str, batches: Iterable, device: torch.device,
-                         quantiles: Sequence[float] = QUANTILES) -> list[float]:
-    """Quantiles of the nonzero magnitudes of `layer`'s output over `batches`, ascending."""
+def sampled_magnitudes(model: nn.Module, layer: str, batches: Iterable, device: torch.device,
+                       nonzero: bool = False) -> Tensor:
+    """|x| of `layer`'s output over `batches` (only the nonzero ones when `nonzero`): all of
+    them, or a seeded random sample of SAMPLE when there are more."""
     model.eval()
     kept: list[Tensor] = []
     generator = torch.Generator().manual_seed(0)
@@ -70,15 +74,23 @@ def candidate_thresholds(model: nn.Module, layer: str, batches: Iterable, device
         for _, x, _ in batches:
             model(x.to(device))
             values = hooks[layer].abs().flatten().float().cpu()
-            values = values[values > 0]
+            if nonzero:
+                values = values[values > 0]
             if len(values) > SAMPLE // 8:
                 values = values[torch.randperm(len(values), generator=generator)[:SAMPLE // 8]]
             kept.append(values)
     values = torch.cat(kept) if kept else torch.zeros(0)
-    if len(values) == 0:
-        return []
     if len(values) > SAMPLE:
         values = values[torch.randperm(len(values), generator=generator)[:SAMPLE]]
+    return values
+
+
+def candidate_thresholds(model: nn.Module, layer: str, batches: Iterable, device: torch.device,
+                         quantiles: Sequence[float] = QUANTILES) -> list[float]:
+    """Quantiles of the nonzero magnitudes of `layer`'s output over `batches`, ascending."""
+    values = sampled_magnitudes(model, layer, batches, device, nonzero=True)
+    if len(values) == 0:
+        return []
     return sorted(set(torch.quantile(values, torch.tensor(quantiles)).tolist()))
 
 
@@ -113,3 +125,50 @@ def calibrate_thresholds(model: nn.Module, layers: Sequence[str], batches: Itera
         if best is not None:
             chosen[layer], final = best
     return chosen, base, final
+
+
+def threshold_for_zeros(model: nn.Module, layer: str, batches: Iterable, device: torch.device,
+                        zeros: float) -> float:
+    """The smallest magnitude t at which `layer`'s output over `batches` has at least a share
+    `zeros` of its values at most t (its exact zeros included): 0 when it has that many zeros
+    already. Taken from a sample of the values (`sampled_magnitudes`)."""
+    values = sampled_magnitudes(model, layer, batches, device)
+    rank = min(max(math.ceil(zeros * len(values) - 1e-9), 1), len(values))
+    return values.kthvalue(rank).values.item()
+
+
+@torch.no_grad()
+def zero_fractions(model: nn.Module, layers: Sequence[str], batches: Iterable,
+                   device: torch.device) -> dict[str, float]:
+    """The share of exact zeros in each of `layers`' outputs over `batches`."""
+    model.eval()
+    counts = {layer: [0, 0] for layer in layers}
+    with FeatureHooks(model, list(layers), detach=True) as hooks:
+        for _, x, _ in batches:
+            model(x.to(device))
+            for layer in layers:
+                counts[layer][0] += int((hooks[layer] == 0).sum())
+                counts[layer][1] += hooks[layer].numel()
+    return {layer: zero / max(total, 1) for layer, (zero, total) in counts.items()}
+
+
+def thresholds_toward(model: nn.Module, layers: Sequence[str], batches: Iterable,
+                      device: torch.device, target: float, step: float) -> dict[str, float]:
+    """Per layer, in order (the earlier layers' new thresholds in place), the threshold that
+    takes its share of exact zeros `step` of the way from where it is (thresholds `model`
+    already has in place included) to `target`: step 1 reaches the target. A layer already
+    at or past the target, or one that needs none, is left out. `model` is left without the
+    hooks it added."""
+    if not 0.0 < step <= 1.0:
+        raise ValueError(f"step must be in (0, 1], got {step}")
+    chosen: dict[str, float] = {}
+    for layer in layers:
+        with thresholds_in_place(model, chosen):
+            now = zero_fractions(model, [layer], batches, device)[layer]
+            if now >= target:
+                continue
+            threshold = threshold_for_zeros(model, layer, batches, device,
+                                            now + step * (target - now))
+        if threshold > 0:
+            chosen[layer] = threshold
+    return chosen
