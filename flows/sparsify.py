@@ -83,8 +83,10 @@ def thresholded_training(config: SparsifyConfig, classifier: ClassifierConfig,
                          best: EpochResult) -> tuple[EpochResult, dict[str, float]]:
     """Activation thresholds on `best`'s network: calibrated to `--zero-threshold-tolerance`
     or set for `--zero-target` (in equal steps, one per calibration), raised over
-    `--threshold-cycles` of training with them in place, then `--threshold-settle-epochs`;
-    each calibration logged at its cycle. The kept round and its thresholds."""
+    `--threshold-cycles` of training with them in place, then `--threshold-settle-epochs`
+    (with a zero target, topped up to it after them: the settled network may have moved
+    below it), kept where it is no worse on validation; each calibration logged at its
+    cycle. The kept round and its thresholds."""
     layers = tuple(spec.lambdas)
     steps = config.threshold_cycles + 1
 
@@ -106,12 +108,20 @@ def thresholded_training(config: SparsifyConfig, classifier: ClassifierConfig,
         tracking.log_metrics(run_id, thresholded.metrics(), step=cycle + 1)
     best = best.model_copy(update={"checkpoint": thresholded.checkpoint, "metrics": (
         best.metrics | {"val_accuracy": thresholded.val_accuracy})})
-    if config.threshold_settle_epochs:
-        settled = threshold_cycle(config, classifier, prepared, budget, run_id, spec,
-                                  thresholded, config.threshold_cycles, settle=True)
-        if settled.metrics["val_accuracy"] >= best.metrics["val_accuracy"]:
-            best = settled
-    return best, thresholded.thresholds
+    if not config.threshold_settle_epochs:
+        return best, thresholded.thresholds
+    settled = threshold_cycle(config, classifier, prepared, budget, run_id, spec, thresholded,
+                              config.threshold_cycles, settle=True)
+    kept = thresholded.thresholds
+    if config.zero_target is not None:  # settling moves a map's zeros: topped up to the target
+        topped = calibrate(settled.checkpoint, steps - 1, floor)
+        tracking.log_metrics(run_id, topped.metrics(), step=config.threshold_cycles + 1)
+        settled = settled.model_copy(update={"checkpoint": topped.checkpoint, "metrics": (
+            settled.metrics | {"val_accuracy": topped.val_accuracy})})
+        kept = topped.thresholds
+    if settled.metrics["val_accuracy"] < best.metrics["val_accuracy"]:
+        return best, thresholded.thresholds
+    return settled, kept
 
 
 def threshold_cycle(config: SparsifyConfig, classifier: ClassifierConfig, prepared: Prepared,
