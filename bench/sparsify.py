@@ -27,6 +27,8 @@ accuracy lost.
     python -m bench.sparsify --tasks classification --seeds 0 --variants none abs
     python -m bench.sparsify --tasks classification --variants none \
         "none, fine-tuned 22 rounds" "abs, fine-tuned, zero target 0.8"
+    python -m bench.sparsify --tasks classification --width 32 --variants none \
+        "none, fine-tuned 22 rounds" "abs, fine-tuned 12 rounds, zero target 0.8"
     python -m bench.sparsify --tasks detection contour
     python -m bench.sparsify --tasks contour --variants abs --sparsity-lambda 0.1
     python -m bench.sparsify --tasks classification --width 32 --variants none abs
@@ -80,6 +82,11 @@ VARIANTS: dict[str, dict] = {
     "abs, fine-tuned, zero target 0.8": {"transform": "abs", "sparsity_lambda": 0.1,
                                          "zero_target": 0.8, "threshold_cycles": 8,
                                          "threshold_settle_epochs": 2},
+    # the same 22 rounds spent with more on the term before the thresholds: 12 rounds at lr
+    # 0.01, then 8 cycles of 1 round and 2 settling rounds
+    "abs, fine-tuned 12 rounds, zero target 0.8": {
+        "transform": "abs", "sparsity_lambda": 0.1, "epochs": 12, "zero_target": 0.8,
+        "threshold_cycles": 8, "threshold_cycle_epochs": 1, "threshold_settle_epochs": 2},
     # its control: the `none` network trained as many more rounds (4 + 8 x 2 + 2) without
     # the term or thresholds, so that the extra training is not counted as the method's
     "none, fine-tuned 22 rounds": {"sparsity_lambda": 0.0, "epochs": 22},

@@ -510,21 +510,23 @@ class SparsifyConfig(TrainConfig):
         "this share of exact zeros on validation (e.g. 0.8), reached in equal steps over "
         "--threshold-cycles, whatever the accuracy; none: thresholds by the tolerance")
     threshold_cycles: int = Field(0, ge=0, le=50, description="classification, with "
-                                  "--zero-threshold-tolerance: after the first calibration, this "
-                                  "many times train --threshold-cycle-epochs rounds with the "
-                                  "thresholds in place (the term stays) and calibrate again on "
-                                  "top, so the thresholds rise while the network adapts to them; "
-                                  "all calibrations together cost at most the tolerance")
+                                  "--zero-threshold-tolerance or --zero-target: after the first "
+                                  "calibration, this many times train --threshold-cycle-epochs "
+                                  "rounds with the thresholds in place (the term stays) and "
+                                  "calibrate again on top, so the thresholds rise while the "
+                                  "network adapts to them; all calibrations together cost at "
+                                  "most the tolerance, or the last reaches the zero target")
     threshold_cycle_epochs: int = Field(2, ge=1, le=100, description="rounds of each threshold "
                                         "cycle (each of the main run's passes per round)")
     threshold_cycle_lr: float = Field(0.005, gt=0.0, le=10.0, description="peak learning rate "
                                       "of each threshold cycle (cosine over its rounds)")
     threshold_settle_epochs: int = Field(0, ge=0, le=100, description="classification, with "
-                                         "--zero-threshold-tolerance: after the last "
-                                         "calibration, train this many rounds with the final "
-                                         "thresholds in place (at --threshold-cycle-lr, the "
-                                         "term on) and keep the best on validation: the "
-                                         "network adapts to what the last calibration took")
+                                         "thresholds: after the last calibration, train this "
+                                         "many rounds with the final thresholds in place (at "
+                                         "--threshold-cycle-lr, the term on), kept where no "
+                                         "worse on validation: the network adapts to what the "
+                                         "last calibration took (a zero target is topped up "
+                                         "after them)")
     init_from: str | None = Field(None, description="fine-tune: start from the weights of a "
                                   "registered classifier, models:/NAME@ALIAS or "
                                   "models:/NAME/VERSION (the same --model and width, e.g. "
