@@ -23,7 +23,7 @@ network as many more rounds without the term, its control.
 Target (issue 10): at least 80% zeros in the regularized layers at no more than 0.3 points of
 accuracy lost.
 
-    python -m bench.sparsify                       # every task: ~1 hour on 2 cores
+    python -m bench.sparsify                       # every task and variant: ~2 hours on 2 cores
     python -m bench.sparsify --tasks classification --seeds 0 --variants none abs
     python -m bench.sparsify --tasks classification --variants none \
         "none, fine-tuned 22 rounds" "abs, fine-tuned, zero target 0.8"
