@@ -128,49 +128,35 @@ def calibrate_thresholds(model: nn.Module, layers: Sequence[str], batches: Itera
     return chosen, base, final
 
 
-def threshold_for_zeros(model: nn.Module, layer: str, batches: Iterable, device: torch.device,
-                        zeros: float) -> float:
+def threshold_toward(model: nn.Module, layer: str, batches: Iterable, device: torch.device,
+                     target: float, step: float) -> float:
     """The smallest magnitude t at which `layer`'s output over `batches` has at least a share
-    `zeros` of its values at most t (its exact zeros included): 0 when it has that many zeros
-    already. From every value up to EXACT of them (a sample of a map of more: its share of
-    zeros may then miss the target by the sample's error, about 1e-3 at 1M)."""
+    of its values at most t (its exact zeros included) `step` of the way from its share of
+    exact zeros now to `target`: 0 when it has that many zeros already. One pass, from every
+    value up to EXACT of them (a sample of a map of more: its share of zeros may then miss the
+    target by the sample's error, about 1e-3 at 1M)."""
     values = sampled_magnitudes(model, layer, batches, device, sample=EXACT)
-    rank = min(max(math.ceil(zeros * len(values) - 1e-9), 1), len(values))
+    now = int((values == 0).sum()) / len(values) if len(values) else 1.0
+    if now >= target:
+        return 0.0
+    share = now + step * (target - now)
+    rank = min(max(math.ceil(share * len(values) - 1e-9), 1), len(values))
     return values.kthvalue(rank).values.item()
-
-
-@torch.no_grad()
-def zero_fractions(model: nn.Module, layers: Sequence[str], batches: Iterable,
-                   device: torch.device) -> dict[str, float]:
-    """The share of exact zeros in each of `layers`' outputs over `batches`."""
-    model.eval()
-    counts = {layer: [0, 0] for layer in layers}
-    with FeatureHooks(model, list(layers), detach=True) as hooks:
-        for _, x, _ in batches:
-            model(x.to(device))
-            for layer in layers:
-                counts[layer][0] += int((hooks[layer] == 0).sum())
-                counts[layer][1] += hooks[layer].numel()
-    return {layer: zero / max(total, 1) for layer, (zero, total) in counts.items()}
 
 
 def thresholds_toward(model: nn.Module, layers: Sequence[str], batches: Iterable,
                       device: torch.device, target: float, step: float) -> dict[str, float]:
     """Per layer, in order (the earlier layers' new thresholds in place), the threshold that
     takes its share of exact zeros `step` of the way from where it is (thresholds `model`
-    already has in place included) to `target`: step 1 reaches the target. A layer already
-    at or past the target, or one that needs none, is left out. `model` is left without the
+    already has in place included) to `target` (`threshold_toward`): step 1 reaches the
+    target. A layer already at or past the target is left out. `model` is left without the
     hooks it added."""
     if not 0.0 < step <= 1.0:
         raise ValueError(f"step must be in (0, 1], got {step}")
     chosen: dict[str, float] = {}
     for layer in layers:
         with thresholds_in_place(model, chosen):
-            now = zero_fractions(model, [layer], batches, device)[layer]
-            if now >= target:
-                continue
-            threshold = threshold_for_zeros(model, layer, batches, device,
-                                            now + step * (target - now))
+            threshold = threshold_toward(model, layer, batches, device, target, step)
         if threshold > 0:
             chosen[layer] = threshold
     return chosen
