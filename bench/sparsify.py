@@ -82,6 +82,12 @@ VARIANTS: dict[str, dict] = {
     "abs, fine-tuned, zero target 0.8": {"transform": "abs", "sparsity_lambda": 0.1,
                                          "zero_target": 0.8, "threshold_cycles": 8,
                                          "threshold_settle_epochs": 2},
+    # the thresholds raised inside one run of 22 rounds at lr 0.01 (`--zero-target-ramp`):
+    # before each of rounds 1-12 in equal steps, topped up before every later round; the
+    # control's optimizer and schedule. At lower targets too: what a share of zeros costs
+    **{f"abs, fine-tuned, zero target {z:g}, ramp": {
+        "transform": "abs", "sparsity_lambda": 0.1, "epochs": 22, "zero_target": z,
+        "zero_target_ramp": (1, 12)} for z in (0.8, 0.7, 0.6)},
     # the same 22 rounds spent with more on the term before the thresholds: 12 rounds at lr
     # 0.01, then 8 cycles of 1 round and 2 settling rounds
     "abs, fine-tuned 12 rounds, zero target 0.8": {

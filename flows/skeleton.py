@@ -136,12 +136,13 @@ def budgeted_classifier(config: BaseModel, prepared: Prepared, run_id: str, roun
 
 def run_rounds(rounds: int, train_round: Callable[[int, ArtifactRef | None], EpochResult],
                run_id: str, patience: int | None, val_images: int,
-               key: str = "val_accuracy", name: str = "checkpoint", first_step: int = 0
-               ) -> EpochResult:
+               key: str = "val_accuracy", name: str = "checkpoint", first_step: int = 0,
+               keep_from: int = 0) -> EpochResult:
     """Runs `train_round(epoch, previous checkpoint)` for up to `rounds` rounds, logging each
     round's metrics (at step `first_step` + the round's number) and checkpoint (as
     `<name>.epoch-NNN`), with early stopping on the metric `key` after `patience` rounds below
-    the best; returns the round to keep (`training.recipe.EarlyStopping`)."""
+    the best; returns the round to keep (`training.recipe.EarlyStopping`). Rounds before
+    `keep_from` (0-based) are neither kept nor counted by the early stopping."""
     logger = get_run_logger()
     stopping = EarlyStopping(patience, val_images)
     previous, best = None, None
@@ -153,6 +154,8 @@ def run_rounds(rounds: int, train_round: Callable[[int, ArtifactRef | None], Epo
         logger.info("round %d/%d: %s", epoch + 1, rounds, ", ".join(
             f"{k}={v:.4g}" for k, v in result.metrics.items()))
         previous = result.checkpoint
+        if epoch < keep_from:
+            continue
         if stopping.update(epoch, result.metrics[key]):
             best = result
         if stopping.should_stop:

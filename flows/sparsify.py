@@ -21,6 +21,7 @@ from flows.skeleton import (
     finish,
     prepare,
     publish,
+    run_rounds,
     run_tags,
     train_epochs,
 )
@@ -40,7 +41,7 @@ from tasks.sparsify import (
     sparsity_spec,
     zero_target_thresholds,
 )
-from tasks.training import ClassifierConfig, EpochResult
+from tasks.training import ClassifierConfig, EpochResult, train_classifier_epoch
 from tasks.versioning import ArtifactRef
 from training.budget import Budget
 
@@ -58,24 +59,63 @@ def train_sparse(config: SparsifyConfig, classifier: ClassifierConfig, prepared:
                  budget: Budget, run_id: str, start: ArtifactRef | None = None
                  ) -> tuple[SparsitySpec, EpochResult, SparsityReport]:
     """The config's sparsity term, the rounds trained with it (from `start`'s weights when
-    given: fine-tuning), with `--zero-threshold-tolerance` the kept round's activation
-    thresholds (raised by `--threshold-cycles` of training with them in place), and the kept
-    network's activations on the validation split, logged on `run_id`."""
+    given: fine-tuning), with `--zero-threshold-tolerance` or `--zero-target` the kept round's
+    activation thresholds (raised by `--threshold-cycles` of training with them in place, or
+    with `--zero-target-ramp` inside the rounds), and the kept network's activations on the
+    validation split, logged on `run_id`."""
     spec = sparsity_spec(config, prepared.dataset)
     tracking.log_metrics(run_id, {f"lambda_{k.replace('.', '_')}": v
                                   for k, v in spec.lambdas.items()})
     get_run_logger().info("sparsity term %s on %s", spec.build().describe(), ", ".join(
         f"{k} (lambda {v:.3g})" for k, v in spec.lambdas.items()))
-    best = train_epochs(classifier, prepared, budget, run_id, config.patience, FLOW_NAME,
-                        sparsity=spec, start=start)
-    thresholds: dict[str, float] = {}
-    if config.zero_threshold_tolerance is not None or config.zero_target is not None:
-        best, thresholds = thresholded_training(config, classifier, prepared, budget, run_id,
-                                                spec, best)
+    if config.zero_target_ramp is not None:
+        best, thresholds = ramped_training(config, classifier, prepared, budget, run_id, spec,
+                                           start)
+    else:
+        best = train_epochs(classifier, prepared, budget, run_id, config.patience, FLOW_NAME,
+                            sparsity=spec, start=start)
+        thresholds: dict[str, float] = {}
+        if config.zero_threshold_tolerance is not None or config.zero_target is not None:
+            best, thresholds = thresholded_training(config, classifier, prepared, budget,
+                                                    run_id, spec, best)
     report = sparsity_report(classifier, prepared.dataset, best.checkpoint, spec
                              ).model_copy(update={"thresholds": thresholds})
     tracking.log_metrics(run_id, report.metrics())
     return spec, best, report
+
+
+def ramped_training(config: SparsifyConfig, classifier: ClassifierConfig, prepared: Prepared,
+                    budget: Budget, run_id: str, spec: SparsitySpec, start: ArtifactRef | None
+                    ) -> tuple[EpochResult, dict[str, float]]:
+    """`--zero-target-ramp FIRST,LAST`: the run's rounds with the thresholds raised inside it.
+    Before round r (from 1) = FIRST..LAST a calibration on the last round's network (the
+    checkpoint's thresholds in place) takes each layer 1 / (LAST + 1 - r) of the way to the
+    zero target; before every later round it tops them up to it (training moves the maps).
+    The rounds share the run's optimizer and cosine schedule (they continue from each other's
+    checkpoints), like the run without thresholds they are compared with. The round kept is
+    one from LAST on, topped up to the target after it; each calibration is logged at the
+    step of the round before it. The kept round and its thresholds."""
+    first, last = config.zero_target_ramp
+    layers = tuple(spec.lambdas)
+
+    def calibrated(epoch: int, previous: ArtifactRef | None) -> EpochResult:
+        held = spec
+        if epoch + 1 >= first:  # this calibration closes 1 / (calibrations left) of the gap
+            thresholded = zero_target_thresholds(classifier, prepared.dataset, previous or start,
+                                                 layers, config.zero_target,
+                                                 1.0 / max(last - epoch, 1))
+            tracking.log_metrics(run_id, thresholded.metrics(), step=epoch)
+            held = spec.model_copy(update={"thresholds": thresholded.thresholds})
+        return train_classifier_epoch(classifier, prepared.dataset, epoch, previous, FLOW_NAME,
+                                      budget.repeats, held, start)
+
+    best = run_rounds(classifier.epochs, calibrated, run_id, config.patience,
+                      prepared.dataset.sizes["val"], keep_from=last - 1)
+    topped = zero_target_thresholds(classifier, prepared.dataset, best.checkpoint, layers,
+                                    config.zero_target, 1.0)
+    tracking.log_metrics(run_id, topped.metrics(), step=classifier.epochs)
+    return best.model_copy(update={"checkpoint": topped.checkpoint, "metrics": (
+        best.metrics | {"val_accuracy": topped.val_accuracy})}), topped.thresholds
 
 
 def thresholded_training(config: SparsifyConfig, classifier: ClassifierConfig,

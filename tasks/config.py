@@ -527,6 +527,13 @@ class SparsifyConfig(TrainConfig):
                                          "worse on validation: the network adapts to what the "
                                          "last calibration took (a zero target is topped up "
                                          "after them)")
+    zero_target_ramp: tuple[int, int] | None = Field(
+        None, description="classification, with --zero-target, instead of --threshold-cycles "
+        "after the run: FIRST,LAST (rounds, from 1): raise the thresholds inside the run, before "
+        "each of rounds FIRST to LAST in equal steps (the one before LAST reaches the target), "
+        "and top them up to it before every later round and after the last; one optimizer and "
+        "schedule throughout (Zhu and Gupta's gradual schedule); only rounds from LAST on are "
+        "kept. FIRST 1 needs --init-from (a fresh network has nothing to measure)")
     init_from: str | None = Field(None, description="fine-tune: start from the weights of a "
                                   "registered classifier, models:/NAME@ALIAS or "
                                   "models:/NAME/VERSION (the same --model and width, e.g. "
@@ -539,7 +546,8 @@ class SparsifyConfig(TrainConfig):
             raise ValueError("not models:/NAME@ALIAS or models:/NAME/VERSION")
         return value
 
-    @field_validator("sparse_layers", "layer_lambdas", "lambda_sweep", "layouts", mode="before")
+    @field_validator("sparse_layers", "layer_lambdas", "lambda_sweep", "layouts",
+                     "zero_target_ramp", mode="before")
     @classmethod
     def _lists(cls, value: Any) -> Any:
         return _comma_list(value)
@@ -638,6 +646,7 @@ class SparsifyConfig(TrainConfig):
             raise ValueError(f"threshold_cycles: {self.threshold_cycles} cycles raise "
                              f"thresholds: give --zero-threshold-tolerance (or --zero-target) "
                              f"too")
+        self._check_ramp()
         if self.init_from is not None and self.task != "classification":
             raise ValueError(f"init_from: fine-tuning is for --task classification, not "
                              f"{self.task}")
@@ -645,6 +654,24 @@ class SparsifyConfig(TrainConfig):
             raise ValueError(f"layer_lambdas has {len(self.layer_lambdas)} values for "
                              f"{len(self.layers())} sparse_layers ({', '.join(self.layers())})")
         return self
+
+    def _check_ramp(self) -> None:
+        if self.zero_target_ramp is None:
+            return
+        first, last = self.zero_target_ramp
+        ramp = f"zero_target_ramp: {first},{last}"
+        if self.zero_target is None:
+            raise ValueError(f"{ramp} raises thresholds toward a zero target: give "
+                             f"--zero-target too")
+        if self.threshold_cycles or self.threshold_settle_epochs:
+            raise ValueError(f"{ramp} raises the thresholds inside the run, --threshold-cycles "
+                             f"and --threshold-settle-epochs after it: give one")
+        if not 1 <= first <= last <= self.epochs:
+            raise ValueError(f"{ramp} must be two rounds FIRST <= LAST within the run's "
+                             f"{self.epochs} (--epochs)")
+        if first == 1 and self.init_from is None:
+            raise ValueError(f"{ramp}: a fresh network has no activations to set thresholds "
+                             f"by before round 1; start at round 2 or give --init-from")
 
     def layers(self) -> tuple[str, ...]:
         """The regularized layers: `sparse_layers`, or the model's feature maps."""

@@ -165,6 +165,29 @@ def test_a_zero_target_is_reached_in_steps_and_settled(sparse):
     assert target.test_accuracy > 0.25
 
 
+def test_a_zero_target_ramp_raises_the_thresholds_inside_the_run(sparse):
+    """`--zero-target-ramp 1,2` over 2 rounds at a learning rate of 1e-9 (the weights stay):
+    before round 1 half the way to 0.7, before round 2 all the way, after it a top-up with
+    nothing to add; the round kept is the one at the target (round 2, though round 1 had
+    fewer zeros to lose accuracy to), and the registered network has the target's zeros in
+    every layer (it had fewer)."""
+    from flows.sparsify import sparsify
+
+    client = MlflowClient()
+    ramped = sparsify(smoke_sparsify(init_from=sparse.registration.version_uri, lr=1e-9,
+                                     epochs=2, sparsity_lambda=0.0, lambda_sweep=None,
+                                     zero_target=0.7, zero_target_ramp="1,2",
+                                     model_name="smoke-sparsify-ramp"))
+    for layer, report in ramped.report.layers.items():
+        assert sparse.report.layers[layer].zero_fraction < 0.7 <= report.zero_fraction, layer
+        steps = {m.step: m.value for m in
+                 client.get_metric_history(ramped.run_id, f"zero_threshold_{layer}")}
+        assert sorted(steps) == [0, 1, 2] and 0 < steps[0] < steps[1] == steps[2], steps
+    assert ramped.best_epoch == 2
+    assert {"checkpoint.epoch-001", "checkpoint.epoch-002"} <= set(
+        tracking.artifact_refs(ramped.run_id))
+
+
 @pytest.fixture(scope="module", params=["detection", "contour"])
 def dense(request):
     """A detector and a contour network, each 2 rounds on 48 small canvases; the contour
@@ -260,6 +283,14 @@ def client_classes(summary) -> list[str]:
     (["--zero-target", "0.8", "--zero-threshold-tolerance", "0.01"],
      ["zero_target: 0.8 sets the thresholds by their zeros", "give one"]),
     (["--zero-target", "1.2"], ["zero_target"]),
+    (["--zero-target-ramp", "2,3"], ["zero_target_ramp: 2,3", "--zero-target"]),
+    (["--zero-target", "0.8", "--zero-target-ramp", "2,99"],
+     ["zero_target_ramp: 2,99", "within the run's"]),
+    (["--zero-target", "0.8", "--zero-target-ramp", "3,2"], ["FIRST <= LAST"]),
+    (["--zero-target", "0.8", "--zero-target-ramp", "1,2", "--epochs", "3"],
+     ["before round 1", "--init-from"]),
+    (["--zero-target", "0.8", "--zero-target-ramp", "2,2", "--threshold-cycles", "2"],
+     ["--threshold-cycles", "give one"]),
 ])
 def test_bad_input_is_one_error_line_before_any_work(flags, names, capsys):
     code, _, err = run_cli(capsys, "sparsify", "--profile", "smoke", *flags)

@@ -68,3 +68,34 @@ def test_warm_continuation_equals_a_cold_resume_from_the_checkpoint():
     for name, tensor in warm_state["model"].items():
         assert torch.equal(tensor, cold_state["model"][name]), name
     assert cold.metrics["loss"] == warm.metrics["loss"]
+
+
+def test_rounds_before_keep_from_are_neither_kept_nor_counted_by_early_stopping():
+    """Validation accuracy falls every round: without `keep_from` the first round is kept and
+    patience 1 stops the run after the second; with `keep_from` 2 the first two rounds count
+    for nothing, so round 3 is kept and the run stops after round 4."""
+    from prefect import flow
+
+    from flows.skeleton import run_rounds
+    from tasks import tracking
+    from tasks.training import EpochResult
+    from tasks.versioning import ArtifactRef
+
+    scores = [0.9, 0.8, 0.7, 0.6, 0.5]
+    trained: list[int] = []
+
+    def train_round(epoch: int, _previous: ArtifactRef | None) -> EpochResult:
+        trained.append(epoch)
+        return EpochResult(epoch=epoch, metrics={"val_accuracy": scores[epoch]},
+                           checkpoint=ArtifactRef(path=f"round-{epoch}.pt", md5=f"{epoch:032x}",
+                                                  size=1))
+
+    @flow
+    def rounds(keep_from: int) -> int:
+        with tracking.tracked_run("test-rounds", f"keep-from-{keep_from}") as run_id:
+            return run_rounds(len(scores), train_round, run_id, 1, 100000,
+                              keep_from=keep_from).epoch
+
+    assert rounds(0) == 0 and trained == [0, 1]
+    trained.clear()
+    assert rounds(2) == 2 and trained == [0, 1, 2, 3]
