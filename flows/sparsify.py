@@ -39,6 +39,7 @@ from tasks.sparsify import (
     sparsity_figure,
     sparsity_report,
     sparsity_spec,
+    zero_target_step,
     zero_target_thresholds,
 )
 from tasks.training import ClassifierConfig, EpochResult, train_classifier_epoch
@@ -94,22 +95,22 @@ def ramped_training(config: SparsifyConfig, classifier: ClassifierConfig, prepar
     The rounds share the run's optimizer and cosine schedule (they continue from each other's
     checkpoints), like the run without thresholds they are compared with. The round kept is
     one from LAST on, topped up to the target after it; each calibration is logged at the
-    step of the round before it. The kept round and its thresholds."""
+    step of the round before it; only the final top-up is written as a checkpoint (each
+    round stores the thresholds it trained with). The kept round and its thresholds."""
     first, last = config.zero_target_ramp
     layers = tuple(spec.lambdas)
 
-    def calibrated(epoch: int, previous: ArtifactRef | None) -> EpochResult:
+    def ramped_round(epoch: int, previous: ArtifactRef | None) -> EpochResult:
         held = spec
         if epoch + 1 >= first:  # this calibration closes 1 / (calibrations left) of the gap
-            thresholded = zero_target_thresholds(classifier, prepared.dataset, previous or start,
-                                                 layers, config.zero_target,
-                                                 1.0 / max(last - epoch, 1))
-            tracking.log_metrics(run_id, thresholded.metrics(), step=epoch)
-            held = spec.model_copy(update={"thresholds": thresholded.thresholds})
+            calibrated = zero_target_step(classifier, prepared.dataset, previous or start,
+                                          layers, config.zero_target, 1.0 / max(last - epoch, 1))
+            tracking.log_metrics(run_id, calibrated.metrics(), step=epoch)
+            held = spec.model_copy(update={"thresholds": calibrated.thresholds})
         return train_classifier_epoch(classifier, prepared.dataset, epoch, previous, FLOW_NAME,
                                       budget.repeats, held, start)
 
-    best = run_rounds(classifier.epochs, calibrated, run_id, config.patience,
+    best = run_rounds(classifier.epochs, ramped_round, run_id, config.patience,
                       prepared.dataset.sizes["val"], keep_from=last - 1)
     topped = zero_target_thresholds(classifier, prepared.dataset, best.checkpoint, layers,
                                     config.zero_target, 1.0)

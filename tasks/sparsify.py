@@ -120,20 +120,27 @@ def sparsity_report(config: ClassifierConfig, dataset: DatasetRef, checkpoint: A
     return measured_report(stats, spec, "accuracy", accuracy)
 
 
-class Thresholded(BaseModel):
-    """A checkpoint with calibrated activation thresholds (`training.thresholds`)."""
+class Calibrated(BaseModel):
+    """Activation thresholds calibrated on a checkpoint (`training.thresholds`; per layer the
+    larger of the checkpoint's own and the new one) and its validation accuracy without the
+    new ones and with them."""
 
     model_config = ConfigDict(frozen=True)
 
     thresholds: dict[str, float]
     val_accuracy_before: float
     val_accuracy: float
-    checkpoint: ArtifactRef
 
     def metrics(self) -> dict[str, float]:
         """`zero_threshold_<layer>` and the validation accuracy without them."""
         return {f"zero_threshold_{k.replace('.', '_')}": v for k, v in self.thresholds.items()
                 } | {"val_accuracy_unthresholded": self.val_accuracy_before}
+
+
+class Thresholded(Calibrated):
+    """`Calibrated`, written with the weights as a checkpoint of their own."""
+
+    checkpoint: ArtifactRef
 
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="calibrate-thresholds")
@@ -152,7 +159,9 @@ def calibrate_zero_thresholds(config: ClassifierConfig, dataset: DatasetRef,
     added, before, after = calibrate_thresholds(
         model, layers, val, device, lambda net: evaluate(net, val, device)["accuracy"],
         tolerance, floor)
-    return with_thresholds(model, checkpoint, added, before, after, f"{tolerance:g}")
+    return write_thresholded(model, checkpoint, Calibrated(
+        thresholds=raised_thresholds(checkpoint, added), val_accuracy_before=before,
+        val_accuracy=after), f"{tolerance:g}")
 
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="thresholds-for-zeros")
@@ -160,10 +169,26 @@ def zero_target_thresholds(config: ClassifierConfig, dataset: DatasetRef,
                            checkpoint: ArtifactRef, layers: tuple[str, ...], target: float,
                            step: float) -> Thresholded:
     """`--zero-target`: per layer, the activation threshold that takes its share of exact
-    zeros on the validation split `step` of the way to `target` (1: all the way; the
-    checkpoint's thresholds in place, each layer keeps the larger;
-    `training.thresholds.thresholds_toward`), written with the weights as a new checkpoint
-    versioned in DVC; the validation accuracy before and after."""
+    zeros on the validation split `step` of the way to `target` (`zero_target_step`), written
+    with the weights as a new checkpoint versioned in DVC."""
+    model, calibrated = _toward_zero_target(config, dataset, checkpoint, layers, target, step)
+    return write_thresholded(model, checkpoint, calibrated, f"zeros-{target:g}")
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name="ramp-thresholds")
+def zero_target_step(config: ClassifierConfig, dataset: DatasetRef, checkpoint: ArtifactRef,
+                     layers: tuple[str, ...], target: float, step: float) -> Calibrated:
+    """Per layer, the activation threshold that takes its share of exact zeros on the
+    validation split `step` of the way to `target` (1: all the way; the checkpoint's
+    thresholds in place, each layer keeps the larger; `training.thresholds.thresholds_toward`),
+    and the validation accuracy before and after. Nothing is written: a ramp's next round
+    trains with these thresholds and stores them in its own checkpoint."""
+    return _toward_zero_target(config, dataset, checkpoint, layers, target, step)[1]
+
+
+def _toward_zero_target(config: ClassifierConfig, dataset: DatasetRef, checkpoint: ArtifactRef,
+                        layers: tuple[str, ...], target: float, step: float
+                        ) -> tuple[torch.nn.Module, Calibrated]:
     device = setup_device(config)
     model = place_model(trained_model(config, dataset, checkpoint), device)
     val = split_batches(load_dataset(dataset), dataset, "val", 1024, device)
@@ -171,20 +196,25 @@ def zero_target_thresholds(config: ClassifierConfig, dataset: DatasetRef,
     added = thresholds_toward(model, layers, val, device, target, step)
     with thresholds_in_place(model, added):
         after = evaluate(model, val, device)["accuracy"]
-    return with_thresholds(model, checkpoint, added, before, after, f"zeros-{target:g}")
+    return model, Calibrated(thresholds=raised_thresholds(checkpoint, added),
+                             val_accuracy_before=before, val_accuracy=after)
 
 
-def with_thresholds(model: torch.nn.Module, checkpoint: ArtifactRef, added: dict[str, float],
-                    before: float, after: float, label: str) -> Thresholded:
-    """The checkpoint's weights with its thresholds raised by `added` (per layer the larger)
-    as a new checkpoint beside it (`...-thresholds-<label>.pt`, versioned in DVC)."""
-    thresholds = raise_thresholds(load_checkpoint(ArtifactStore(), checkpoint).get(
-        "thresholds", {}), added)
+def raised_thresholds(checkpoint: ArtifactRef, added: dict[str, float]) -> dict[str, float]:
+    """The checkpoint's thresholds raised by `added` (per layer the larger)."""
+    return raise_thresholds(load_checkpoint(ArtifactStore(), checkpoint).get("thresholds", {}),
+                            added)
+
+
+def write_thresholded(model: torch.nn.Module, checkpoint: ArtifactRef, calibrated: Calibrated,
+                      label: str) -> Thresholded:
+    """`model`'s weights with `calibrated`'s thresholds as a new checkpoint beside
+    `checkpoint` (`...-thresholds-<label>.pt`, versioned in DVC)."""
     payload = {"model": {k: v.cpu() for k, v in model.state_dict().items()},
-               "thresholds": thresholds}
+               "thresholds": calibrated.thresholds}
     relpath = str(Path(checkpoint.path).with_name(Path(checkpoint.path).stem +
                                                   f"-thresholds-{label}.pt"))
-    return Thresholded(thresholds=thresholds, val_accuracy_before=before, val_accuracy=after,
+    return Thresholded(**calibrated.model_dump(),
                        checkpoint=save_checkpoint(ArtifactStore(), relpath, payload))
 
 

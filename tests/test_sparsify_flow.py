@@ -11,6 +11,7 @@ from mlflow import MlflowClient
 
 from tasks import tracking
 from tasks.config import SparsifyConfig
+from tasks.versioning import ArtifactStore
 from tests.conftest import run_cli
 
 
@@ -170,7 +171,8 @@ def test_a_zero_target_ramp_raises_the_thresholds_inside_the_run(sparse):
     before round 1 half the way to 0.7, before round 2 all the way, after it a top-up with
     nothing to add; the round kept is the one at the target (round 2, though round 1 had
     fewer zeros to lose accuracy to), and the registered network has the target's zeros in
-    every layer (it had fewer)."""
+    every layer (it had fewer). Only the final top-up writes a thresholded checkpoint: each
+    round stores the thresholds it trained with."""
     from flows.sparsify import sparsify
 
     client = MlflowClient()
@@ -184,8 +186,11 @@ def test_a_zero_target_ramp_raises_the_thresholds_inside_the_run(sparse):
                  client.get_metric_history(ramped.run_id, f"zero_threshold_{layer}")}
         assert sorted(steps) == [0, 1, 2] and 0 < steps[0] < steps[1] == steps[2], steps
     assert ramped.best_epoch == 2
-    assert {"checkpoint.epoch-001", "checkpoint.epoch-002"} <= set(
-        tracking.artifact_refs(ramped.run_id))
+    refs = tracking.artifact_refs(ramped.run_id)
+    assert {"checkpoint.epoch-001", "checkpoint.epoch-002"} <= set(refs)
+    folder = ArtifactStore().path_of(refs["checkpoint.epoch-002"]["path"]).parent
+    assert [p.name for p in folder.glob("*-thresholds-*.pt")] == [
+        "epoch-002-thresholds-zeros-0.7.pt"]
 
 
 @pytest.fixture(scope="module", params=["detection", "contour"])
