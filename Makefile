@@ -60,6 +60,7 @@ ui: setup  ## Prefect UI on 127.0.0.1:4200 and MLflow UI on 127.0.0.1:5000
 
 bench: setup data  ## the benchmarks (tables, then one JSON line each)
 	$(PY) -m bench.throughput
+	$(PY) -m bench.inference_batch
 	$(PY) -m bench.train_accuracy
 	$(PY) -m bench.distill
 	$(PY) -m bench.pbt

@@ -44,7 +44,7 @@ from tasks.distill import (
     stage_ids,
     student_network,
 )
-from tasks.training import make_optimizer, new_model, restore, split_batches
+from tasks.training import eval_batches, make_optimizer, new_model, restore
 from tasks.versioning import ArtifactStore
 from training.device import place_model, resolve_device
 from training.distillation import (
@@ -103,7 +103,7 @@ def baseline(method: str, plan: DistillPlan, config: DistillConfig, dataset,
     finally:
         if hooks is not None:
             hooks.remove()
-    return evaluate(model, split_batches(data, dataset, "test", 1024, device), device)["accuracy"]
+    return evaluate(model, eval_batches(data, dataset, "test", device), device)["accuracy"]
 
 
 def timed_distill(config: DistillConfig, refresh: bool = False):

@@ -32,7 +32,7 @@ from tasks.config import TrainConfig  # noqa: E402
 from tasks.data import load_dataset, prepare_dataset, source_version  # noqa: E402
 from tasks.pipeline_config import PipelineConfig  # noqa: E402
 from tasks.registration import test_images  # noqa: E402
-from tasks.training import classifier_config, split_batches, trained_model  # noqa: E402
+from tasks.training import classifier_config, eval_batches, trained_model  # noqa: E402
 from tasks.versioning import ArtifactRef, ArtifactStore  # noqa: E402
 from training.pruning import parameter_count  # noqa: E402
 from training.sparsity import activation_stats  # noqa: E402
@@ -49,8 +49,9 @@ def zeros_and_parameters(classifier, dataset, checkpoint: ArtifactRef, weights: 
 
     model = trained_model(classifier, dataset, checkpoint, weights)
     layers = list(model.feature_layers[:-1])
-    stats = activation_stats(model, layers, split_batches(
-        load_dataset(dataset), dataset, "test", 1024, torch.device("cpu")), torch.device("cpu"))
+    cpu = torch.device("cpu")
+    stats = activation_stats(model, layers, eval_batches(load_dataset(dataset), dataset, "test",
+                                                         cpu), cpu)
     return statistics.fmean(stats.zero_fraction.values()), parameter_count(model)
 
 

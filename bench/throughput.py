@@ -34,6 +34,7 @@ from tasks.data import DatasetRef, load_dataset, prepare_dataset, source_version
 from tasks.training import (
     ClassifierConfig,
     classifier_config,
+    eval_batches,
     make_optimizer,
     new_model,
     split_batches,
@@ -77,7 +78,7 @@ class BareLoop:
             if config.grad_clip is not None:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
             self.optimizer.step()
-        evaluate(self.model, split_batches(self.data, self.dataset, "val", 1024, self.device),
+        evaluate(self.model, eval_batches(self.data, self.dataset, "val", self.device),
                  self.device)
         return len(batches) * config.batch_size / (time.perf_counter() - started)
 

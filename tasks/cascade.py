@@ -24,7 +24,7 @@ from tasks.cascade_config import CascadeConfig
 from tasks.checkpoints import load_checkpoint, save_checkpoint
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
 from tasks.ddp import round_job, train_round_data_parallel
-from tasks.training import EpochResult, run_key, setup_device, split_batches
+from tasks.training import EpochResult, eval_batches, run_key, setup_device
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.baselines import fit_linear, flatten_pixels
 from training.batches import Batches, Normalize
@@ -41,7 +41,7 @@ from training.cascade import (
     relative_costs,
     split_disjoint,
 )
-from training.device import resolve_device
+from training.device import inference_batch, resolve_device
 from training.latency import (
     check_device,
     device_name,
@@ -215,7 +215,7 @@ def train_module_round(config: CascadeConfig, dataset: DatasetRef, sets: Cascade
         losses = train_round_data_parallel(config.ddp_procs, job, net, optimizer, None,
                                            config.threads)
     seconds = time.perf_counter() - started
-    val = evaluate(stage, split_batches(data, dataset, "val", 1024, device), device)
+    val = evaluate(stage, eval_batches(data, dataset, "val", device), device)
     metrics = {f"module{k}_{name}": value for name, value in losses.items()} | {
         f"module{k}_val_accuracy": val["accuracy"], f"module{k}_train_seconds": seconds}
     payload = {"model": net.state_dict(), "optimizer": optimizer.state_dict(), "module": k,
@@ -243,8 +243,8 @@ def fit_predictor(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
     relative = relative_costs(net, part_costs(read_table(latency)), k)
     metrics: dict[str, float] = {}
     if config.predictor == "fixed":
-        held_out = Batches(data.images, data.labels, second, 1024, Normalize(dataset.mean,
-                           dataset.std), device=device)
+        held_out = Batches(data.images, data.labels, second, inference_batch(device),
+                           Normalize(dataset.mean, dataset.std), device=device)
         choice, rates = fixed_choice(net, k, held_out, relative, config.latency_weight)
         net.blocks[k].fixed.fill_(choice)
         metrics |= {f"predictor{k}_error_rate_{s}": r for s, r in enumerate(rates)}
@@ -261,7 +261,7 @@ def fit_predictor(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
     net.eval()
     routed = []
     with torch.no_grad():
-        for _, x, _ in split_batches(data, dataset, "val", 1024, device):
+        for _, x, _ in eval_batches(data, dataset, "val", device):
             routed.append(net.blocks[k].route(net.prefix(x, k)).cpu())
     shares = torch.bincount(torch.cat(routed), minlength=net.sub_count(k)).float()
     metrics |= {f"predictor{k}_share_{s}": v for s, v in enumerate(
@@ -289,7 +289,7 @@ def refit_exits(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
     net.to(device)
 
     def val() -> list[float]:
-        return exit_accuracies(net, split_batches(data, dataset, "val", 1024, device))
+        return exit_accuracies(net, eval_batches(data, dataset, "val", device))
 
     before = val()
     metrics = distill_exits(net, Batches(data.images, data.labels, first, 1024, Normalize(

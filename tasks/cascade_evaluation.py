@@ -26,10 +26,11 @@ from tasks.registration import (
     transient,
 )
 from tasks.reporting import figure_pyplot
-from tasks.training import run_key, setup_device, split_batches
+from tasks.training import eval_batches, run_key, setup_device
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.batches import Normalize
 from training.cascade import ExitTable, ThresholdGrid, exit_table, oracles, threshold_grid
+from training.device import inference_batch
 from training.latency import full_network_cost, interleaved_ms_per_image, part_costs
 
 
@@ -60,7 +61,7 @@ def validation_table(config: CascadeConfig, dataset: DatasetRef, net: CascadeNet
                      fixed: dict[int, int] | None = None) -> ExitTable:
     device = setup_device(config)
     data = load_dataset(dataset)
-    return exit_table(net.to(device), split_batches(data, dataset, split, 1024, device), costs,
+    return exit_table(net.to(device), eval_batches(data, dataset, split, device), costs,
                       fixed)
 
 
@@ -186,12 +187,13 @@ def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRe
     full_cost, full_flops = full_network_cost(net, costs), full_network_cost(net, flops)
     metrics: dict[str, float] = {}
     tables: dict[str, ExitTable] = {}
+    step = inference_batch(device)
     for prefix, kwargs in variants.items():
-        out = [net.infer(images[i:i + 1024], **kwargs) for i in range(0, len(images), 1024)]
+        out = [net.infer(images[i:i + step], **kwargs) for i in range(0, len(images), step)]
         predicted, exits = torch.cat([o.labels for o in out]), torch.cat([o.exits for o in out])
         shares = torch.bincount(exits.cpu(), minlength=net.modules_count).float() / len(exits)
         fixed = kwargs.get("fixed")
-        batches = split_batches(data, dataset, "test", 1024, device)
+        batches = eval_batches(data, dataset, "test", device)
         paths = tables[prefix] = exit_table(net, batches, costs, fixed)
         thresholds = kwargs.get("thresholds", net.thresholds).cpu()
         spent = paths.outcome(thresholds)
@@ -210,7 +212,7 @@ def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRe
         metrics |= {f"{prefix}ms_per_image_{suffix}": ms for prefix, ms in measured.items()}
         metrics |= {f"{prefix}speedup_{suffix}": measured["full_"] / ms
                     for prefix, ms in measured.items() if prefix != "full_"}
-    best, best_flops = oracles(net, split_batches(data, dataset, "test", 1024, device),
+    best, best_flops = oracles(net, eval_batches(data, dataset, "test", device),
                                [costs, flops])
     metrics |= {"oracle_accuracy": best["accuracy"],
                 "oracle_table_cost_ratio": best["mean_cost"] / full_cost,
@@ -223,8 +225,8 @@ def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRe
     for tolerance, thresholds in payload["sweep"].items():
         priced = tables[""].outcome(thresholds.cpu())["mean_cost"]
         thresholds = thresholds.to(device)
-        predicted = torch.cat([net.infer(images[i:i + 1024], thresholds).labels
-                               for i in range(0, len(images), 1024)])
+        predicted = torch.cat([net.infer(images[i:i + step], thresholds).labels
+                               for i in range(0, len(images), step)])
         measured = interleaved_ms_per_image({"cascade": lambda x, t=thresholds: net.infer(x, t),
                                              "full": net},
                                             sample, 1)

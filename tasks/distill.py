@@ -24,19 +24,19 @@ from tasks.data import DatasetRef, LoadedDataset, load_dataset
 from tasks.ddp import round_job, train_round_data_parallel
 from tasks.training import (
     ClassifierConfig,
+    eval_batches,
     make_optimizer,
     new_model,
     restore,
     resume,
     run_key,
     setup_device,
-    split_batches,
 )
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.batches import Batches, Normalize
 from training.budget import Budget
 from training.ddp_round import cpu_state
-from training.device import place_model
+from training.device import inference_batch, place_model
 from training.distill_stages import draw_stage_ids, layer_features, train_stage
 from training.distillation import (
     FeatureAdapter,
@@ -189,7 +189,7 @@ def run_stage(role: RoleConfig, dataset: DatasetRef, stage: int, model: nn.Modul
                                          role.threads, adapter=adapter)
 
     return train_stage(model, optimizer, batches,
-                       split_batches(data, dataset, "val", 1024, device), step, device, stage,
+                       eval_batches(data, dataset, "val", device), step, device, stage,
                        role.epochs, role.repeats, role.lr, role.warmup_epochs, role.grad_clip,
                        f"{role.role} stage {stage}/{role.epochs}" if role.progress else None,
                        trainer=data_parallel if role.ddp_procs > 1 else None)
@@ -228,8 +228,9 @@ def teacher_stage(teacher: RoleConfig, dataset: DatasetRef, stage: int,
 def teacher_features(model: nn.Module, layer: str, dataset: DatasetRef, data: LoadedDataset,
                      ids: Tensor, device: torch.device) -> Tensor:
     """Features at `layer` of `ids`' images (no augmentation, eval mode), on the CPU."""
-    return layer_features(model, layer, Batches(data.images, data.labels, ids, 1024, Normalize(
-        dataset.mean, dataset.std), device=device), device)
+    return layer_features(model, layer, Batches(
+        data.images, data.labels, ids, inference_batch(device),
+        Normalize(dataset.mean, dataset.std), device=device), device)
 
 
 def load_bank(store: ArtifactStore, ref: ArtifactRef, memmap: bool = False) -> FeatureBank:

@@ -36,7 +36,7 @@ from tasks.pool import folder_pool, match_training_images, own_pool
 from tasks.training import run_key, setup_device
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.batches import Batches, Normalize
-from training.device import place_model
+from training.device import inference_batch, place_model
 from training.image_text import (
     MAX_LOGIT_SCALE,
     TextBank,
@@ -309,7 +309,7 @@ def score_split(model: ImageTextNet, side: TextSide, data: LoadedDataset, datase
     """The classifier's accuracy and loss on a split, its zero-shot accuracy from the class
     descriptions, and both on the unseen classes' images alone (when there are any)."""
     model.eval()
-    batches = Batches(data.images, data.labels, data.splits[split], 1024,
+    batches = Batches(data.images, data.labels, data.splits[split], inference_batch(device),
                       Normalize(dataset.mean, dataset.std), device=device)
     result = evaluate(model, batches, device)
     weights = side.class_weights(model, device)

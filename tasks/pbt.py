@@ -23,6 +23,7 @@ from tasks.checkpoints import load_checkpoint, save_checkpoint
 from tasks.data import DatasetRef, load_dataset
 from tasks.training import (
     ClassifierConfig,
+    eval_batches,
     new_model,
     resume,
     setup_device,
@@ -117,7 +118,7 @@ def train_member(config: ClassifierConfig, dataset: DatasetRef, population: str,
     metrics = train_passes(config, dataset, data, model, optimizer, device,
                            range(first_epoch, first_epoch + epochs), cycle, averaged=averaged,
                            average_decay=average_decay)
-    choice = choose_weights(model, averaged, split_batches(data, dataset, "val", 1024, device),
+    choice = choose_weights(model, averaged, eval_batches(data, dataset, "val", device),
                             split_batches(data, dataset, "train", 256, device), device)
     metrics |= choice.metrics | {"train_seconds": time.perf_counter() - started}
     payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -152,7 +153,7 @@ def soup_members(config: ClassifierConfig, dataset: DatasetRef, population: str,
     states = [load_checkpoint(store, r.checkpoint)[SCORED_WEIGHTS] for r in results]
     model = place_model(new_model(config, dataset), device)
     soup = greedy_soup(model, states, [r.metrics["val_accuracy"] for r in results],
-                       split_batches(data, dataset, "val", 1024, device),
+                       eval_batches(data, dataset, "val", device),
                        split_batches(data, dataset, "train", 256, device), device, first)
     best = results[first]
     payload = {SCORED_WEIGHTS: soup.state, "kept_source": "soup",

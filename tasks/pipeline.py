@@ -25,7 +25,13 @@ from tasks.registration import (
     promote_on_test_images,
     transient,
 )
-from tasks.training import ClassifierConfig, setup_device, split_batches, trained_model
+from tasks.training import (
+    ClassifierConfig,
+    eval_batches,
+    setup_device,
+    split_batches,
+    trained_model,
+)
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.device import place_model
 from training.fallback import calibrate_fallback, fallback_infer, fallback_table
@@ -69,8 +75,8 @@ def fit_fallback(student: ClassifierConfig, teacher: ClassifierConfig, dataset: 
     data = load_dataset(dataset)
 
     def logits(split: str):
-        return (predict(small, split_batches(data, dataset, split, 1024, device), device),
-                predict(large, split_batches(data, dataset, split, 1024, device), device)[0])
+        return (predict(small, eval_batches(data, dataset, split, device), device),
+                predict(large, eval_batches(data, dataset, split, device), device)[0])
 
     sample = next(iter(split_batches(data, dataset, "test", latency_images, device)))[1]
     alone = interleaved_ms_per_image({"student": small, "teacher": large}, sample, 1)

@@ -18,10 +18,10 @@ from tasks.data import DatasetRef, load_dataset
 from tasks.reporting import figure_pyplot
 from tasks.training import (
     ClassifierConfig,
+    eval_batches,
     export_program,
     new_model,
     setup_device,
-    split_batches,
     trained_model,
 )
 from tasks.versioning import ArtifactRef, ArtifactStore
@@ -114,7 +114,7 @@ def sparsity_report(config: ClassifierConfig, dataset: DatasetRef, checkpoint: A
     device = setup_device(config)
     model = place_model(trained_model(config, dataset, checkpoint), device)
     data = load_dataset(dataset)
-    val = split_batches(data, dataset, "val", 1024, device)
+    val = eval_batches(data, dataset, "val", device)
     accuracy = evaluate(model, val, device)["accuracy"]
     stats = activation_stats(model, list(spec.lambdas), val, device)
     return measured_report(stats, spec, "accuracy", accuracy)
@@ -155,7 +155,7 @@ def calibrate_zero_thresholds(config: ClassifierConfig, dataset: DatasetRef,
     accuracy minus `tolerance`) is the accuracy all of them together may not go below."""
     device = setup_device(config)
     model = place_model(trained_model(config, dataset, checkpoint), device)
-    val = split_batches(load_dataset(dataset), dataset, "val", 1024, device)
+    val = eval_batches(load_dataset(dataset), dataset, "val", device)
     added, before, after = calibrate_thresholds(
         model, layers, val, device, lambda net: evaluate(net, val, device)["accuracy"],
         tolerance, floor)
@@ -191,7 +191,7 @@ def _toward_zero_target(config: ClassifierConfig, dataset: DatasetRef, checkpoin
                         ) -> tuple[torch.nn.Module, Calibrated]:
     device = setup_device(config)
     model = place_model(trained_model(config, dataset, checkpoint), device)
-    val = split_batches(load_dataset(dataset), dataset, "val", 1024, device)
+    val = eval_batches(load_dataset(dataset), dataset, "val", device)
     before = evaluate(model, val, device)["accuracy"]
     added = thresholds_toward(model, layers, val, device, target, step)
     with thresholds_in_place(model, added):
@@ -290,7 +290,7 @@ def prune_dead_channels(config: ClassifierConfig, dataset: DatasetRef, checkpoin
                                     for name, layer in report.layers.items()}, example)
     data = load_dataset(dataset)
     cpu = torch.device("cpu")
-    val = split_batches(data, dataset, "val", 1024, cpu)
+    val = eval_batches(data, dataset, "val", cpu)
     accuracy = {name: evaluate(net, val, cpu)["accuracy"]
                 for name, net in (("original", model), ("pruned", pruned))}
     latency = {}

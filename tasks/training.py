@@ -32,7 +32,7 @@ from tasks.ddp import round_job, train_round_data_parallel
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.batches import Batches, Normalize
 from training.budget import Budget, fit_budget
-from training.device import place_model, resolve_device
+from training.device import inference_batch, place_model, resolve_device
 from training.features import WithEmbedding
 from training.loops import classification_step, evaluate
 from training.recipe import optimizer_to, set_momentum_and_decay, sgd, train_round
@@ -84,6 +84,13 @@ def split_batches(data: LoadedDataset, dataset: DatasetRef, split: str, batch_si
     return Batches(data.images, data.labels, data.splits[split], batch_size,
                    Normalize(dataset.mean, dataset.std), shuffle=shuffle, seed=seed,
                    augment=augment, drop_last=shuffle, device=device, flip=flip)
+
+
+def eval_batches(data: LoadedDataset, dataset: DatasetRef, split: str,
+                 device: torch.device) -> Batches:
+    """One split in order, unaugmented, in batches of the device's `inference_batch`: for
+    scoring and predicting without gradients."""
+    return split_batches(data, dataset, split, inference_batch(device), device)
 
 
 def restore(model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -221,7 +228,7 @@ def train_classifier_epoch(config: ClassifierConfig, dataset: DatasetRef, epoch:
     seconds = time.perf_counter() - started
     thresholds = {} if sparsity is None else sparsity.thresholds
     with thresholds_in_place(model, thresholds):  # the network as it trained
-        val = evaluate(model, split_batches(data, dataset, "val", 1024, device), device)
+        val = evaluate(model, eval_batches(data, dataset, "val", device), device)
     images = len(passes) * (dataset.sizes["train"] // config.batch_size) * config.batch_size
     metrics |= {"val_accuracy": val["accuracy"], "val_loss": val["loss"],
                 "images_per_second": images / seconds, "train_seconds": seconds,
@@ -281,7 +288,7 @@ def test_and_export(config: ClassifierConfig, dataset: DatasetRef,
     device = setup_device(config)
     model = place_model(trained_model(config, dataset, checkpoint, weights), device)
     data = load_dataset(dataset)
-    metrics = evaluate(model, split_batches(data, dataset, "test", 1024, device), device)
+    metrics = evaluate(model, eval_batches(data, dataset, "test", device), device)
     relpath = str(Path(checkpoint.path).with_suffix(".pt2"))
     program = ArtifactStore().write(relpath, lambda path: export_program(
         model, dataset.channels, dataset.image_size, path))

@@ -36,6 +36,14 @@ def autocast(device: torch.device) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def inference_batch(device: torch.device) -> int:
+    """Images per forward pass when scoring or predicting without gradients: 1024 on an
+    accelerator; 256 on the CPU, where 1024 images' maps outgrow the caches: a scoring pass at
+    256 runs 1.0-1.3x as fast as at 1024, never slower beyond noise (`python -m
+    bench.inference_batch`)."""
+    return 256 if device.type == "cpu" else 1024
+
+
 def place_model(model: nn.Module, device: torch.device) -> nn.Module:
     """Moves a model to `device`, in channels_last memory format on CUDA."""
     model = model.to(device)
