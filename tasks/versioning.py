@@ -18,6 +18,7 @@ import io
 import json
 import logging
 import os
+import re
 import tempfile
 import threading
 import time
@@ -28,7 +29,7 @@ from pathlib import Path
 import yaml
 from dvc.exceptions import DvcException
 from dvc.lock import LockError, make_lock
-from dvc.repo import Repo
+from dvc.repo import Repo, lock_repo
 from dvc.rwlock import RWLOCK_FILE, RWLOCK_LOCK, RWLockFileCorruptedError
 from pydantic import BaseModel, ConfigDict
 
@@ -37,6 +38,9 @@ from tasks.environment import PROJECT_ROOT, artifacts_dir
 _LOCK = threading.Lock()
 logger = logging.getLogger(__name__)
 REMOTE_NAME = "project"
+# the name DVC gives its temporary files (dvc_objects.fs.utils.tmp_fname): a link test or a
+# copy into place, written beside the target while DVC holds the repository lock
+DVC_TEMPORARY = re.compile(r"\.[A-Za-z0-9_-]{22}\.tmp")
 
 
 class ArtifactRef(BaseModel):
@@ -86,6 +90,24 @@ def _write_pointer(pointer: Path, md5: str, size: int) -> None:
     content = {"outs": [{"md5": md5, "size": size, "hash": "md5", "path": name}]}
     with atomic_path(pointer) as temporary:
         temporary.write_text(yaml.safe_dump(content, sort_keys=False))
+
+
+def remove_dvc_debris(folder: Path) -> list[str]:
+    """Deletes DVC's temporary files in `folder`, left by a process killed mid-command.
+
+    Call only under the repository lock: DVC writes such files only while it holds that lock,
+    so none of them belongs to a command still running. Returns the names removed.
+    """
+    removed = []
+    if folder.is_dir():
+        for path in folder.iterdir():
+            if DVC_TEMPORARY.fullmatch(path.name) and path.is_file():
+                path.unlink(missing_ok=True)
+                removed.append(path.name)
+    if removed:
+        logger.warning("removed %d temporary file(s) of a killed DVC command in %s: %s",
+                       len(removed), folder, ", ".join(sorted(removed)))
+    return removed
 
 
 def repair_rwlock(lock_dir: Path) -> None:
@@ -227,6 +249,8 @@ class ArtifactStore:
         Writes the `<file>.dvc` pointer that `dvc add` would write, then `dvc commit` and
         `dvc push` of that one target. (`dvc add` itself parses every pointer in the store to
         check for overlapping outputs, which grows with each artifact: 0.5 s at 90 files.)
+        DVC's own temporary files that a killed run left in the target's folder (its link test
+        writes one there during every commit) are deleted first, under the same lock.
         """
         target = self.path_of(relpath)
         if not target.is_file():
@@ -235,7 +259,9 @@ class ArtifactStore:
         _write_pointer(pointer, md5_of(target), target.stat().st_size)
 
         def commit_and_push(repo: Repo) -> ArtifactRef:
-            out = repo.commit(str(pointer), force=True)[0].outs[0]
+            with lock_repo(repo):  # commit's own lock nests inside this one
+                remove_dvc_debris(target.parent)
+                out = repo.commit(str(pointer), force=True)[0].outs[0]
             repo.push(targets=[str(pointer)])
             return ArtifactRef(path=Path(relpath).as_posix(), md5=out.hash_info.value,
                                size=int(out.meta.size))

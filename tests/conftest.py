@@ -116,6 +116,23 @@ def kill_when_written(args: list[str], folder: Path, pattern: str, timeout: floa
     proc.wait()
 
 
+def assert_whole_after_kill(folder: Path, pattern: str) -> None:
+    """No half-written file under a real name after `kill_when_written`: every file matching
+    `pattern` (`epoch-*.pt`) whose pointer exists has the bytes its pointer records, and none
+    of our own temporaries (`.epoch-002.<random>.pt`) is left. A kill during `dvc commit` may
+    leave DVC's link-test file (`.<22 characters>.tmp`); the next commit in the folder
+    removes it."""
+    import yaml
+
+    from tasks.versioning import md5_of
+
+    assert not list(folder.rglob(f".{pattern}")), "a temporary of ours was left"
+    for pointer in folder.rglob(f"{pattern}.dvc"):
+        file = pointer.with_suffix("")
+        if file.exists():  # (DVC may have been relinking it from its cache)
+            assert md5_of(file) == yaml.safe_load(pointer.read_text())["outs"][0]["md5"], file
+
+
 def task_states(flow_state) -> dict[str, str]:
     """Task run name -> state name (`Cached`, `Completed`, ...) of one flow run."""
     from prefect.client.orchestration import get_client

@@ -14,7 +14,7 @@ from mlflow import MlflowClient
 
 from tasks import tracking
 from tasks.cascade_config import CascadeConfig
-from tests.conftest import kill_when_written, run_cli, task_states
+from tests.conftest import assert_whole_after_kill, kill_when_written, run_cli, task_states
 
 
 def smoke_cascade(**overrides) -> CascadeConfig:
@@ -151,7 +151,7 @@ def test_killed_run_resumes_from_the_last_finished_round():
     checkpoints = Path(os.environ["COMPACTML_ARTIFACTS"]) / "checkpoints" / "cascade"
     # module 1's first round written: the sets, the latency table and module 0 are stored
     kill_when_written(["cascade", *args], checkpoints, "module-1-round-001.pt.dvc")
-    assert not list(checkpoints.rglob(".*.tmp"))
+    assert_whole_after_kill(checkpoints, "module-*.pt")
     state = cascade(smoke_cascade(seed=7, threads=1, model_name="cascade-resume"),
                     return_state=True)
     states = task_states(state)
@@ -160,6 +160,7 @@ def test_killed_run_resumes_from_the_last_finished_round():
     assert states["module-2-round-2"] == "Completed"
     assert state.result().test_accuracy > 0.3
     assert tracking.model_versions("cascade-resume") == []  # smoke runs never register
+    assert not list(checkpoints.rglob(".*.tmp"))  # the rerun's commits removed DVC's debris
 
 
 def _prepared(config: CascadeConfig):

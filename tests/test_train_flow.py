@@ -15,7 +15,7 @@ from tasks import tracking
 from tasks.config import TrainConfig
 from tasks.versioning import data_dvc_hash
 from tests.conftest import SMOKE_MODEL as NAME
-from tests.conftest import kill_when_written, smoke, task_states
+from tests.conftest import assert_whole_after_kill, kill_when_written, smoke, task_states
 
 
 def test_run_records_config_metrics_versions_and_champion(first_run):
@@ -94,13 +94,18 @@ def test_killed_run_resumes_from_the_last_finished_epoch(session_dir):
     checkpoints = Path(os.environ["COMPACTML_ARTIFACTS"]) / "checkpoints" / "train"
     # epoch 2's checkpoint appearing means epoch 1's task has returned and its result is stored
     kill_when_written(["train", *config], checkpoints, "epoch-002.pt.dvc", timeout=120)
-    assert not list(checkpoints.rglob(".*.tmp")) and not list(checkpoints.rglob(".epoch-*"))
+    # the kill lands during epoch 2's `dvc commit`: no checkpoint is half-written
+    assert_whole_after_kill(checkpoints, "epoch-*.pt")
+    run_folder = next(checkpoints.rglob("epoch-002.pt.dvc")).parent
+    (run_folder / ".Zx3_Qk-9aB2cD4eF6gH8iJ.tmp").write_bytes(b"test")  # as DVC's link test
     config_obj = TrainConfig(profile="smoke", model_name="resume", epochs=4, train_limit=3000,
                              seed=5)
     state = train(config_obj, return_state=True)
     states = task_states(state)
     assert states["epoch-1"] == "Cached"
     assert states["epoch-4"] == "Completed"
+    # and the resumed run has removed whatever temporary file the killed one left
+    assert not list(checkpoints.rglob(".*.tmp")) and not list(checkpoints.rglob(".epoch-*"))
 
 
 def test_image_folder_trains_end_to_end(fashion_folder):

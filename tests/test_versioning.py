@@ -48,6 +48,20 @@ def test_rwlock_truncated_by_a_killed_process_is_repaired(store, caplog):
     assert "repaired DVC's rwlock file" in caplog.text
 
 
+def test_dvc_temporaries_of_a_killed_commit_are_removed_by_the_next_one(store, caplog):
+    store.write("runs/h.bin", lambda p: p.write_bytes(b"h"))
+    folder = store.root / "runs"
+    # what DVC's link test leaves when the process is killed during `dvc commit`
+    debris = folder / ".Zx3_Qk-9aB2cD4eF6gH8iJ.tmp"
+    debris.write_bytes(b"test")
+    ours = folder / ".h.abc123.tmp"  # not DVC's name pattern: never touched
+    ours.write_bytes(b"x")
+    store.write("runs/i.bin", lambda p: p.write_bytes(b"i"))
+    assert not debris.exists() and ours.exists()
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == [ours.name]
+    assert "removed 1 temporary file(s) of a killed DVC command" in caplog.text
+
+
 def test_unknown_hash_is_a_clear_error(store):
     ref = store.write("runs/d.bin", lambda p: p.write_bytes(b"d"))
     bogus = ref.model_copy(update={"md5": "0" * 32, "path": "runs/e.bin"})
