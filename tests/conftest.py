@@ -98,22 +98,27 @@ def subprocess_env() -> dict[str, str]:
     return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
 
 
-def kill_when_written(args: list[str], folder: Path, pattern: str, timeout: float = 180) -> None:
+def kill_when_written(args: list[str], folder: Path, pattern: str,
+                      timeout: float = 180) -> list[Path]:
     """Runs `python -m flows *args` and SIGKILLs it (and its children) as soon as a new file
-    matching `pattern` appears under `folder`; fails if the run ends first."""
+    matching `pattern` appears under `folder`; fails if the run ends first. Returns the new
+    files."""
     before = set(folder.rglob(pattern)) if folder.exists() else set()
     proc = subprocess.Popen([sys.executable, "-m", "flows", *args],
                             cwd=Path(__file__).resolve().parents[1], env=subprocess_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.time() + timeout
+    new: set[Path] = set()
     while time.time() < deadline and proc.poll() is None:
-        if set(folder.rglob(pattern)) - before:
+        new = set(folder.rglob(pattern)) - before
+        if new:
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be killed"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    return sorted(new)
 
 
 def assert_whole_after_kill(folder: Path, pattern: str) -> None:

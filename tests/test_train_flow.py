@@ -93,10 +93,11 @@ def test_killed_run_resumes_from_the_last_finished_epoch(session_dir):
               "--train-limit", "3000", "--seed", "5"]
     checkpoints = Path(os.environ["COMPACTML_ARTIFACTS"]) / "checkpoints" / "train"
     # epoch 2's checkpoint appearing means epoch 1's task has returned and its result is stored
-    kill_when_written(["train", *config], checkpoints, "epoch-002.pt.dvc", timeout=120)
+    written = kill_when_written(["train", *config], checkpoints, "epoch-002.pt.dvc",
+                                timeout=120)
     # the kill lands during epoch 2's `dvc commit`: no checkpoint is half-written
     assert_whole_after_kill(checkpoints, "epoch-*.pt")
-    run_folder = next(checkpoints.rglob("epoch-002.pt.dvc")).parent
+    run_folder = written[0].parent  # this run's folder (the session has others)
     (run_folder / ".Zx3_Qk-9aB2cD4eF6gH8iJ.tmp").write_bytes(b"test")  # as DVC's link test
     config_obj = TrainConfig(profile="smoke", model_name="resume", epochs=4, train_limit=3000,
                              seed=5)
