@@ -127,15 +127,13 @@ def assert_whole_after_kill(folder: Path, pattern: str) -> None:
     of our own temporaries (`.epoch-002.<random>.pt`) is left. A kill during `dvc commit` may
     leave DVC's link-test file (`.<22 characters>.tmp`); the next commit in the folder
     removes it."""
-    import yaml
-
-    from tasks.versioning import md5_of
+    from tasks.versioning import data_dvc_hash, md5_of
 
     assert not list(folder.rglob(f".{pattern}")), "a temporary of ours was left"
     for pointer in folder.rglob(f"{pattern}.dvc"):
         file = pointer.with_suffix("")
         if file.exists():  # (DVC may have been relinking it from its cache)
-            assert md5_of(file) == yaml.safe_load(pointer.read_text())["outs"][0]["md5"], file
+            assert md5_of(file) == data_dvc_hash(pointer), file
 
 
 def task_states(flow_state) -> dict[str, str]:

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from dvc_objects.fs.utils import tmp_fname
 from mlflow import MlflowClient
 from PIL import Image
 
@@ -98,7 +99,7 @@ def test_killed_run_resumes_from_the_last_finished_epoch(session_dir):
     # the kill lands during epoch 2's `dvc commit`: no checkpoint is half-written
     assert_whole_after_kill(checkpoints, "epoch-*.pt")
     run_folder = written[0].parent  # this run's folder (the session has others)
-    (run_folder / ".Zx3_Qk-9aB2cD4eF6gH8iJ.tmp").write_bytes(b"test")  # as DVC's link test
+    (run_folder / tmp_fname()).write_bytes(b"test")  # named and filled as DVC's link test
     config_obj = TrainConfig(profile="smoke", model_name="resume", epochs=4, train_limit=3000,
                              seed=5)
     state = train(config_obj, return_state=True)

@@ -4,6 +4,7 @@ import json
 import shutil
 
 import pytest
+from dvc_objects.fs.utils import tmp_fname
 
 from tasks.versioning import ArtifactStore, data_dvc_hash, md5_of, project_data_status
 
@@ -52,7 +53,7 @@ def test_dvc_temporaries_of_a_killed_commit_are_removed_by_the_next_one(store, c
     store.write("runs/h.bin", lambda p: p.write_bytes(b"h"))
     folder = store.root / "runs"
     # what DVC's link test leaves when the process is killed during `dvc commit`
-    debris = folder / ".Zx3_Qk-9aB2cD4eF6gH8iJ.tmp"
+    debris = folder / tmp_fname()  # the name DVC itself makes
     debris.write_bytes(b"test")
     ours = folder / ".h.abc123.tmp"  # not DVC's name pattern: never touched
     ours.write_bytes(b"x")
