@@ -246,9 +246,10 @@ class ArtifactStore:
     def version(self, relpath: str) -> ArtifactRef:
         """Adds an existing file of the store to DVC's cache and pushes it to the remote.
 
-        Writes the `<file>.dvc` pointer that `dvc add` would write, then `dvc commit` and
-        `dvc push` of that one target. (`dvc add` itself parses every pointer in the store to
-        check for overlapping outputs, which grows with each artifact: 0.5 s at 90 files.)
+        Writes the `<file>.dvc` pointer that `dvc add` would write (atomically), then commits
+        that one stage to the cache and runs `dvc push` of it. (`dvc add` itself parses every
+        pointer in the store to check for overlapping outputs, which grows with each artifact:
+        0.5 s at 90 files.)
         DVC's own temporary files that a killed run left in the target's folder (its link test
         writes one there during every commit) are deleted first, under the same lock.
         """
@@ -259,9 +260,14 @@ class ArtifactStore:
         _write_pointer(pointer, md5_of(target), target.stat().st_size)
 
         def commit_and_push(repo: Repo) -> ArtifactRef:
-            with lock_repo(repo):  # commit's own lock nests inside this one
+            with lock_repo(repo):
                 remove_dvc_debris(target.parent)
-                out = repo.commit(str(pointer), force=True)[0].outs[0]
+                # `dvc commit` without its last step: `repo.commit` would rewrite the pointer in
+                # place (truncate, then write the same bytes), so a kill there left it empty
+                stage = repo.stage.get_target(str(pointer))
+                stage.save()
+                stage.commit(relink=True)  # into the cache, the file relinked from it
+                out = stage.outs[0]
             repo.push(targets=[str(pointer)])
             return ArtifactRef(path=Path(relpath).as_posix(), md5=out.hash_info.value,
                                size=int(out.meta.size))
