@@ -1,11 +1,22 @@
-"""Shared by the benchmarks: statistics and the two outputs (a table, then one JSON line)."""
+"""Shared by the benchmarks: statistics and the two outputs (a table, then one JSON line).
+
+The JSON line is also appended to `bench/results/<benchmark>.jsonl` with the commit, the
+command that made it (as typed: `python -m bench.NAME ARGS`), the time and whether the work
+tree had uncommitted changes, so that every README table can be traced to, and regenerated
+from, a raw record that anyone can rerun (`COMPACTML_BENCH_RESULTS` moves the folder; `none`
+records nothing).
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import statistics
+import subprocess
 import sys
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -38,6 +49,50 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> Non
             print("  ".join("-" * width for width in widths))
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def command_line() -> str:
+    """The command that ran this benchmark, as a user would type it from the project root."""
+    main = sys.modules.get("__main__")
+    module = getattr(getattr(main, "__spec__", None), "name", None)
+    program = f"python -m {module}" if module else f"python {sys.argv[0]}"
+    return " ".join([program, *(shlex.quote(arg) for arg in sys.argv[1:])])
+
+
+def results_folder() -> Path | None:
+    """Where raw results go (`bench/results/`), or None when `COMPACTML_BENCH_RESULTS=none`."""
+    where = os.environ.get("COMPACTML_BENCH_RESULTS", str(ROOT / "bench" / "results"))
+    return None if where == "none" else Path(where)
+
+
+def record(figures: dict) -> Path | None:
+    """Appends `figures` with its provenance (commit, dirty tree, command, time) as one JSON
+    line to `<results folder>/<figures["benchmark"]>.jsonl`; returns that file."""
+    folder = results_folder()
+    if folder is None or "benchmark" not in figures:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    line = {"commit": _git("rev-parse", "HEAD"),
+            "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+            "command": command_line(),
+            "finished": datetime.now(UTC).isoformat(timespec="seconds")} | figures
+    target = folder / f"{figures['benchmark']}.jsonl"
+    with open(target, "a") as handle:  # one line per write: appends never interleave
+        handle.write(json.dumps(line, sort_keys=True) + "\n")
+    return target
+
+
 def print_json(figures: dict) -> None:
-    """The machine-readable figures: always the last line of a benchmark's output."""
+    """The machine-readable figures: always the last line of a benchmark's output; recorded
+    in `bench/results/` with the command that made them (`record`)."""
+    record(figures)
     print(json.dumps(figures, sort_keys=True))
