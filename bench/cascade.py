@@ -69,7 +69,7 @@ def main() -> None:
     def stat(key: str) -> tuple[float, float]:
         return mean_std([r["metrics"][key] for r in runs])
 
-    rows, figures = [], {"runs": runs, "overrides": overrides}
+    rows, figures = [], {"benchmark": "cascade", "runs": runs, "overrides": overrides}
     full_accuracy = stat("full_test_accuracy")[0]
     for name, (accuracy, b1, serving, flops) in ROWS.items():
         acc, ms, ms_serving, flop = stat(accuracy), stat(b1), stat(serving), stat(flops)

@@ -140,7 +140,7 @@ def main() -> None:
                      "" if previous is None or name == "distill" else f"{mean - previous:+.4f}"])
         previous = mean
     print_table(["step", "test accuracy", "change over the step before"], rows)
-    print_json({"runs": runs})
+    print_json({"benchmark": "pipeline", "runs": runs})
 
 
 if __name__ == "__main__":
