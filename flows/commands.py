@@ -11,7 +11,7 @@ from flows.cli import Command
 
 if TYPE_CHECKING:  # the stack is imported by the command that runs, not by `--help`
     from tasks.cascade_config import CascadeConfig
-    from tasks.config import DistillConfig, PBTConfig, SparsifyConfig, TrainConfig
+    from tasks.config import DistillConfig, PBTConfig, SparsifyConfig, SplitsConfig, TrainConfig
     from tasks.features import FeaturesConfig
     from tasks.image_text_config import ImageTextConfig
     from tasks.pipeline_config import PipelineConfig
@@ -272,6 +272,23 @@ def run_rollback(config: RollbackConfig) -> None:
     _move_alias(lambda: rollback(config.name, config.reason, config.by))
 
 
+def run_splits(config: SplitsConfig) -> None:
+    """Print every image's split as CSV (`path,split`): train, val, test, or unused (left out
+    by --train-limit / --test-limit); the path is relative to --data (Fashion-MNIST: train/N,
+    test/N)."""
+    import csv
+
+    from tasks.data import source_keys, split_assignment
+
+    def rows():
+        keys = source_keys(config)
+        return zip(keys, split_assignment(config, keys), strict=True)
+
+    writer = csv.writer(sys.stdout, lineterminator="\n")
+    writer.writerow(["path", "split"])
+    writer.writerows(_exit_on_data_error(rows))
+
+
 def prepare_data() -> None:
     """Install Fashion-MNIST into data/, track it with data.dvc and push it to the remote."""
     from tasks.data import install_fashion_mnist
@@ -296,5 +313,6 @@ COMMANDS = [
     Command("features", "tasks.features:FeaturesConfig", run_features),
     Command("promote", "tasks.registry:PromoteConfig", run_promote),
     Command("rollback", "tasks.registry:RollbackConfig", run_rollback),
+    Command("splits", "tasks.config:SplitsConfig", run_splits),
     Command("prepare-data", None, prepare_data),
 ]

@@ -17,7 +17,7 @@ import models
 from models.dense import SPARSE_LAYERS, TASK_MODELS, build_task_model
 from models.detection import SSDLITE
 from tasks.environment import data_dir
-from training.datasets import DataError, image_folder_listing
+from training.datasets import DataError, check_group_pattern, image_folder_listing
 
 Profile = Literal["smoke", "quick", "full"]
 FASHION_MNIST = "fashion-mnist"
@@ -46,13 +46,25 @@ class DataSection(StrictConfig):
                                  "held out as the test split (Fashion-MNIST has its own)")
     split_seed: int = Field(0, ge=0, description="seed of the train/validation/test split, "
                             "independent of the training seed so that every run sees the same "
-                            "test set")
+                            "test set; an image's split is a hash of its path and this seed, so "
+                            "adding or removing other images never moves it")
+    group_pattern: str | None = Field(None, description="a regular expression over file names "
+                                      "whose match (its first group, if any) names an image's "
+                                      "group: variants of one original (`(\\d+)` puts "
+                                      "cat_001.png and cat_001_flip.png together) share a split;"
+                                      " none: every image is its own group")
     train_limit: int | None = Field(20000, ge=1, description="use at most this many training "
-                                    "images (a seeded subset); none: all")
+                                    "images (those whose paths hash lowest: a grown folder "
+                                    "keeps them); none: all")
     test_limit: int | None = Field(None, ge=1, description="evaluate on at most this many test "
-                                   "images; none: all")
+                                   "images (chosen the same way); none: all")
     skip_bad_images: bool = Field(False, description="skip and count unreadable images instead "
                                   "of stopping with an error")
+
+    @field_validator("group_pattern")
+    @classmethod
+    def _compiles(cls, value: str | None) -> str | None:
+        return check_group_pattern(value)
 
     @field_validator("channels")
     @classmethod
@@ -80,6 +92,11 @@ class DataSection(StrictConfig):
         except DataError as error:
             raise ValueError(str(error)) from None
         return str(path.resolve())
+
+
+class SplitsConfig(DataSection):
+    """The data settings whose splits `python -m flows splits` prints (a run's defaults: the
+    `quick` profile's 20,000-image training limit; `--train-limit none` lists every image)."""
 
 
 class ModelSection(StrictConfig):

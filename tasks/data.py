@@ -1,10 +1,11 @@
 """Data tasks: the default data set's preparation, and a run's data set as one artifact.
 
-`prepare_dataset` reads the source (Fashion-MNIST or an ImageFolder), makes the deterministic
-train / validation / test split, and writes the images it uses, their labels, their dataset ids
-and the split as one versioned tensor file. Later tasks (here, or on another worker) load that
-file by reference; the same source version and split settings give the same file and hash, and
-Prefect's cache skips the work when they were prepared before.
+`prepare_dataset` reads the source (Fashion-MNIST or an ImageFolder), splits it into train /
+validation / test by each image's key (`training.datasets.stable_split`: a hash of its relative
+path, so a grown folder keeps every image's split), and writes the images it uses, their
+labels, keys, dataset ids and the split as one versioned tensor file. Later tasks (here, or
+on another worker) load that file by reference; the same source version and split settings
+give the same file and hash, and Prefect's cache skips the work when they were prepared before.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from training.baselines import raw_pixel_baselines
 from training.datasets import (
     ImageSet,
     channel_stats,
-    limit,
+    image_folder_listing,
     load_fashion_mnist,
     load_image_folder,
     reshape_images,
-    stratified_split,
+    stable_limit,
+    stable_split,
 )
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -103,39 +105,73 @@ class DatasetRef(BaseModel):
 
 @dataclass
 class LoadedDataset:
-    """Images (uint8 N x C x H x W), labels, dataset ids and split positions, in memory."""
+    """Images (uint8 N x C x H x W), labels, dataset ids, split positions and each image's key
+    (its path relative to the data folder; `train/00042` in Fashion-MNIST), in memory."""
 
     images: Tensor
     labels: Tensor
     ids: Tensor
     splits: dict[str, Tensor]
+    keys: list[str]
+
+    def seen_keys(self) -> set[str]:
+        """The keys of the images a model of this data set trained or was chosen on."""
+        return {self.keys[i] for split in ("train", "val") for i in self.splits[split].tolist()}
 
 
-def _read_source(data: DataSection) -> tuple[ImageSet, Tensor, Tensor, Tensor]:
-    """The source's images, and train / validation / test indices into them."""
+UNUSED = "unused"  # an image of the training or test split left out by --train/test-limit
+
+
+def split_assignment(data: DataSection, keys: list[str]) -> list[str]:
+    """Each key's split: `train`, `val`, `test` (`stable_split`; Fashion-MNIST's `test/` keys
+    are its test split), or `unused` when `train_limit` / `test_limit` leave it out (the keys
+    that hash lowest are kept, `stable_limit`). A pure function of each key and `data`'s split
+    settings: the images of a split never move as the folder grows."""
+    fashion = data.data == FASHION_MNIST
+    splits = stable_split(keys, data.val_fraction, 0.0 if fashion else data.test_fraction,
+                          data.split_seed, data.group_pattern)
+    if fashion:
+        splits = ["test" if key.startswith("test/") else split
+                  for key, split in zip(keys, splits, strict=True)]
+    for name, count in (("train", data.train_limit), ("test", data.test_limit)):
+        members = torch.tensor([i for i, split in enumerate(splits) if split == name],
+                               dtype=torch.long)
+        kept = set(stable_limit(members, keys, count, data.split_seed, f"{name}-limit").tolist())
+        for i in members.tolist():
+            if i not in kept:
+                splits[i] = UNUSED
+    return splits
+
+
+def source_keys(data: DataSection) -> list[str]:
+    """Every image's key in the source, from the file listing alone (nothing decoded)."""
+    if data.data == FASHION_MNIST:
+        raw = fashion_mnist_root() / "FashionMNIST" / "raw"
+        counts = [int.from_bytes((raw / f"{name}-labels-idx1-ubyte").read_bytes()[4:8], "big")
+                  for name in ("train", "t10k")]
+        return [f"{part}/{i:05d}" for part, count in zip(("train", "test"), counts, strict=True)
+                for i in range(count)]
+    root = Path(data.data)
+    return [path.relative_to(root).as_posix() for path, _ in image_folder_listing(root)[1]]
+
+
+def split_source(data: DataSection) -> tuple[ImageSet, dict[str, Tensor]]:
+    """The source's images and the indices of its train / val / test splits, after the
+    train and test limits (`split_assignment`): the same splits every run (and every tool)
+    of `data` sees."""
     if data.data == FASHION_MNIST:
         train = load_fashion_mnist(fashion_mnist_root(), train=True)
         test = load_fashion_mnist(fashion_mnist_root(), train=False)
         images = reshape_images(torch.cat([train.images, test.images]), data.image_size,
                                 data.channels or 1)
-        merged = ImageSet(images, torch.cat([train.labels, test.labels]), train.classes)
-        train_idx = torch.arange(len(train.labels))
-        test_idx = torch.arange(len(train.labels), len(merged.labels))
+        source = ImageSet(images, torch.cat([train.labels, test.labels]), train.classes,
+                          keys=train.keys + test.keys)
     else:
-        merged = load_image_folder(Path(data.data), data.image_size, data.channels or None,
+        source = load_image_folder(Path(data.data), data.image_size, data.channels or None,
                                    data.skip_bad_images)
-        all_idx, test_part = stratified_split(merged.labels, data.test_fraction, data.split_seed)
-        train_idx, test_idx = all_idx, test_part
-    fit, val = stratified_split(merged.labels[train_idx], data.val_fraction, data.split_seed + 1)
-    return merged, train_idx[fit], train_idx[val], test_idx
-
-
-def split_source(data: DataSection) -> tuple[ImageSet, dict[str, Tensor]]:
-    """The source's images and the indices of its train / val / test splits, after the
-    train and test limits: the same splits every run (and every tool) of `data` sees."""
-    source, train, val, test = _read_source(data)
-    return source, {"train": limit(train, data.train_limit, data.split_seed + 2), "val": val,
-                    "test": limit(test, data.test_limit, data.split_seed + 3)}
+    splits = split_assignment(data, source.keys)
+    return source, {name: torch.tensor([i for i, split in enumerate(splits) if split == name],
+                                       dtype=torch.long) for name in ("train", "val", "test")}
 
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="prepare-dataset")
@@ -151,7 +187,7 @@ def prepare_dataset(data: DataSection, version: str) -> DatasetRef:
     images = source.images[used].contiguous()
     mean, std = channel_stats(images[splits["train"]])
     payload = {"images": images, "labels": source.labels[used].contiguous(), "ids": used,
-               "splits": splits}
+               "splits": splits, "keys": [source.keys[i] for i in used.tolist()]}
     key = hashlib.md5(f"{data.model_dump_json()}|{version}".encode()).hexdigest()[:16]
     ref = ArtifactStore().write(f"datasets/{key}.pt", lambda path: torch_save(payload, path))
     return DatasetRef(artifact=ref, source=data.data, version=version, classes=source.classes,
@@ -168,7 +204,8 @@ def load_dataset(ref: DatasetRef) -> LoadedDataset:
 @functools.lru_cache(maxsize=4)
 def _load_artifact(artifact: ArtifactRef) -> LoadedDataset:
     payload = torch.load(ArtifactStore().fetch(artifact), map_location="cpu", weights_only=True)
-    return LoadedDataset(payload["images"], payload["labels"], payload["ids"], payload["splits"])
+    return LoadedDataset(payload["images"], payload["labels"], payload["ids"], payload["splits"],
+                         payload.get("keys") or [])
 
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="raw-pixel-baselines")

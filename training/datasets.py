@@ -1,13 +1,22 @@
-"""Image data sets held in memory as one uint8 tensor, and their deterministic splits.
+"""Image data sets held in memory as one uint8 tensor, and their stable splits.
 
 Small image sets train fastest as one tensor (N, C, H, W) rather than decoded image by image.
 Two sources: Fashion-MNIST as torchvision reads it (`<root>/FashionMNIST/raw/`), and an
 ImageFolder directory (one sub-folder per class, any format Pillow reads, gray or colour,
 any size; resized to one square size).
+
+Every image has a key: its path relative to the ImageFolder (`Sandal/0001.png`), or
+`train/00042` / `test/00042` in Fashion-MNIST's two files. An image's split is a pure function
+of its key (`stable_split`), so adding, removing or renaming other images never moves it from
+test to training: a model retrained on a grown folder is scored on images the earlier model
+never saw.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +47,7 @@ class ImageSet:
     labels: Tensor
     classes: list[str]
     skipped: list[str] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)  # one per image (module docstring)
 
     def __post_init__(self) -> None:
         if self.images.dtype != torch.uint8 or self.images.ndim != 4:
@@ -45,6 +55,8 @@ class ImageSet:
                             f"{tuple(self.images.shape)}")
         if len(self.images) != len(self.labels):
             raise DataError(f"{len(self.images)} images but {len(self.labels)} labels")
+        if self.keys and len(self.keys) != len(self.images):
+            raise DataError(f"{len(self.images)} images but {len(self.keys)} keys")
 
 
 def load_fashion_mnist(root: Path, train: bool) -> ImageSet:
@@ -54,8 +66,10 @@ def load_fashion_mnist(root: Path, train: bool) -> ImageSet:
         dataset = FashionMNIST(str(root), train=train, download=False)
     except RuntimeError as error:
         raise DataError(f"Fashion-MNIST not found in {raw} (run `make data`): {error}") from None
+    part = "train" if train else "test"
     return ImageSet(dataset.data.unsqueeze(1).contiguous(), dataset.targets.long(),
-                    list(dataset.classes))
+                    list(dataset.classes),
+                    keys=[f"{part}/{index:05d}" for index in range(len(dataset.targets))])
 
 
 def reshape_images(images: Tensor, size: int, channels: int) -> Tensor:
@@ -117,6 +131,7 @@ def load_image_folder(
         DataError: a missing path, no class folders, an empty class folder, or an unreadable
             image (naming the file).
     """
+    root = Path(root)
     class_dirs, listing = image_folder_listing(root)
     # Pass 1 reads headers only (cheap) to find the modes; pass 2 decodes into the final size,
     # so full-size images are never all held at once.
@@ -130,12 +145,13 @@ def load_image_folder(
             _bad_image(path, error, skip_bad_images, skipped)
     if channels is None:
         channels = 1 if all(mode in GRAY_MODES for mode in modes) else 3
-    arrays, labels = [], []
+    arrays, labels, keys = [], [], []
     for path, label in readable:
         try:
             with Image.open(path) as image:
                 arrays.append(image_to_array(image, image_size, channels))
             labels.append(label)
+            keys.append(path.relative_to(root).as_posix())
         except BAD_IMAGE_ERRORS as error:
             _bad_image(path, error, skip_bad_images, skipped)
     for label, class_dir in enumerate(class_dirs):
@@ -143,7 +159,7 @@ def load_image_folder(
             raise DataError(f"class folder {class_dir} has no readable images")
     images = torch.from_numpy(np.stack(arrays))
     labels = torch.tensor(labels)
-    return ImageSet(images, labels, [p.name for p in class_dirs], skipped)
+    return ImageSet(images, labels, [p.name for p in class_dirs], skipped, keys)
 
 
 def stratified_split(
@@ -167,6 +183,77 @@ def stratified_split(
         held.append(idx[:n_held])
         kept.append(idx[n_held:])
     return torch.cat(kept).sort().values, torch.cat(held).sort().values
+
+
+def unit_hash(key: str, seed: int, salt: str = "split") -> float:
+    """A number in [0, 1) that depends only on `key`, `seed` and `salt`: the first 8 bytes of
+    SHA-1(`salt:seed:key`) over 2^64 (the stable-split recipe of TensorFlow's speech-commands
+    `which_set`). Uniform over keys, the same on every machine and Python."""
+    digest = hashlib.sha1(f"{salt}:{seed}:{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0 ** 64
+
+
+def group_key(key: str, group_pattern: str | re.Pattern | None) -> str:
+    """The key whose hash decides an image's split: the image's own key, or, with a
+    `group_pattern`, its folder plus the part of its file name the pattern matches (the first
+    group where the pattern has one, else the whole match), so that `cat/001_flip.png` and
+    `cat/001.png` under `(\\d+)` share the group `cat/001`. A name the pattern does not match
+    is a group of its own."""
+    if group_pattern is None:
+        return key
+    folder, _, name = key.rpartition("/")
+    match = re.search(group_pattern, name)
+    if match is None:
+        return key
+    part = match.group(1) if match.re.groups else match.group(0)
+    return f"{folder}/{part}" if folder else part
+
+
+def check_group_pattern(pattern: str | None) -> str | None:
+    """`pattern` if it compiles as a regular expression; a `ValueError` naming it if not."""
+    if pattern is not None:
+        try:
+            re.compile(pattern)
+        except re.error as error:
+            raise ValueError(f"group pattern {pattern!r} is not a regular expression: "
+                             f"{error}") from None
+    return pattern
+
+
+def stable_split(keys: Sequence[str], val_fraction: float, test_fraction: float, seed: int,
+                 group_pattern: str | None = None) -> list[str]:
+    """Each key's split, `train`, `val` or `test`, as a pure function of its group's key.
+
+    With u = `unit_hash(group_key(key), seed)`: test when u < test_fraction; validation when
+    u < test_fraction + (1 - test_fraction) * val_fraction (so `val_fraction` is the share of
+    the images left after the test split); training otherwise. No other key enters, so adding,
+    removing or renaming images never moves another image across splits, and every image of
+    a group (variants of one original) lands in one split. Each class keeps its share in
+    expectation (the keys hold the class folder); a class of a few images may have none in a
+    split. `test_fraction` 0 keeps every key out of the test split (Fashion-MNIST's training
+    file: its test file is the test split).
+    """
+    if not (0.0 <= test_fraction < 1.0 and 0.0 <= val_fraction < 1.0):
+        raise ValueError(f"fractions must be in [0, 1): val {val_fraction}, test {test_fraction}")
+    compiled = re.compile(group_pattern) if group_pattern is not None else None
+    val_edge = test_fraction + (1.0 - test_fraction) * val_fraction
+    splits = []
+    for key in keys:
+        u = unit_hash(group_key(key, compiled), seed)
+        splits.append("test" if u < test_fraction else "val" if u < val_edge else "train")
+    return splits
+
+
+def stable_limit(indices: Tensor, keys: Sequence[str], count: int | None, seed: int,
+                 salt: str) -> Tensor:
+    """At most `count` of `indices`: those whose keys hash lowest (`unit_hash` with `salt`),
+    sorted. Pure per key like `stable_split`: a grown folder keeps its chosen images unless a
+    new one hashes lower than the last one chosen."""
+    if count is None or count >= len(indices):
+        return indices
+    ranks = torch.tensor([unit_hash(keys[i], seed, salt) for i in indices.tolist()],
+                         dtype=torch.float64)
+    return indices[ranks.argsort()[:count]].sort().values
 
 
 def limit(indices: Tensor, count: int | None, seed: int) -> Tensor:

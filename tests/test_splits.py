@@ -1,0 +1,102 @@
+"""Stable splits: an image's split is a function of its path, so a growing folder keeps it.
+
+The measured failure this guards against: with a positional shuffle, growing a folder of
+10 classes x 150 images to 165 per class moved 82% of the old test images into training or
+validation, and the champion was then scored on images it had trained on.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections import Counter
+
+import pytest
+from PIL import Image
+
+from tasks.config import SplitsConfig
+from tasks.data import UNUSED, source_keys, split_assignment
+from tests.conftest import run_cli
+from training.datasets import group_key, stable_split, unit_hash
+
+
+def folder_keys(classes: int, per_class: int, start: int = 0) -> list[str]:
+    return [f"class{c}/img_{i:04d}.png" for c in range(classes)
+            for i in range(start, start + per_class)]
+
+
+def test_a_growing_and_shrinking_folder_keeps_every_remaining_images_split():
+    before = folder_keys(10, 150)
+    # grows by 20% (165 -> 180 per class) and loses 5% of the old images
+    after = [k for k in before if unit_hash(k, 99, "drop") >= 0.05] + folder_keys(10, 30, 150)
+    old = dict(zip(before, stable_split(before, 0.1, 0.2, seed=0), strict=True))
+    new = dict(zip(after, stable_split(after, 0.1, 0.2, seed=0), strict=True))
+    kept = set(old) & set(new)
+    assert len(kept) > 0.9 * len(before)
+    assert all(old[k] == new[k] for k in kept)
+    # the new test split holds no image the old split trained or validated on
+    assert not {k for k in kept if new[k] == "test" and old[k] != "test"}
+
+
+def test_shares_follow_the_fractions_per_class():
+    keys = folder_keys(4, 2000)
+    splits = stable_split(keys, 0.1, 0.2, seed=3)
+    for c in range(4):
+        counts = Counter(s for k, s in zip(keys, splits, strict=True) if k.startswith(f"class{c}/"))
+        # test: 20%; validation: 10% of the other 80% = 8%; binomial sd ~ 0.9 / 0.6 points
+        assert counts["test"] / 2000 == pytest.approx(0.20, abs=0.03)
+        assert counts["val"] / 2000 == pytest.approx(0.08, abs=0.025)
+    other = stable_split(keys, 0.1, 0.2, seed=4)
+    assert sum(a != b for a, b in zip(splits, other, strict=True)) > 0.2 * len(keys)
+
+
+def test_a_group_pattern_keeps_variants_of_one_original_together():
+    keys = [f"cat/cat_{i:03d}{suffix}.png" for i in range(300) for suffix in ("", "_flip",
+                                                                             "_crop")]
+    assert group_key("cat/cat_001_flip.png", r"(cat_\d+)") == "cat/cat_001"
+    assert group_key("cat/other.png", r"(cat_\d+)") == "cat/other.png"  # no match: its own
+    assert group_key("dog_7.png", r"dog_\d+") == "dog_7"  # no group: the whole match
+    grouped = dict(zip(keys, stable_split(keys, 0.1, 0.2, 0, r"(cat_\d+)"), strict=True))
+    for i in range(300):
+        assert len({grouped[f"cat/cat_{i:03d}{s}.png"] for s in ("", "_flip", "_crop")}) == 1
+    alone = dict(zip(keys, stable_split(keys, 0.1, 0.2, 0), strict=True))
+    assert any(len({alone[f"cat/cat_{i:03d}{s}.png"] for s in ("", "_flip", "_crop")}) > 1
+               for i in range(300))
+
+
+def test_fashion_mnist_keeps_its_official_test_set_and_a_stable_validation():
+    data = SplitsConfig(train_limit=None)
+    keys = source_keys(data)
+    splits = split_assignment(data, keys)
+    assert len(keys) == 70000
+    assert all((s == "test") == k.startswith("test/") for k, s in zip(keys, splits, strict=True))
+    assert Counter(splits)["val"] == pytest.approx(6000, abs=250)
+    limited = split_assignment(SplitsConfig(train_limit=20000), keys)
+    assert Counter(limited)["train"] == 20000
+    assert all(b in (a, UNUSED) for a, b in zip(splits, limited, strict=True))
+
+
+def _image_folder(root, per_class):
+    for name in ("a", "b"):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            Image.new("L", (8, 8), color=i).save(root / name / f"{i:03d}.png")
+    return root
+
+
+def test_the_splits_command_prints_every_images_split(tmp_path, capsys):
+    root = _image_folder(tmp_path / "imgs", 40)
+    code, out, _ = run_cli(capsys, "splits", "--data", str(root))
+    assert code == 0
+    rows = list(csv.reader(io.StringIO(out)))
+    assert rows[0] == ["path", "split"]
+    table = dict(rows[1:])
+    assert len(table) == 80 and set(table) == {f"{c}/{i:03d}.png" for c in "ab"
+                                               for i in range(40)}
+    assert set(table.values()) <= {"train", "val", "test"}
+    _image_folder(tmp_path / "imgs", 60)  # 20 more per class
+    _, grown, _ = run_cli(capsys, "splits", "--data", str(root))
+    grown_table = dict(list(csv.reader(io.StringIO(grown)))[1:])
+    assert all(grown_table[path] == split for path, split in table.items())
+    code, _, err = run_cli(capsys, "splits", "--data", str(root), "--group-pattern", "(")
+    assert code == 2 and "group_pattern" in err
