@@ -1,14 +1,15 @@
 """The `pbt` flow: population-based training with weight copy and hyperparameter exploration.
 
 N members warm up with the same hyperparameters; then, stage by stage, each trains one round
-with its own hyperparameters, all are scored on the validation split, the best member's
-checkpoint becomes every member's starting point, the best keeps its hyperparameters and the
-others draw new ones around the best's (`training/pbt.py`). Members of a stage are tasks
-submitted together: in turn in-process, in parallel on a Dask cluster (`--runner dask`). A
-member that still fails after its retry is recorded and left out of the stage. The final model
-is the last stage's best member, or a greedy soup of the last stage's members when averaging
-them does not lose validation accuracy (`training/soup.py`): tested, registered and promoted as
-in `train`.
+with its own hyperparameters, all are scored on the validation split, the weights the best
+member was ranked on (its weight average where that scored better than its last weights,
+`tasks.pbt.exploit_weights`) become every member's starting point, the best keeps its
+hyperparameters and the others draw new ones around the best's (`training/pbt.py`). Members of
+a stage are tasks submitted together: in turn in-process, in parallel on a Dask cluster
+(`--runner dask`). A member that still fails after its retry is recorded and left out of the
+stage. The final model is the last stage's best member, or a greedy soup of the last stage's
+members when averaging them does not lose validation accuracy (`training/soup.py`): tested,
+registered and promoted as in `train`.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ from tasks.data import DatasetRef
 from tasks.features import recognition_test
 from tasks.pbt import (
     HYPERPARAMETERS,
+    LAST_WEIGHTS,
     SCORED_WEIGHTS,
     MemberResult,
+    exploit_weights,
     member_config,
     population_scheduler,
     soup_members,
@@ -126,19 +129,21 @@ def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str
     burn_in_values = {name: getattr(base, name) for name in HYPERPARAMETERS}
     hyperparameters = [burn_in_values] * members
     checkpoints: list[Any] = [start] * members
+    weights = [LAST_WEIGHTS] * members  # the entry of `checkpoints[m]` member m starts from
     parents: list[int | None] = [None] * members
+    copied: list[str | None] = [None] * members  # which of the parent's weights: its `kept`
     lineage: list[dict[str, Any]] = []
 
     def run_round(phase: str, index: int, first: int, passes: int, cycle: tuple[int, int],
                   average_decay: float | None) -> list[MemberResult | None]:
         futures = [submit(train_member, member_config(base, m, hyperparameters[m]), dataset,
                           population, m, phase, index, first, passes, cycle,
-                          checkpoints[m], average_decay) for m in range(members)]
+                          checkpoints[m], average_decay, weights[m]) for m in range(members)]
         results: list[MemberResult | None] = []
         errors = []
         for m, future in enumerate(futures):
             record = {"phase": phase, "stage": index, "member": m, "parent": parents[m],
-                      "hyperparameters": hyperparameters[m]}
+                      "copied": copied[m], "hyperparameters": hyperparameters[m]}
             try:
                 result = future.result()
             except Exception as error:  # retried once already: record it, go on without it
@@ -196,10 +201,13 @@ def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str
                 (config.stage_patience is not None and stale >= config.stage_patience):
             logger.info("stop after stage %d (validation %.4f)", stage, score)
             break
-        # exploit: every member starts the next stage from the best's checkpoint; explore:
-        # the best keeps its values, the others draw around them (the scheduler's decision)
+        # exploit: every member starts the next stage from the weights the best was ranked on
+        # (its average or its last weights); explore: the best keeps its values, the others
+        # draw around them (the scheduler's decision)
         checkpoints = [best_result.checkpoint] * members
+        weights = [exploit_weights(best_result)] * members
         parents = [decision.best] * members
+        copied = [best_result.kept] * members
         hyperparameters = list(decision.hyperparameters)
     trained = [r for r in results if r is not None]
     if config.soup and stage > 1 and len(trained) > 1:  # stage 1's members share no start
@@ -209,7 +217,7 @@ def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str
                     soup.metrics["soup_ingredients"], soup.metrics["val_accuracy"],
                     best_result.metrics["val_accuracy"])
         lineage.append({"phase": "soup", "stage": stage, "member": best_result.member,
-                        "parent": None, "hyperparameters": best_hyperparameters,
+                        "parent": None, "copied": None, "hyperparameters": best_hyperparameters,
                         "score": soup.metrics["val_accuracy"],
                         "ingredients": int(soup.metrics["soup_ingredients"])})
         lineage_log = write_lineage(population, lineage)

@@ -1,10 +1,11 @@
 """PBT tasks: one member's training round, and the population's lineage log.
 
 A member round loads the checkpoint it starts from by reference (its own, or after a copy the
-best member's), sets the member's own hyperparameters on the rebuilt optimizer (the stored
-state keeps only the momentum buffers), trains, scores the validation split, and writes and
-versions a checkpoint. Members exchange weights only through these versioned artifacts, so a
-member on another machine gets the best's checkpoint by hash.
+best member's), starts from the weights of that checkpoint it is told to (`train_member`'s
+`weights`: exploit copies the weights the best was ranked on, `exploit_weights`), sets the
+member's own hyperparameters on the rebuilt optimizer, trains, scores the validation split, and
+writes and versions a checkpoint. Members exchange weights only through these versioned
+artifacts, so a member on another machine gets the best's checkpoint by hash.
 """
 
 from __future__ import annotations
@@ -71,6 +72,19 @@ def population_scheduler(config: Any, members: int, base: dict[str, float],
 
 # The checkpoint entry a member round scored and that gets tested and exported.
 SCORED_WEIGHTS = "kept"
+# The checkpoint entry of a member round's last weights (its optimizer state belongs to them).
+LAST_WEIGHTS = "model"
+
+
+def exploit_weights(best: MemberResult) -> str:
+    """The checkpoint entry of the stage's best member that exploit copies to every member:
+    the weights whose validation score ranked it (`best.kept`).
+
+    `kept` (`SCORED_WEIGHTS`) where the weight average won, `model` (`LAST_WEIGHTS`) where the
+    last weights won: then `kept` holds the same tensors, and `model` also brings the optimizer
+    state and the average that go with them (`train_member`).
+    """
+    return SCORED_WEIGHTS if best.kept == "averaged" else LAST_WEIGHTS
 
 
 def member_config(base: ClassifierConfig, member: int, hyperparameters: dict[str, float]
@@ -90,7 +104,8 @@ def _member_run_name() -> str:
 def train_member(config: ClassifierConfig, dataset: DatasetRef, population: str, member: int,
                  phase: str, index: int, first_epoch: int, epochs: int,
                  cycle: tuple[int, int], previous: ArtifactRef | None,
-                 average_decay: float | None = None) -> MemberResult:
+                 average_decay: float | None = None, weights: str = LAST_WEIGHTS
+                 ) -> MemberResult:
     """Trains passes `first_epoch` .. `first_epoch + epochs - 1` of one member from `previous`
     with `config`'s hyperparameters (`training.recipe.train_round`).
 
@@ -102,17 +117,39 @@ def train_member(config: ClassifierConfig, dataset: DatasetRef, population: str,
     from when `previous` has none). Both the last weights and the average are scored on the
     validation split and the better one is kept (`training.recipe.choose_weights`) under
     `kept`: a member with a large learning rate is not ranked on its noisiest weights, and an
-    average is never worse than the weights it follows. Training continues from the last
-    weights.
+    average is never worse than the weights it follows. Within the round the optimizer steps
+    the last weights; the average only follows them.
+
+    `weights` names the entry of `previous` the round starts from:
+
+    - `model` (`LAST_WEIGHTS`): its last weights, with its optimizer's momentum buffers and its
+      weight average, which go on as if the round that wrote `previous` had gone on;
+    - another entry, e.g. `kept` after exploit chose a member whose average won
+      (`exploit_weights`): those weights, with an empty optimizer (the stored momentum buffers
+      were gathered along the last weights' path, not at these weights) and, with
+      `average_decay`, an average that starts at them (the average `a` and the weights `w`
+      begin equal, then `a <- decay * a + (1 - decay) * w` after every step).
+
+    Either way the optimizer takes `config`'s momentum and weight decay
+    (`tasks.training.resume`); the learning rate is set at every step.
+
+    Raises:
+        ValueError: `weights` is not `model` and `previous` is missing or has no such entry.
     """
     device = setup_device(config)
     store = ArtifactStore()
     data = load_dataset(dataset)
     before = load_checkpoint(store, previous) if previous is not None else {}
+    average_state = before.get("averaged")
+    if weights != LAST_WEIGHTS:  # copied weights: no momentum buffers or average of another path
+        if weights not in before:
+            raise ValueError(f"member {member} cannot start from the {weights!r} weights of "
+                             f"{previous.path if previous else 'no checkpoint'}")
+        before, average_state = {"model": before[weights]}, None
     model, optimizer = resume(config, dataset, store, previous, device, before)  # own values
     averaged = None
     if average_decay is not None:
-        averaged = start_average(model, average_decay, before.get("averaged"))
+        averaged = start_average(model, average_decay, average_state)
 
     started = time.perf_counter()
     metrics = train_passes(config, dataset, data, model, optimizer, device,

@@ -1,4 +1,5 @@
-"""The `pbt` flow end to end: lineage, weight copy, exploration, Dask, and failing members."""
+"""The `pbt` flow end to end: lineage, weight copy, exploration, Dask, and failing members;
+the member task through `.fn()`: exploit copies the weights the best was ranked on."""
 
 from __future__ import annotations
 
@@ -14,9 +15,18 @@ from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
 from flows.cli import main
 from flows.commands import COMMANDS
 from flows.pbt import pbt
-from tasks.checkpoints import load_checkpoint
+from flows.skeleton import data_section
+from tasks.checkpoints import load_checkpoint, save_checkpoint
 from tasks.config import PBTConfig
-from tasks.pbt import HYPERPARAMETERS, population_scheduler
+from tasks.data import prepare_dataset, source_version
+from tasks.pbt import (
+    HYPERPARAMETERS,
+    exploit_weights,
+    member_config,
+    population_scheduler,
+    train_member,
+)
+from tasks.training import classifier_config
 from tasks.versioning import ArtifactStore
 from training.pbt import replay
 
@@ -45,6 +55,8 @@ def test_lineage_records_copies_and_draws_and_the_best_is_registered(first_pbt):
     assert stage1[0]["hyperparameters"] != stage1[1]["hyperparameters"]  # distinct starts
     best1 = max(stage1, key=lambda r: (r["score"], -r["member"]))
     assert all(r["parent"] == best1["member"] for r in stage2)  # everyone copied the best
+    assert all(r["copied"] is None for r in stage1)
+    assert all(r["copied"] == best1["kept"] for r in stage2)  # the weights it was ranked on
     kept = next(r for r in stage2 if r["member"] == best1["member"])
     assert kept["hyperparameters"] == best1["hyperparameters"]  # the best keeps its values
     other = next(r for r in stage2 if r["member"] != best1["member"])
@@ -110,6 +122,81 @@ def test_the_lineage_replays_through_the_scheduler(first_pbt):
         assert all(r["parent"] == decision.best for r in next_rows)
 
 
+@pytest.fixture(scope="module")
+def burnt_in():
+    """The smoke config (ties to the highest score), its data set, its member config, and the
+    weights of a member trained 2 passes (16 steps at lr 0.05): accurate well above chance."""
+    config = pbt_smoke(tie_margin=0.0)
+    data = data_section(config)
+    dataset = prepare_dataset.fn(data, source_version(data))
+    base = classifier_config(config)
+    burn_in = train_member.fn(base, dataset, "exploit", 0, "burn-in", 1, 0, 2, (0, 2), None)
+    return config, dataset, base, load_checkpoint(ArtifactStore(), burn_in.checkpoint)["model"]
+
+
+BATCHNORM_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def _head_negated(state):
+    """`state` with the classifier's weight and bias negated: the same features, the logits
+    times -1, so the network predicts the class `state` ranks last."""
+    return {key: -value if key.startswith("fc.") else value.clone()
+            for key, value in state.items()}
+
+
+@pytest.mark.parametrize("winner", ["averaged", "model"])
+def test_every_member_starts_the_next_stage_from_the_weights_the_best_was_ranked_on(
+        burnt_in, winner):
+    # Stage 1 at a learning rate of 1e-6 (the weights stay where they start) from built
+    # checkpoints: member 0's last weights and average both have the head negated; member 1
+    # has the trained weights in `winner` and the negated head in the other. An average of 8
+    # steps at decay 0.98 holds 0.98**8 = 0.85 of where it started and 0.15 of the weights, so
+    # its head is +-0.70 times the trained one: it predicts as that start does. So member 1
+    # wins the stage on its `winner` weights.
+    config, dataset, base, trained = burnt_in
+    store, negated, population = ArtifactStore(), _head_negated(trained), f"exploit-{winner}"
+    other = "model" if winner == "averaged" else "averaged"
+    starts = [{"model": negated, "averaged": negated}, {winner: trained, other: negated}]
+    still = {"lr": 1e-6, "weight_decay": 1e-5, "momentum": 0.9, "augment": 0.0}
+    stage1 = [train_member.fn(
+        member_config(base, m, still), dataset, population, m, "stage", 1, 2, 1, (2, 4),
+        save_checkpoint(store, f"checkpoints/pbt/{population}/start-{m}.pt", start),
+        config.average_decay) for m, start in enumerate(starts)]
+    scheduler = population_scheduler(config, 2, still, dataset.sizes["val"])
+    decision = scheduler.decide([r.metrics["val_accuracy"] for r in stage1])
+    best = stage1[decision.best]
+    assert (decision.best, best.kept) == (1, winner)  # the case is the one built
+    ranked = load_checkpoint(store, best.checkpoint)
+
+    # stage 2 as the flow runs it, with no passes: each member's checkpoint holds the weights,
+    # optimizer state and average it started from
+    stage2 = [train_member.fn(
+        member_config(base, m, decision.hyperparameters[m]), dataset, population, m, "stage", 2,
+        3, 0, (2, 4), best.checkpoint, config.average_decay, exploit_weights(best))
+        for m in range(2)]
+    for m, result in enumerate(stage2):
+        started = load_checkpoint(store, result.checkpoint)
+        weights, optimizer = started["model"], started["optimizer"]
+        assert weights.keys() == ranked["kept"].keys()
+        assert all(torch.equal(weights[k], ranked["kept"][k]) for k in weights)
+        assert result.metrics["val_accuracy_last"] == best.metrics["val_accuracy"]
+        assert optimizer["param_groups"][0]["momentum"] == decision.hyperparameters[m][
+            "momentum"]
+        if winner == "averaged":  # the average (BatchNorm re-estimated), not the last weights
+            assert not all(torch.equal(weights[k], ranked["model"][k]) for k in weights)
+            parameters = [k for k in weights if not k.endswith(BATCHNORM_STATISTICS)]
+            assert all(torch.equal(weights[k], ranked["averaged"][k]) for k in parameters)
+            assert optimizer["state"] == {}  # no momentum gathered on the last weights' path
+            assert all(torch.equal(started["averaged"][k], weights[k]) for k in weights)
+        else:  # the last weights, with their momentum buffers and their average
+            kept_buffers = ranked["optimizer"]["state"]
+            assert optimizer["state"].keys() == kept_buffers.keys() and kept_buffers
+            assert all(torch.equal(optimizer["state"][i]["momentum_buffer"],
+                                   kept_buffers[i]["momentum_buffer"]) for i in kept_buffers)
+            assert all(torch.equal(started["averaged"][k], ranked["averaged"][k])
+                       for k in ranked["averaged"])
+
+
 def _copy_images(source, target, picks):
     """An ImageFolder under `target` with the images of `source` that `picks(n)` selects."""
     for folder in sorted(p for p in source.iterdir() if p.is_dir()):
@@ -161,9 +248,10 @@ def test_same_seed_gives_the_same_lineage_on_a_dask_cluster(first_pbt, monkeypat
     with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: True}):
         on_dask = pbt(pbt_smoke(runner="dask", dask_workers=2))
     ours, theirs = on_dask.population.lineage, first_pbt.population.lineage
-    assert [(r["phase"], r["stage"], r["member"], r["parent"], r["hyperparameters"])
-            for r in ours] == [(r["phase"], r["stage"], r["member"], r["parent"],
-                                r["hyperparameters"]) for r in theirs]
+    assert [(r["phase"], r["stage"], r["member"], r["parent"], r["copied"],
+             r["hyperparameters"]) for r in ours] == [
+        (r["phase"], r["stage"], r["member"], r["parent"], r["copied"],
+         r["hyperparameters"]) for r in theirs]
     assert [r["score"] for r in ours] == pytest.approx([r["score"] for r in theirs], abs=0.02)
 
 

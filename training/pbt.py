@@ -2,9 +2,9 @@
 
 A member's hyperparameters are a dict of floats. Each searched hyperparameter has bounds and a
 scale. `initial_hyperparameters` spreads the members over the space, `best_member` picks the
-most accurate member of a stage (exploit: its weights are copied to the others; the incumbent
-stays the best unless beaten by more than a margin), and `explore` draws a member's new values
-around the best's:
+most accurate member of a stage (exploit: the weights it was scored on are copied to the
+others; the incumbent stays the best unless beaten by more than a margin), and `explore` draws
+a member's new values around the best's:
 
 - log scale: `best * f` with `log f` uniform in `[log low_factor, log high_factor]`
   (0.5 to 2 by default);
@@ -129,9 +129,10 @@ def best_member(scores: Sequence[float | None], margin: float = 0.0,
 @dataclass(frozen=True)
 class Decision:
     """What the scheduler decided after a stage: the best member (exploit: every member starts
-    the next stage from its weights) and each member's hyperparameters for the next stage
-    (explore: the best keeps its own, the others draw around them). `score` is the best's;
-    `margin` how much better than the incumbent another member had to score."""
+    the next stage from the weights its score was measured on) and each member's
+    hyperparameters for the next stage (explore: the best keeps its own, the others draw around
+    them). `score` is the best's; `margin` how much better than the incumbent another member
+    had to score."""
 
     stage: int
     best: int

@@ -1,7 +1,7 @@
 """Greedy weight soups (Wortsman et al., 2022, "Model soups"): networks trained on from the
 same weights are averaged, the best first, each further one added only if the average does not
 lose validation accuracy. PBT's last stage is such a population: every member starts it from
-the best member's checkpoint, with its own hyperparameters.
+the weights the best member was ranked on, with its own hyperparameters.
 
 The soup is scored on the same validation split that chose it, so it is never worse there than
 the member it starts from (with one ingredient it is that member, unchanged).
