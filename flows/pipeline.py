@@ -194,13 +194,15 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
                                  last.student.checkpoint, last.student.metrics["val_accuracy"],
                                  run_id)
         steps += [teacher_step, student_step]
-        pbt_classifier, best = run_pbt(config, prepared, run_id, hand_over(  # 3.
-            last.student.checkpoint, "model", "distill"))
+        handed = hand_over(last.student.checkpoint, "model", "distill")
+        tracking.log_artifact_refs(run_id, {"handover.distill": handed})
+        pbt_classifier, best = run_pbt(config, prepared, run_id, handed)  # 3.
         pbt_step, _ = tested("pbt", pbt_classifier, prepared, best.checkpoint,
                              best.metrics["val_accuracy"], run_id, SCORED_WEIGHTS)
         steps.append(pbt_step)
-        sparse_classifier, sparse, report = run_sparsify(config, prepared, run_id, hand_over(
-            best.checkpoint, SCORED_WEIGHTS, "pbt"))  # 4.
+        handed = hand_over(best.checkpoint, SCORED_WEIGHTS, "pbt")
+        tracking.log_artifact_refs(run_id, {"handover.pbt": handed})
+        sparse_classifier, sparse, report = run_sparsify(config, prepared, run_id, handed)  # 4.
         zeros = sum(layer.zero_fraction for layer in report.layers.values()) / max(
             len(report.layers), 1)
         sparse_step, sparse_test = tested("sparsify", sparse_classifier, prepared,
@@ -219,8 +221,8 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
         baseline = judge_baseline(run_id, prepared, fallback.metrics["val_accuracy"])  # 6.
         registration = register_fallback(
             run_id, name, dataset, sparse_test.program, teacher_test.program, fallback,
-            Policy.of(config), baseline.refusal() if config.baseline_gate and not baseline.beaten
-            else None, {KEY_TAG: key})
+            Policy.of(config), baseline.refusal() if config.baseline_gate else None,
+            {KEY_TAG: key})
         finished = Finished(test=TestResult(metrics={
             "test_accuracy": fallback.metrics["test_accuracy"]}, program=sparse_test.program),
             registration=registration, baseline=baseline)

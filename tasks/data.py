@@ -201,6 +201,11 @@ def load_dataset(ref: DatasetRef) -> LoadedDataset:
     return _load_artifact(ref.artifact)
 
 
+def load_dataset_artifact(artifact: ArtifactRef) -> LoadedDataset:
+    """A prepared data set by its artifact alone (a registered version records only that)."""
+    return _load_artifact(artifact)
+
+
 @functools.lru_cache(maxsize=4)
 def _load_artifact(artifact: ArtifactRef) -> LoadedDataset:
     payload = torch.load(ArtifactStore().fetch(artifact), map_location="cpu", weights_only=True)

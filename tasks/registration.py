@@ -1,8 +1,12 @@
 """Registration: the final model as an MLflow pyfunc, promoted only if it beats the champion.
 
 Both the new model and the current champion are scored through their pyfunc (raw uint8 images
-in, labels out) on the same test split in the same run, so the comparison is on the same images
-and also proves that the served model works end to end. Each model's own network and
+in, labels out) on the same test images in the same run, so the comparison is on the same images
+and also proves that the served model works end to end. Those images are the test split less
+any image the champion trained or was chosen on (its recorded data set's training and
+validation keys): with stable splits (`training.datasets.stable_split`) that is the whole test
+split, and a champion trained under other split settings is never scored on its own training
+images. The decision says on how many images it was made. Each model's own network and
 preprocessing settings come from its stored files; the Python preprocessing code is the one
 installed in this process.
 
@@ -27,14 +31,15 @@ import numpy as np
 from mlflow.exceptions import MlflowException
 from mlflow.models import ModelSignature
 from prefect import task
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from tasks import tracking
 from tasks.checkpoints import torch_save
-from tasks.data import DatasetRef, load_dataset
+from tasks.data import DatasetRef, LoadedDataset, load_dataset, load_dataset_artifact
 from tasks.environment import PROJECT_ROOT
 from tasks.registry import CHALLENGER, CHAMPION, crown
 from tasks.versioning import ArtifactRef, ArtifactStore
+from training.scores import standard_error
 
 SERVING_PACKAGES = ("torch", "torchvision", "mlflow", "pillow", "pandas", "numpy")
 
@@ -114,14 +119,64 @@ def log_weights_pyfunc(run_id: str, model_file: str, meta: dict,
             signature=signature)
 
 
+def raw_images(data: LoadedDataset, index: Any) -> np.ndarray:
+    """Images at `index` as raw uint8 (N x H x W, or N x H x W x C), as a user sends them."""
+    images = data.images[index].permute(0, 2, 3, 1).numpy()
+    return images[:, :, :, 0] if images.shape[3] == 1 else images
+
+
 def test_images(dataset: DatasetRef) -> tuple[np.ndarray, list[str]]:
     """The test split as raw uint8 images (N x H x W, or N x H x W x C) and label names."""
     data = load_dataset(dataset)
     index = data.splits["test"]
-    images = data.images[index].permute(0, 2, 3, 1).numpy()
-    if images.shape[3] == 1:
-        images = images[:, :, :, 0]
-    return images, [dataset.classes[i] for i in data.labels[index].tolist()]
+    return raw_images(data, index), [dataset.classes[i] for i in data.labels[index].tolist()]
+
+
+def seen_by(tags: dict[str, str]) -> set[str] | None:
+    """The keys of the images a registered version trained or was chosen on, read from the
+    data set its tags record (`dataset.ref`); None when it records none (registered before
+    data sets recorded their keys)."""
+    recorded = tags.get("dataset.ref")
+    if recorded is None:
+        return None
+    data = load_dataset_artifact(ArtifactRef.model_validate_json(recorded))
+    return data.seen_keys() if data.keys else None
+
+
+class Comparison(BaseModel):
+    """The images a challenger and the champion are compared on: how many, and why those."""
+
+    model_config = ConfigDict(frozen=True)
+
+    images: int
+    left_out: int  # test images the champion trained or was chosen on
+    note: str
+
+
+def unseen_test_split(dataset: DatasetRef, champion_tags: dict[str, str]
+                      ) -> tuple[tuple[np.ndarray, list[str]] | None, Comparison]:
+    """The test images that neither this run's model nor the champion trained or was chosen
+    on (as raw images and label names; None when there are none), and a note for the
+    decision saying how many and why."""
+    data = load_dataset(dataset)
+    index = data.splits["test"].tolist()
+    seen = seen_by(champion_tags)
+    if seen is None or not data.keys:
+        return test_images(dataset), Comparison(
+            images=len(index), left_out=0,
+            note=f"on the {len(index)} test images (the champion records no training images "
+                 "to leave out)")
+    seen |= data.seen_keys()
+    unseen = [i for i in index if data.keys[i] not in seen]
+    left_out = len(index) - len(unseen)
+    note = (f"on the {len(unseen)} test images neither model trained or was chosen on"
+            + (f" ({left_out} of the test split left out: the champion saw them)"
+               if left_out else " (the whole test split)"))
+    if not unseen:
+        return None, Comparison(images=0, left_out=left_out, note=note)
+    labels = [dataset.classes[i] for i in data.labels[unseen].tolist()]
+    return (raw_images(data, unseen), labels), Comparison(images=len(unseen),
+                                                          left_out=left_out, note=note)
 
 
 def pyfunc_accuracy(model_uri: str, images: np.ndarray, labels: list[str]) -> float:
@@ -156,23 +211,46 @@ def transient(state) -> bool:
 
 
 class Baseline(BaseModel):
-    """A reference a model must beat on validation to become champion: the stronger raw-pixel
-    baseline (`training.baselines`), and the model's own validation accuracy."""
+    """A reference a model must not fall below on validation to become champion: the stronger
+    raw-pixel baseline (`training.baselines`), the model's own validation accuracy, and the
+    number of validation images both were measured on.
+
+    The gate refuses a model only when it is below the baseline by more than the validation
+    split's noise: `model < baseline - SE`, SE = sqrt(b (1 - b) / n) for the baseline's
+    accuracy b on n images (`training.scores.standard_error`, PBT's tie margin). A model that
+    ties a perfect baseline (1.0 against 1.0, SE 0) passes; one a standard error below does
+    not."""
 
     model_config = ConfigDict(frozen=True)
 
     name: str
     val_accuracy: float
     model_val_accuracy: float
+    val_images: int = Field(ge=1)
+
+    @property
+    def margin(self) -> float:
+        """One standard error of the baseline's validation accuracy."""
+        return standard_error(self.val_accuracy, self.val_images)
+
+    @property
+    def passed(self) -> bool:
+        """Not below the baseline by more than `margin` (the gate lets the model through)."""
+        return self.model_val_accuracy >= self.val_accuracy - self.margin
 
     @property
     def beaten(self) -> bool:
+        """Strictly above the baseline (shown in the summary; the gate asks `passed`)."""
         return self.model_val_accuracy > self.val_accuracy
 
-    def refusal(self) -> str:
-        return (f"below the raw-pixel {self.name} baseline on validation "
-                f"({self.model_val_accuracy:.4f} <= {self.val_accuracy:.4f}): registered, "
-                "never champion; train longer (--min-steps) or pick another model")
+    def refusal(self) -> str | None:
+        """Why the gate refuses the model (None when it `passed`)."""
+        if self.passed:
+            return None
+        return (f"below the raw-pixel {self.name} baseline on validation by more than one "
+                f"standard error ({self.model_val_accuracy:.4f} < {self.val_accuracy:.4f} - "
+                f"{self.margin:.4f} on {self.val_images} images): registered, never champion; "
+                "train longer (--min-steps) or pick another model")
 
 
 def decide(accuracy: float, champion_accuracy: float | None) -> tuple[str, str]:
@@ -203,35 +281,50 @@ def register_and_promote(run_id: str, name: str, dataset: DatasetRef, program: A
             pip_requirements=pip_requirements(),
             code_paths=[str(PROJECT_ROOT / "tasks"), str(PROJECT_ROOT / "training")])
     return promote_on_test_images(run_id, name, model_uri, dataset, program.md5, policy,
-                                  baseline.refusal() if baseline is not None
-                                  and not baseline.beaten else None)
+                                  baseline.refusal() if baseline is not None else None)
 
 
 def promote_on_test_images(run_id: str, name: str, model_uri: str, dataset: DatasetRef,
                            program_md5: str, policy: Policy, refusal: str | None,
                            tags: dict[str, str] | None = None) -> Registration:
     """`promote` for a classifier's pyfunc: scored by its accuracy on the data set's test
-    split, timed on its images (read once, and only if something is scored). The version is
-    tagged with the data set's hash (`dataset`) and `tags`."""
+    split, timed on its images (read once, and only if something is scored), and compared
+    with the champion on the test images neither trained on (`unseen_test_split`). The
+    version is tagged with the data set (`dataset`: its hash; `dataset.ref`: the artifact,
+    so that a later run can leave out the images this one saw) and `tags`."""
     split = functools.cache(lambda: test_images(dataset))
+
+    def compare(champion_tags: dict[str, str]) -> tuple[Callable[[str], float] | None,
+                                                        Comparison]:
+        images, comparison = unseen_test_split(dataset, champion_tags)
+        return (None if images is None else
+                lambda uri: pyfunc_accuracy(uri, *images)), comparison
+
     return promote(run_id, name, model_uri, lambda uri: pyfunc_accuracy(uri, *split()),
-                   dataset.classes, program_md5, {"dataset": dataset.artifact.md5}
+                   dataset.classes, program_md5, {"dataset": dataset.artifact.md5,
+                                                  "dataset.ref": dataset.artifact.model_dump_json()}
                    | (tags or {}), policy, refusal,
-                   timer=lambda uri: served_ms_per_image(uri, split()[0]))
+                   timer=lambda uri: served_ms_per_image(uri, split()[0]), compare=compare)
 
 
 def promote(run_id: str, name: str, model_uri: str, score: Callable[[str], float] | None,
             classes: list[str], program_md5: str, tags: dict[str, str],
             policy: Policy, refusal: str | None = None,
-            metric: str = "test_accuracy", timer: Callable[[str], float] | None = None
+            metric: str = "test_accuracy", timer: Callable[[str], float] | None = None,
+            compare: Callable[[dict[str, str]], tuple[Callable[[str], float] | None,
+                                                      Comparison]] | None = None
             ) -> Registration:
     """Scores the logged model at `model_uri` and the current champion with `score` (a pyfunc
     URI to its test score: the same test images for both), registers the model (once per
     `program_md5`) and gives it `champion` only when it scores higher and nothing refuses it
     (`refusal`: why it may not be champion; the `policy`'s latency budget, in ms per image by
     `timer`, a pyfunc URI to its time: a champion over the budget loses to a model within it).
-    Records the decision as tags and `registry_<metric>` (and `champion_<metric>`) on the run.
-    With `policy.registry` false nothing is scored and the registry is not touched."""
+    `compare` (the champion's version tags to a score on the images both are compared on, or
+    None when there are none, and a `Comparison` saying which) replaces `score` for the
+    comparison; the version keeps its `score` on the whole test split.
+    Records the decision as tags and `registry_<metric>` (and `champion_<metric>`, both
+    scores of the comparison) on the run. With `policy.registry` false nothing is scored and
+    the registry is not touched."""
     if not policy.registry:
         tracking.set_tags(run_id, {"registry.decision": NOT_REGISTERED,
                                    "registry.model_uri": model_uri})
@@ -248,7 +341,7 @@ def promote(run_id: str, name: str, model_uri: str, score: Callable[[str], float
             refusal = refusal or (f"over the latency budget: {latency:.2f} ms per image > "
                                   f"{budget:g} ms (--max-latency-ms)")
     champion_version = tracking.alias_version(name, CHAMPION)
-    champion_score = None
+    champion_score, compared_score, comparison = None, new_score, None
     if champion_version is not None:
         champion_tags = tracking.version_tags(name, champion_version)
         champion_classes = champion_tags.get("classes")
@@ -261,11 +354,22 @@ def promote(run_id: str, name: str, model_uri: str, score: Callable[[str], float
                                   f"{champion_tags.get('metric')}, not {metric}: register "
                                   "under another --model-name")
         else:
-            try:
-                champion_score = score(f"models:/{name}/{champion_version}")
-            except Exception as error:  # an old champion that no longer loads or predicts
-                refusal = refusal or (f"the champion (version {champion_version}) could not "
-                                      f"be scored: {error}")
+            scorer = score
+            if compare is not None:
+                scorer, comparison = compare(champion_tags)
+            if scorer is None:
+                refusal = refusal or (f"no test image is left that the champion (version "
+                                      f"{champion_version}) did not train on: no fair "
+                                      "comparison; move the alias by hand (python -m flows "
+                                      "promote) or keep the split settings between runs")
+            else:
+                try:
+                    champion_score = scorer(f"models:/{name}/{champion_version}")
+                except Exception as error:  # an old champion that no longer loads or predicts
+                    refusal = refusal or (f"the champion (version {champion_version}) could "
+                                          f"not be scored: {error}")
+                else:
+                    compared_score = new_score if scorer is score else scorer(model_uri)
     if refusal:  # never replace a champion on a comparison that did not happen
         alias, decision = CHALLENGER, refusal
     elif budget is not None and champion_score is not None and (champion_latency := (
@@ -274,7 +378,9 @@ def promote(run_id: str, name: str, model_uri: str, score: Callable[[str], float
                                      f"{budget:g} ms per image), the champion (version "
                                      f"{champion_version}, {champion_latency:.2f} ms) is not")
     else:
-        alias, decision = decide(new_score, champion_score)
+        alias, decision = decide(compared_score, champion_score)
+    if comparison is not None and champion_score is not None:
+        decision = f"{decision} {comparison.note}"
     version = tracking.find_version(name, "program", program_md5)
     if version is None:
         version = tracking.register_model(model_uri, name, run_id, {
@@ -286,11 +392,19 @@ def promote(run_id: str, name: str, model_uri: str, score: Callable[[str], float
         crown(name, version)
     else:
         tracking.set_alias(name, alias, version)
+        if champion_version is None:
+            decision += (f". No version of {name} is champion yet: the next run whose model "
+                         "passes this gate becomes it, or choose one by hand (python -m flows "
+                         f"promote {name} VERSION --reason ...)")
     tracking.set_tags(run_id, {"registry.model": name, "registry.version": version,
                                "registry.alias": alias, "registry.decision": decision,
-                               "registry.champion_version": champion_version or "none"})
+                               "registry.champion_version": champion_version or "none"}
+                      | ({"registry.compared_images": str(comparison.images),
+                          "registry.compared_left_out": str(comparison.left_out)}
+                         if comparison is not None else {}))
     tracking.log_metrics(run_id, {f"registry_{metric}": new_score}
-                         | ({f"champion_{metric}": champion_score}
+                         | ({f"champion_{metric}": champion_score,
+                             f"compared_{metric}": compared_score}
                             if champion_score is not None else {}))
     return Registration(name=name, model_uri=model_uri, version=version, alias=alias,
                         accuracy=new_score, champion_version=champion_version,

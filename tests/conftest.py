@@ -115,9 +115,12 @@ def kill_when_written(args: list[str], folder: Path, pattern: str,
         if new:
             break
         time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)
+    running = proc.poll() is None
+    if running:
+        os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    assert running, "the run ended before it could be killed"
+    assert new, f"no {pattern} appeared under {folder} within {timeout:.0f} s"
     return sorted(new)
 
 

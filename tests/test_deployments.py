@@ -207,6 +207,20 @@ def test_the_nightly_pipeline_retrains_only_when_the_data_changed(deployed, mlfl
     assert third.data.tags["pipeline.key"] != first.data.tags["pipeline.key"]
     assert "step_sparsify_test_accuracy" in third.data.metrics
     assert third.data.tags["registry.version"] == "2"
+    # each version's recorded data set: the grown folder kept every old test image in test,
+    # and the two versions were compared on test images neither trained or was chosen on
+    from tasks.data import load_dataset_artifact
+    from tasks.versioning import ArtifactRef
+
+    def keys(version: str, *splits: str) -> set[str]:
+        data = load_dataset_artifact(ArtifactRef.model_validate_json(
+            tracking.version_tags("nightly", version)["dataset.ref"]))
+        return {data.keys[i] for split in splits for i in data.splits[split].tolist()}
+
+    assert keys("1", "test") <= keys("2", "test")
+    assert not keys("2", "test") & (keys("1", "train", "val") | keys("2", "train", "val"))
+    assert third.data.tags["registry.compared_images"] == str(len(keys("2", "test")))
+    assert "test images neither model trained" in third.data.tags["registry.decision"]
     from tasks.versioning import ArtifactStore, md5_of
 
     for name in ("dataset", "program.sparsify", "program.teacher"):  # versioned in DVC

@@ -59,11 +59,10 @@ def test_each_step_starts_from_the_last_ones_weights(run):
     from tasks.versioning import ArtifactStore
 
     store = ArtifactStore()
-    folder = store.path_of("checkpoints/pipeline")
-    handed = {path.name.split("-")[0]: torch.load(path, map_location="cpu", weights_only=True)
-              for path in folder.glob("*.pt")}
-    assert set(handed) == {"distill", "pbt"}
-    refs = tracking.artifact_refs(run.run_id)
+    refs = tracking.artifact_refs(run.run_id)  # this run's own hand-overs, not the store's
+    handed = {step: torch.load(store.path_of(refs[f"handover.{step}"]["path"]),
+                               map_location="cpu", weights_only=True)
+              for step in ("distill", "pbt")}
     client = MlflowClient()
     student = next(c for c in client.search_runs(
         [client.get_run(run.run_id).info.experiment_id],

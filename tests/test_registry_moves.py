@@ -92,3 +92,59 @@ def test_promote_and_rollback_by_hand(first_run, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(COMMANDS, ["promote", name, "1"])  # the reason is required
     assert exit_info.value.code == 2 and "reason" in capsys.readouterr().err
+
+
+def test_a_model_that_ties_a_perfect_baseline_is_promoted(first_run):
+    """The gate refuses a model only below the baseline by more than one standard error: a
+    tie at the ceiling (1.0 against 1.0 on the digits' validation split) is no refusal."""
+    from tasks.registration import Baseline
+
+    perfect = Baseline(name="knn", val_accuracy=1.0, model_val_accuracy=1.0, val_images=270)
+    assert perfect.refusal() is None
+    run_id = tracking.start_run("registry-tests", "t2")
+    uri = first_run.registration.model_uri
+    gated = promote(run_id, "perfect-tie-gated", uri, lambda u: 1.0, CLASSES, "t2", {},
+                    Policy(), perfect.refusal())
+    assert gated.alias == "champion"
+    # 0.95 on 300 images: one standard error is 0.0126; 0.94 is within it, 0.93 below
+    assert Baseline(name="knn", val_accuracy=0.95, model_val_accuracy=0.94,
+                    val_images=300).refusal() is None
+    below = Baseline(name="knn", val_accuracy=0.95, model_val_accuracy=0.93, val_images=300)
+    run_id = tracking.start_run("registry-tests", "t3")
+    refused = promote(run_id, "below-baseline", uri, lambda u: 1.0, CLASSES, "t3", {},
+                      Policy(), below.refusal())
+    assert refused.alias == "challenger" and "0.0126 on 300 images" in refused.decision
+    # no version can become champion: the decision says what would change that
+    assert "No version of below-baseline is champion yet" in refused.decision
+
+
+def test_champion_and_challenger_are_compared_on_images_neither_saw(first_run, fashion_folder):
+    """A champion prepared under another split seed trained on part of this run's test split:
+    those images are left out of the comparison, counted from each version's recorded data
+    set (its keys), and the decision says on how many images it was made."""
+    from tasks.config import DataSection
+    from tasks.data import load_dataset, prepare_dataset, source_version
+    from tasks.registration import promote_on_test_images
+
+    name, uri = "unseen-comparison", first_run.registration.model_uri
+    prepared = {}
+    for seed in (0, 1):
+        data = DataSection(data=str(fashion_folder), split_seed=seed, test_fraction=0.3)
+        prepared[seed] = prepare_dataset.fn(data, source_version(data))
+    first_run_id = tracking.start_run("registry-tests", "unseen-1")
+    first = promote_on_test_images(first_run_id, name, uri, prepared[0], "u1", Policy(), None)
+    assert first.alias == "champion"
+    run_id = tracking.start_run("registry-tests", "unseen-2")
+    second = promote_on_test_images(run_id, name, uri, prepared[1], "u2", Policy(), None)
+    old, new = load_dataset(prepared[0]), load_dataset(prepared[1])
+    seen = ({old.keys[i] for s in ("train", "val") for i in old.splits[s].tolist()}
+            | {new.keys[i] for s in ("train", "val") for i in new.splits[s].tolist()})
+    unseen = [new.keys[i] for i in new.splits["test"].tolist() if new.keys[i] not in seen]
+    left_out = len(new.splits["test"]) - len(unseen)
+    assert left_out > 0 and unseen
+    tags = MlflowClient().get_run(run_id).data.tags
+    assert tags["registry.compared_images"] == str(len(unseen))
+    assert tags["registry.compared_left_out"] == str(left_out)
+    assert f"on the {len(unseen)} test images neither model trained" in second.decision
+    # the same model on the same images: a tie, so the champion stays
+    assert second.champion_version == first.version and second.alias == "challenger"

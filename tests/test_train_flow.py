@@ -95,7 +95,7 @@ def test_killed_run_resumes_from_the_last_finished_epoch(session_dir):
     checkpoints = Path(os.environ["COMPACTML_ARTIFACTS"]) / "checkpoints" / "train"
     # epoch 2's checkpoint appearing means epoch 1's task has returned and its result is stored
     written = kill_when_written(["train", *config], checkpoints, "epoch-002.pt.dvc",
-                                timeout=120)
+                                timeout=300)
     # the kill lands during epoch 2's `dvc commit`: no checkpoint is half-written
     assert_whole_after_kill(checkpoints, "epoch-*.pt")
     run_folder = written[0].parent  # this run's folder (the session has others)
