@@ -8,9 +8,12 @@ table); train the modules input side first, each on the easiest share of the fir
 its position allows (a super-network module with the latency-aware loss), then fit each
 super-network module's predictor on the second set (after the last module; with frozen
 stage training, right after its own); refit the early exit heads to the last exit (on the
-first set, the rest frozen); calibrate the exit thresholds on validation; test the real
-cascade beside the full network, the plain confidence cascade and the oracle; register it
-(a pyfunc that runs the real cascade) and promote it like `train`'s models.
+first set, the rest frozen); calibrate the exit thresholds on validation, where the routed
+modules' predictors compete with their most frequent choice fixed (and with their most
+expensive sub-network); test the real cascade beside the full network, the plain confidence
+cascade, both routings (`fixed_...`, `fitted_...`: each with its own thresholds, whichever
+won) and the oracle; register the routing validation chose (the tag `cascade.routing`, a
+pyfunc that runs the real cascade) and promote it like `train`'s models.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from tasks.cascade import (
 )
 from tasks.cascade_config import CascadeConfig
 from tasks.cascade_evaluation import (
+    ROUTINGS,
     Calibration,
     CascadeTest,
     calibrate_thresholds,
@@ -83,6 +87,18 @@ def predictor_choice(metrics: dict[str, float]) -> str:
         return ("the most expensive sub-networks fixed (the plain cascade): their most frequent "
                 "choice misses the target or costs more, on validation")
     return "fixed to their most frequent choice (no worse on validation, and no predictor to run)"
+
+
+def routing_line(metrics: dict[str, float], prefix: str) -> str:
+    """The summary's line on one routing's test: accuracy, speed-up at batch 1, cost over the
+    oracle's (by the latency table and in FLOPs) and each exit's share."""
+    shares = sorted((key for key in metrics if key.startswith(f"{prefix}exit_share_")),
+                    key=lambda key: int(key.rsplit("_", 1)[1]))
+    return (f"accuracy {metrics[f'{prefix}test_accuracy']:.4f}, "
+            f"{metrics[f'{prefix}speedup_b1']:.2f}x at batch 1, cost "
+            f"{metrics[f'{prefix}cost_over_oracle']:.2f}x the oracle's "
+            f"({metrics[f'{prefix}flops_over_oracle']:.2f}x in FLOPs), exits "
+            + ", ".join(f"{metrics[key]:.2f}" for key in shares))
 
 
 @flow(name=FLOW_NAME, description="Train a cascaded early-exit network with super-network "
@@ -141,6 +157,8 @@ def cascade(config: CascadeConfig) -> CascadeSummary:
         calibration = calibrate_thresholds(config, dataset, latency, checkpoint)
         tracking.log_metrics(run_id, calibration.metrics)
         tracking.log_artifact_refs(run_id, {"checkpoint.calibrated": calibration.checkpoint})
+        if calibration.routing is not None:  # what the registered model runs
+            tracking.set_tags(run_id, {"cascade.routing": calibration.routing})
         test = test_cascade(config, dataset, latency, calibration.checkpoint)
         tracking.log_metrics(run_id, test.metrics)
         tracking.log_dict(run_id, {"sweep": test.sweep}, "cascade/sweep.json")
@@ -148,7 +166,7 @@ def cascade(config: CascadeConfig) -> CascadeSummary:
                                                  f"cascade {config.widths} on {config.data}"),
                             "cascade/accuracy_latency.png")
         baseline = judge_baseline(run_id, prepared, calibration.metrics["val_accuracy"])
-        refusal = baseline.refusal() if config.baseline_gate and not baseline.beaten else None
+        refusal = baseline.refusal() if config.baseline_gate else None
         registration = register_cascade(run_id, name, config, dataset, calibration.checkpoint,
                                         refusal)
         summary = CascadeSummary(run_id=run_id, sets=sets, calibration=calibration, test=test,
@@ -169,6 +187,10 @@ def cascade(config: CascadeConfig) -> CascadeSummary:
         "thresholds": ", ".join(f"{t:.3f}" for t in calibration.thresholds),
         **({"predictors": predictor_choice(calibration.metrics)}
            if "predictors_kept" in calibration.metrics else {}),
+        **{f"{ROUTINGS[name]}, test": routing_line(metrics, f"{name}_")
+           for name in ("fixed", "fitted") if f"{name}_test_accuracy" in metrics},
+        **({"registered": f"{ROUTINGS[calibration.routing]} (chosen on validation)"}
+           if calibration.routing is not None else {}),
         "oracle": f"accuracy {metrics['oracle_accuracy']:.4f}, the cascade's cost "
                   f"{metrics['cost_over_oracle']:.2f}x the oracle's",
     })

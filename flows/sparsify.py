@@ -4,10 +4,12 @@ loss = CE + sum over the chosen layers of lambda_l x S(map_l), where S is the me
 transform T of the layer's activations that is smallest at 0 (`training/sparsity.py`), and a
 smaller map gets a larger lambda_l. The rounds are the `train` flow's (same budget, early
 stopping, checkpoints); after them the kept network's activations are measured on the
-validation split (exact zeros, near zeros, dead channels, bytes stored sparse), logged and
-plotted (with `--lambda-sweep`, more networks in nested runs give accuracy against zeros);
-its dead channels are removed (a smaller network, re-validated and timed on the CPU,
-exported beside it); and the network is tested, registered and promoted like `train`'s.
+validation split (exact zeros, near zeros, dead channels, bytes stored sparse: `val_...`),
+logged and plotted (with `--lambda-sweep`, more networks in nested runs give accuracy against
+zeros); its dead channels are removed (a smaller network, re-validated and timed on the CPU,
+exported beside it); and the network is tested, registered and promoted like `train`'s, its
+activations measured again on the test split (`test_...`): validation chose the round, the
+activation thresholds and the dead channels, so only the test split's zeros are reported.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tasks import tracking
 from tasks.config import SparsifyConfig, SparsitySpec
 from tasks.initial_weights import fetch_initial_weights
 from tasks.sparsify import (
+    ActivationReport,
     PruneResult,
     SparsityReport,
     Thresholded,
@@ -39,6 +42,7 @@ from tasks.sparsify import (
     sparsity_figure,
     sparsity_report,
     sparsity_spec,
+    test_activations,
     zero_target_step,
     zero_target_thresholds,
 )
@@ -48,10 +52,13 @@ from training.budget import Budget
 
 
 class SparsifySummary(ClassifierSummary):
-    """What a `sparsify` run gives back: the model, its accuracy and its activations."""
+    """What a `sparsify` run gives back: the model, its accuracy and its activations on the
+    validation split (`report`: what chose the round, the thresholds and the dead channels)
+    and on the test split (`test_report`: the figures to report)."""
 
     spec: SparsitySpec
     report: SparsityReport
+    test_report: ActivationReport
     pruned: PruneResult
     sweep: dict[float, SparsityReport]
 
@@ -63,7 +70,7 @@ def train_sparse(config: SparsifyConfig, classifier: ClassifierConfig, prepared:
     given: fine-tuning), with `--zero-threshold-tolerance` or `--zero-target` the kept round's
     activation thresholds (raised by `--threshold-cycles` of training with them in place, or
     with `--zero-target-ramp` inside the rounds), and the kept network's activations on the
-    validation split, logged on `run_id`."""
+    validation split, logged on `run_id` (`val_zero_fraction_<layer>`, ...)."""
     spec = sparsity_spec(config, prepared.dataset)
     tracking.log_metrics(run_id, {f"lambda_{k.replace('.', '_')}": v
                                   for k, v in spec.lambdas.items()})
@@ -81,7 +88,7 @@ def train_sparse(config: SparsifyConfig, classifier: ClassifierConfig, prepared:
                                                     run_id, spec, best)
     report = sparsity_report(classifier, prepared.dataset, best.checkpoint, spec
                              ).model_copy(update={"thresholds": thresholds})
-    tracking.log_metrics(run_id, report.metrics())
+    tracking.log_metrics(run_id, report.split_metrics())
     return spec, best, report
 
 
@@ -250,22 +257,31 @@ def sparsify(config: SparsifyConfig) -> SparsifySummary | DenseSummary:
             log_sweep(run_id, sweep, f"{config.model}, {spec.build().describe()}")
         finished = finish(run_id, name, config, classifier, prepared, best.checkpoint,
                           best.metrics["val_accuracy"])
+        test_report = test_activations(classifier, prepared.dataset, best.checkpoint, spec)
+        tracking.log_metrics(run_id, test_report.split_metrics())
+        tracking.log_dict(run_id, test_report.model_dump(), "sparsity/test_report.json")
+        tracking.log_figure(run_id, sparsity_figure(
+            test_report, f"{config.model}, {spec.build().describe()}"),
+            "sparsity/test_layers.png")
         summary = SparsifySummary(run_id=run_id, best_epoch=best.epoch + 1,
                                   val_accuracy=best.metrics["val_accuracy"],
                                   test_accuracy=finished.test_accuracy,
                                   baselines=prepared.baselines, spec=spec, report=report,
-                                  pruned=pruned, sweep=sweep,
+                                  test_report=test_report, pruned=pruned, sweep=sweep,
                                   registration=finished.registration)
     publish("sparsify-summary", f"sparsify: {config.model} on {config.data}", run_id, finished, {
         "sparsity term": f"{spec.build().describe()}, " + ", ".join(
             f"{k}: lambda {v:.3g}" for k, v in spec.lambdas.items()),
-        "exact zeros (validation)": ", ".join(
+        "exact zeros (test)": ", ".join(
+            f"{k} {v.zero_fraction:.3f}" for k, v in test_report.layers.items()),
+        "exact zeros (validation: chose the round and the thresholds)": ", ".join(
             f"{k} {v.zero_fraction:.3f}" for k, v in report.layers.items()),
         **({"activation thresholds": ", ".join(f"{k} {v:.3g}" for k, v in
                                                 report.thresholds.items()) or "none affordable"}
            if config.zero_threshold_tolerance is not None or config.zero_target is not None
            else {}),
-        "stored as bitmap + values": f"{report.metrics()['memory_bitmap_ratio']:.3f} of dense",
+        "stored as bitmap + values (test)":
+            f"{test_report.metrics()['memory_bitmap_ratio']:.3f} of dense",
         "dead channels removed": f"{pruned.pruned_parameters} of {pruned.parameters} parameters "
                                  f"left, validation {pruned.pruned_val_accuracy:.4f}, CPU time "
                                  f"{pruned.metrics()['pruned_latency_ratio_b1']:.2f} of the "

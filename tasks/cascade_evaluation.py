@@ -1,11 +1,14 @@
 """The `cascade` flow's evaluation tasks: threshold calibration on validation, the test of the
-real cascade beside the full network, the plain confidence cascade and the oracle (with the
+real cascade beside the full network, the plain confidence cascade, the two routings the
+calibration chose between (fixed sub-networks, fitted predictors) and the oracle (with the
 accuracy-latency sweep), and registration of the pyfunc that runs the real cascade.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from typing import Literal
 
 import torch
 from prefect import task
@@ -33,15 +36,27 @@ from training.cascade import ExitTable, ThresholdGrid, exit_table, oracles, thre
 from training.device import inference_batch
 from training.latency import full_network_cost, interleaved_ms_per_image, part_costs
 
+Routing = Literal["fixed", "fitted", "most_expensive"]
+ROUTINGS: dict[str, str] = {  # what each routing of the super-network modules is, for people
+    "fixed": "exits with fixed sub-networks (each routed module's most frequent choice on "
+             "validation, no predictor run)",
+    "fitted": "exits with fitted predictors (a sub-network chosen per image)",
+    "most_expensive": "exits with the most expensive sub-networks (the plain cascade)",
+}
+
 
 class Calibration(BaseModel):
-    """The thresholds written into the checkpoint, and the cascade on validation."""
+    """The thresholds written into the checkpoint, the cascade on validation, and `routing`:
+    what the calibration chose for the super-network modules whose predictors were fitted
+    (`ROUTINGS`), which is what the checkpoint, and so the registered model, runs; None when
+    there was no choice (no fitted predictor, or `--thresholds` given)."""
 
     model_config = ConfigDict(frozen=True)
 
     checkpoint: ArtifactRef
     thresholds: list[float]
     metrics: dict[str, float]
+    routing: Routing | None = None
 
 
 class CascadeTest(BaseModel):
@@ -76,9 +91,12 @@ def calibrate_thresholds(config: CascadeConfig, dataset: DatasetRef, latency: Ar
     """The exit thresholds (given, or calibrated on validation for the full network's accuracy
     minus `accuracy_tolerance`, or for `latency_budget`; unless `count_gains`, on the images
     an early exit loses alone, `ExitTable.losses_only`), written into a new checkpoint beside
-    the thresholds of two references measured by the test: the plain confidence cascade
-    (every super-network module at its most expensive sub-network, calibrated alike) and the
-    sweep of accuracy tolerances (`SWEEP`, the accuracy-latency curve)."""
+    the thresholds of the references measured by the test: the plain confidence cascade
+    (every super-network module at its most expensive sub-network, calibrated alike), the
+    sweep of accuracy tolerances (`SWEEP`, the accuracy-latency curve) and, where fitted
+    predictors route, both routings the calibration chose between, each with its own
+    thresholds (`routing`: `fixed`, the most frequent choices fixed, and `fitted`, the
+    predictors), whichever of them won."""
     net = trained_cascade(config, dataset, checkpoint)
     costs = part_costs(read_table(latency))
 
@@ -112,6 +130,8 @@ def calibrate_thresholds(config: CascadeConfig, dataset: DatasetRef, latency: Ar
     routed = [k for k in range(net.modules_count) if net.is_super(k)
               and int(net.blocks[k].fixed) < 0]
     predictors: dict[str, float] = {}
+    routing: dict[str, dict] = {}  # `fixed`, `fitted`: {"fixed": {k: s}, "thresholds": ...}
+    chosen: Routing | None = None
     if routed and config.thresholds is None:
         # A predictor must pay for its own time, and the super-network's choice must not
         # make the cascade worse than the plain one: the same network with each routed
@@ -133,11 +153,18 @@ def calibrate_thresholds(config: CascadeConfig, dataset: DatasetRef, latency: Ar
         outcomes = {choice: choices[choice][1].outcome(calibrated[choice][1])
                     for choice in choices}
         best = min(choices, key=lambda choice: rank(outcomes[choice]))  # first among ties
-        theirs = outcomes["most frequent"]
+        chosen = {"most frequent": "fixed", "most expensive": "most_expensive",
+                  "predictors": "fitted"}[best]
+        theirs, fitted = outcomes["most frequent"], outcomes["predictors"]
         predictors = {"predictors_kept": float(best == "predictors"),
                       "most_expensive_fixed": float(best == "most expensive"),
                       "val_accuracy_predictors_fixed": theirs["accuracy"],
-                      "val_cost_ratio_predictors_fixed": theirs["mean_cost"] / full_cost}
+                      "val_cost_ratio_predictors_fixed": theirs["mean_cost"] / full_cost,
+                      "val_accuracy_predictors_fitted": fitted["accuracy"],
+                      "val_cost_ratio_predictors_fitted": fitted["mean_cost"] / full_cost}
+        routing = {"fixed": {"fixed": majority, "thresholds": calibrated["most frequent"][1]},
+                   "fitted": {"fixed": dict.fromkeys(routed, -1),
+                              "thresholds": calibrated["predictors"][1]}}
         fixed, table = choices[best]
         grid, thresholds = calibrated[best]
         for k, choice in (fixed or {}).items():
@@ -154,23 +181,41 @@ def calibrate_thresholds(config: CascadeConfig, dataset: DatasetRef, latency: Ar
                **{f"threshold_{k}": t for k, t in enumerate(thresholds.tolist())}, **predictors}
     relpath = f"checkpoints/cascade/{run_key(config, dataset)}/calibrated.pt"
     payload = {"model": net.state_dict(), "plain_thresholds": plain_thresholds,
-               "sweep": sweep}
+               "sweep": sweep, "routing": routing}
     return Calibration(checkpoint=save_checkpoint(ArtifactStore(), relpath, payload),
-                       thresholds=thresholds.tolist(), metrics=metrics)
+                       thresholds=thresholds.tolist(), metrics=metrics, routing=chosen)
+
+
+def routed_variant(net: CascadeNet, chosen: dict) -> CascadeNet:
+    """`net` as one routing the calibration chose between (`fixed`: the most frequent
+    sub-networks fixed for good; `fitted`: the predictors route, fixed -1), with that
+    routing's own thresholds: a copy, `net` unchanged."""
+    variant = copy.deepcopy(net)
+    for k, choice in chosen["fixed"].items():
+        variant.blocks[k].fixed.fill_(choice)
+    variant.thresholds.copy_(chosen["thresholds"])
+    return variant.eval()
 
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="test-cascade")
 def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRef,
                  calibrated: ArtifactRef, latency_images: int = 1000) -> CascadeTest:
-    """The calibrated cascade on the test split beside the full network (`full_`: no exits,
-    every super-network module at its most expensive sub-network) and the plain confidence
-    cascade (`plain_`: those sub-networks, exits calibrated alike): accuracy of the real
-    cascade, each exit's share, milliseconds per image measured at batch 1 (the first
-    `latency_images` test images) and at the serving batch (interleaved passes), the latency
-    table's predicted cost and FLOPs per image, and the oracle (`oracle_`: its cost by the
-    table and, cheapest in FLOPs, its FLOPs; the cascade's over each). Then the sweep's
-    accuracy, time at batch 1 (on 300 images) and cost by the table (over the full network's
-    and over the oracle's)."""
+    """The calibrated cascade (the registered model: no prefix) on the test split beside the
+    full network (`full_`: no exits, every super-network module at its most expensive
+    sub-network), the plain confidence cascade (`plain_`: those sub-networks, exits
+    calibrated alike) and, where the calibration chose between them, both routings of the
+    super-network modules, each with the thresholds calibrated for it on validation:
+    `fixed_` (each routed module's most frequent sub-network fixed, no predictor run) and
+    `fitted_` (the fitted predictors route); the registered model is the one of them
+    `Calibration.routing` names (or, `most_expensive`, the plain cascade's sub-networks).
+    For each: accuracy of the real cascade, each exit's share, milliseconds per image measured
+    at batch 1 (the first `latency_images` test images) and at the serving batch (interleaved
+    passes), the speed-up over the full network (`speedup_b1` = full ms / its ms), the latency
+    table's predicted cost and FLOPs per image, and the cost over the oracle's
+    (`cost_over_oracle` = mean table cost / the oracle's; `flops_over_oracle` likewise in
+    FLOPs). The oracle (`oracle_`: its cost by the table and, cheapest in FLOPs, its FLOPs).
+    Then the sweep's accuracy, time at batch 1 (on 300 images) and cost by the table (over the
+    full network's and over the oracle's)."""
     device = setup_device(config)
     net = trained_cascade(config, dataset, calibrated).to(device)
     payload = load_checkpoint(ArtifactStore(), calibrated)
@@ -182,6 +227,9 @@ def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRe
     never = torch.ones_like(net.thresholds)
     variants = {"": {}, "full_": {"thresholds": never, "fixed": full},
                 "plain_": {"thresholds": payload["plain_thresholds"].to(device), "fixed": full}}
+    nets = dict.fromkeys(variants, net)
+    for name, chosen in payload.get("routing", {}).items():
+        nets[f"{name}_"], variants[f"{name}_"] = routed_variant(net, chosen), {}
     table = read_table(latency)
     costs, flops = part_costs(table), part_costs(table, key="flops")
     full_cost, full_flops = full_network_cost(net, costs), full_network_cost(net, flops)
@@ -189,23 +237,24 @@ def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRe
     tables: dict[str, ExitTable] = {}
     step = inference_batch(device)
     for prefix, kwargs in variants.items():
-        out = [net.infer(images[i:i + step], **kwargs) for i in range(0, len(images), step)]
+        variant = nets[prefix]
+        out = [variant.infer(images[i:i + step], **kwargs) for i in range(0, len(images), step)]
         predicted, exits = torch.cat([o.labels for o in out]), torch.cat([o.exits for o in out])
         shares = torch.bincount(exits.cpu(), minlength=net.modules_count).float() / len(exits)
         fixed = kwargs.get("fixed")
         batches = eval_batches(data, dataset, "test", device)
-        paths = tables[prefix] = exit_table(net, batches, costs, fixed)
-        thresholds = kwargs.get("thresholds", net.thresholds).cpu()
+        paths = tables[prefix] = exit_table(variant, batches, costs, fixed)
+        thresholds = kwargs.get("thresholds", variant.thresholds).cpu()
         spent = paths.outcome(thresholds)
-        spent_flops = paths.priced(net, flops).outcome(thresholds)
+        spent_flops = paths.priced(variant, flops).outcome(thresholds)
         metrics |= {f"{prefix}test_accuracy": (predicted == labels).float().mean().item(),
                     f"{prefix}table_cost_ratio": spent["mean_cost"] / full_cost,
                     f"{prefix}flops_per_image": spent_flops["mean_cost"],
                     **{f"{prefix}exit_share_{k}": v for k, v in enumerate(shares.tolist())}}
     # (a) is timed as what it is, the plain forward pass (no exit heads but the last, no
     # bookkeeping); its accuracy above came from the cascade's code with no exit taken
-    calls = {prefix: lambda x, kw=kwargs: net.infer(x, **kw) for prefix, kwargs in variants.items()
-             if prefix != "full_"} | {"full_": net}
+    calls = {prefix: lambda x, n=nets[prefix], kw=kwargs: n.infer(x, **kw)
+             for prefix, kwargs in variants.items() if prefix != "full_"} | {"full_": net}
     for batch, suffix in ((1, "b1"), (config.serving_batch, "serving")):
         sample = images[:latency_images] if batch == 1 else images
         measured = interleaved_ms_per_image(calls, sample, batch)
@@ -216,10 +265,12 @@ def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRe
                                [costs, flops])
     metrics |= {"oracle_accuracy": best["accuracy"],
                 "oracle_table_cost_ratio": best["mean_cost"] / full_cost,
-                "cost_over_oracle": metrics["table_cost_ratio"] * full_cost / best["mean_cost"],
-                "oracle_flops_per_image": best_flops["mean_cost"],
-                "flops_over_oracle": metrics["flops_per_image"] / best_flops["mean_cost"],
-                "full_flops": full_flops}
+                "oracle_flops_per_image": best_flops["mean_cost"], "full_flops": full_flops}
+    for prefix in variants.keys() - {"full_"}:
+        metrics |= {f"{prefix}cost_over_oracle":
+                    metrics[f"{prefix}table_cost_ratio"] * full_cost / best["mean_cost"],
+                    f"{prefix}flops_over_oracle":
+                    metrics[f"{prefix}flops_per_image"] / best_flops["mean_cost"]}
     sweep = []
     sample = images[:300]
     for tolerance, thresholds in payload["sweep"].items():

@@ -1,11 +1,14 @@
 """The `sparsify` flow's tasks: the sparsity term fitted to the network, activation thresholds
 calibrated on validation, what the trained network's activations look like (zeros, dead
-channels, memory when stored sparse), and the network with its dead channels removed (smaller,
-re-validated, timed)."""
+channels, memory when stored sparse) on validation and, for the report, on the test split the
+thresholds never saw, and the network with its dead channels removed (smaller, re-validated,
+timed)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Literal
 
 import torch
 from prefect import task
@@ -43,7 +46,8 @@ from training.thresholds import (
     thresholds_toward,
 )
 
-DEAD = 0.99  # a channel all zero on at least this share of the validation images is dead
+DEAD = 0.99  # a channel all zero on at least this share of the images is dead
+SPLIT_NAMES = {"val": "validation", "test": "test"}
 
 
 def sparsity_spec(config: SparsifyConfig, dataset: DatasetRef) -> SparsitySpec:
@@ -60,7 +64,7 @@ def sparsity_spec(config: SparsifyConfig, dataset: DatasetRef) -> SparsitySpec:
 
 
 class LayerReport(BaseModel):
-    """One regularized layer of the trained network, over the validation images."""
+    """One regularized layer of the trained network, over the images of one split."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -74,20 +78,22 @@ class LayerReport(BaseModel):
     bytes_csr: float
 
 
-class SparsityReport(BaseModel):
-    """The trained network's activations on the validation split, layer by layer."""
+class ActivationReport(BaseModel):
+    """The trained network's regularized layers on one split: `val`, where the round, the
+    thresholds (`--zero-threshold-tolerance`, `--zero-target`) and the dead channels are
+    chosen, or `test`, images none of those choices looked at (the figures to report)."""
 
     model_config = ConfigDict(frozen=True)
 
-    score_name: str = "accuracy"  # the task's score: accuracy, map_50, boundary_f
-    val_score: float
+    split: Literal["val", "test"] = "val"
     layers: dict[str, LayerReport]
-    thresholds: dict[str, float] = {}  # the calibrated activation thresholds, if any
 
     def metrics(self) -> dict[str, float]:
-        """Flat MLflow metrics: `zero_fraction_<layer>`, `near_zero_fraction_<layer>`,
+        """The layers' figures: `zero_fraction_<layer>`, `near_zero_fraction_<layer>`,
         `dead_channels_<layer>`, `memory_bitmap_ratio_<layer>` (sparse / dense bytes), ... and
-        their mean over the layers (`zero_fraction`, ...)."""
+        over the layers `zero_fraction` and `near_zero_fraction` (their mean) and
+        `memory_bitmap_ratio`, `memory_csr_ratio` (sum of sparse / sum of dense bytes).
+        Unnamed by split: MLflow gets `split_metrics`."""
         out: dict[str, float] = {}
         for name, layer in self.layers.items():
             key = name.replace(".", "_")
@@ -104,6 +110,29 @@ class SparsityReport(BaseModel):
             "memory_bitmap_ratio": sum(v.bytes_bitmap for v in self.layers.values()) / dense,
             "memory_csr_ratio": sum(v.bytes_csr for v in self.layers.values()) / dense}
 
+    def split_metrics(self) -> dict[str, float]:
+        """`metrics` named by the split they were measured on, as MLflow logs them:
+        `val_zero_fraction_<layer>`, `test_zero_fraction_<layer>`, `test_memory_bitmap_ratio`,
+        ..."""
+        return {f"{self.split}_{key}": value for key, value in self.metrics().items()}
+
+    def all_maps_zero_fraction(self) -> float:
+        """The share of exact zeros over every regularized map together: `sum_l z_l n_l /
+        sum_l n_l`, with z_l a layer's share and n_l its values per image (a larger map
+        weighs more, unlike the mean `zero_fraction`)."""
+        sizes = {name: math.prod(layer.shape) for name, layer in self.layers.items()}
+        return sum(self.layers[name].zero_fraction * size for name, size in sizes.items()
+                   ) / max(sum(sizes.values()), 1)
+
+
+class SparsityReport(ActivationReport):
+    """The trained network's activations on the validation split, layer by layer, with its
+    validation score and the thresholds calibrated there."""
+
+    score_name: str = "accuracy"  # the task's score: accuracy, map_50, boundary_f
+    val_score: float
+    thresholds: dict[str, float] = {}  # the calibrated activation thresholds, if any
+
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="sparsity-report")
 def sparsity_report(config: ClassifierConfig, dataset: DatasetRef, checkpoint: ArtifactRef,
@@ -118,6 +147,21 @@ def sparsity_report(config: ClassifierConfig, dataset: DatasetRef, checkpoint: A
     accuracy = evaluate(model, val, device)["accuracy"]
     stats = activation_stats(model, list(spec.lambdas), val, device)
     return measured_report(stats, spec, "accuracy", accuracy)
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name="test-activations")
+def test_activations(config: ClassifierConfig, dataset: DatasetRef, checkpoint: ArtifactRef,
+                     spec: SparsitySpec) -> ActivationReport:
+    """The checkpoint's regularized layers (its thresholds in place, as served) measured on
+    the test split, which chose neither the round, nor the thresholds, nor the dead channels:
+    per layer the share of exact zeros `z = #{x == 0} / #values` over every test image's
+    map, |x| < 1e-3, channels all zero on at least 99% of the test images, and the bytes
+    stored three ways (`training.sparsity.activation_memory`)."""
+    device = setup_device(config)
+    model = place_model(trained_model(config, dataset, checkpoint), device)
+    test = eval_batches(load_dataset(dataset), dataset, "test", device)
+    stats = activation_stats(model, list(spec.lambdas), test, device)
+    return ActivationReport(split="test", layers=measured_layers(stats, spec))
 
 
 class Calibrated(BaseModel):
@@ -220,8 +264,16 @@ def write_thresholded(model: torch.nn.Module, checkpoint: ArtifactRef, calibrate
 
 def measured_report(stats: ActivationStats, spec: SparsitySpec, score_name: str,
                     score: float) -> SparsityReport:
-    """The report of `spec`'s layers from their activation statistics: zeros, dead channels
-    and bytes stored three ways (`training.sparsity.activation_memory`)."""
+    """The validation report of `spec`'s layers from their activation statistics
+    (`measured_layers`) and the score."""
+    return SparsityReport(score_name=score_name, val_score=score,
+                          layers=measured_layers(stats, spec))
+
+
+def measured_layers(stats: ActivationStats, spec: SparsitySpec) -> dict[str, LayerReport]:
+    """`spec`'s layers from their activation statistics: zeros, dead channels (all zero on at
+    least `DEAD` of the images) and bytes stored three ways
+    (`training.sparsity.activation_memory`)."""
     layers = {}
     for name in spec.lambdas:
         memory = activation_memory(stats.shapes[name], stats.zero_fraction[name])
@@ -232,11 +284,12 @@ def measured_report(stats: ActivationStats, spec: SparsitySpec, score_name: str,
             near_zero_fraction=stats.near_zero_fraction[name], dead_channels=len(dead),
             dead_channel_ids=dead,
             bytes_dense=memory["dense"], bytes_bitmap=memory["bitmap"], bytes_csr=memory["csr"])
-    return SparsityReport(score_name=score_name, val_score=score, layers=layers)
+    return layers
 
 
-def sparsity_figure(report: SparsityReport, title: str):
-    """A bar chart of each layer's share of exact zeros and of |x| < 1e-3."""
+def sparsity_figure(report: ActivationReport, title: str):
+    """A bar chart of each layer's share of exact zeros and of |x| < 1e-3 on the report's
+    split."""
     pyplot = figure_pyplot()
     names = list(report.layers)
     figure, axis = pyplot.subplots(figsize=(1.6 + 1.2 * len(names), 3.2))
@@ -247,7 +300,7 @@ def sparsity_figure(report: SparsityReport, title: str):
              width=0.4, label="|x| < 1e-3")
     axis.set_xticks(list(positions), names)
     axis.set_ylim(0, 1)
-    axis.set_ylabel("share of activations (validation)")
+    axis.set_ylabel(f"share of activations ({SPLIT_NAMES[report.split]})")
     axis.set_title(title)
     axis.legend(loc="lower right")
     figure.tight_layout()
@@ -325,10 +378,11 @@ def sweep_figure(points: dict[float, SparsityReport], title: str):
 
 def log_sweep(run_id: str, points: dict[float, SparsityReport], title: str) -> None:
     """A lambda sweep's points on the run: `sparsity/sweep.json` (each lambda's zeros and
-    validation score) and the plot `sparsity/sweep.png`."""
+    score, on validation: `val_zero_fraction`, `val_accuracy`, ...) and the plot
+    `sparsity/sweep.png`."""
     from tasks import tracking
 
     tracking.log_dict(run_id, {
-        f"{lam:g}": point.metrics() | {f"val_{point.score_name}": point.val_score}
+        f"{lam:g}": point.split_metrics() | {f"val_{point.score_name}": point.val_score}
         for lam, point in sorted(points.items())}, "sparsity/sweep.json")
     tracking.log_figure(run_id, sweep_figure(points, title), "sparsity/sweep.png")

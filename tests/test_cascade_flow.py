@@ -111,6 +111,51 @@ def test_the_calibrated_cascade_keeps_its_promise_on_validation(run):
         point["tolerance"] for point in run.test.sweep)
 
 
+def test_both_routings_are_tested_and_the_registered_one_is_the_calibrations_choice(run):
+    """The test task scores both routings the calibration chose between, each with its own
+    thresholds: the most frequent sub-networks fixed (`fixed_...`) and the fitted predictors
+    (`fitted_...`); the run records which one validation chose (`Calibration.routing`, the tag
+    `cascade.routing`), and the registered model's own figures (no prefix) are that one's."""
+    from tasks.checkpoints import load_checkpoint
+    from tasks.versioning import ArtifactStore
+
+    data = MlflowClient().get_run(run.run_id).data
+    metrics, tags = data.metrics, data.tags
+    calibration = run.calibration
+    kept, expensive = (calibration.metrics[key] for key in ("predictors_kept",
+                                                             "most_expensive_fixed"))
+    expected = "fitted" if kept else "most_expensive" if expensive else "fixed"
+    assert calibration.routing == expected and tags["cascade.routing"] == expected
+    for prefix in ("fixed_", "fitted_"):
+        assert {f"{prefix}{key}" for key in (
+            "test_accuracy", "speedup_b1", "ms_per_image_b1", "table_cost_ratio",
+            "flops_per_image", "cost_over_oracle", "flops_over_oracle", "exit_share_0",
+            "exit_share_1", "exit_share_2")} <= set(metrics), prefix
+        assert sum(metrics[f"{prefix}exit_share_{k}"] for k in range(3)) == pytest.approx(1)
+        assert metrics[f"{prefix}cost_over_oracle"] == pytest.approx(
+            metrics[f"{prefix}table_cost_ratio"] / metrics["oracle_table_cost_ratio"])
+    # the two are different networks: the fitted predictors pay for their own time
+    weights = load_checkpoint(ArtifactStore(), calibration.checkpoint)["model"]
+    registered = [int(weights[f"blocks.{k}.fixed"]) for k in (1, 2)]
+    routing = load_checkpoint(ArtifactStore(), calibration.checkpoint)["routing"]
+    assert routing["fitted"]["fixed"] == {1: -1, 2: -1}
+    assert min(routing["fixed"]["fixed"].values()) >= 0
+    # the registered checkpoint is the chosen routing, with the thresholds calibrated for it
+    if expected != "most_expensive":
+        assert registered == [routing[expected]["fixed"][k] for k in (1, 2)]
+        assert calibration.thresholds == pytest.approx(
+            routing[expected]["thresholds"].tolist())
+    same = {"fixed": "fixed_", "fitted": "fitted_", "most_expensive": "plain_"}[expected]
+    for key in ("test_accuracy", "table_cost_ratio", "flops_per_image", "exit_share_0",
+                "exit_share_1", "exit_share_2", "cost_over_oracle", "flops_over_oracle"):
+        assert metrics[key] == pytest.approx(metrics[f"{same}{key}"]), key
+    assert run.registration.accuracy == pytest.approx(metrics[f"{same}test_accuracy"])
+    assert calibration.metrics["val_accuracy"] == pytest.approx(
+        {"fixed": calibration.metrics["val_accuracy_predictors_fixed"],
+         "fitted": calibration.metrics["val_accuracy_predictors_fitted"]}.get(
+            expected, calibration.metrics["val_accuracy"]))
+
+
 def test_the_registered_pyfunc_runs_the_real_cascade(run):
     """The served model gives each image the exit and the sub-networks the network itself
     gives it, and only names the super-network modules the image reached."""

@@ -49,24 +49,27 @@ def test_metrics_report_and_plots_are_in_mlflow(sparse):
     run = client.get_run(sparse.run_id)
     metrics = run.data.metrics
     assert metrics["lambda_block2"] == pytest.approx(1.0)
-    assert metrics["zero_fraction_block1"] == pytest.approx(
+    # validation's figures (the split that chose the round) are named for it
+    assert metrics["val_zero_fraction_block1"] == pytest.approx(
         sparse.report.layers["block1"].zero_fraction)
+    assert "zero_fraction_block1" not in metrics
     assert {"loss_sparsity", "sparsity_block1", "sparsity_block2", "loss_ce",
-            "test_accuracy", "memory_csr_ratio"} <= set(metrics)
+            "test_accuracy", "val_memory_csr_ratio", "test_memory_csr_ratio"} <= set(metrics)
     history = client.get_metric_history(sparse.run_id, "loss_sparsity")
     assert [m.step for m in history] == [1, 2] and all(m.value > 0 for m in history)
     assert run.data.params["transform"] == "abs"
     files = {f.path for f in client.list_artifacts(sparse.run_id, "sparsity")}
     assert files == {"sparsity/report.json", "sparsity/layers.png", "sparsity/sweep.json",
-                     "sparsity/sweep.png"}
+                     "sparsity/sweep.png", "sparsity/test_report.json",
+                     "sparsity/test_layers.png"}
     sweep = json.loads(Path(client.download_artifacts(sparse.run_id,
                                                       "sparsity/sweep.json")).read_text())
     assert set(sweep) == {"0", "0.5"}
     children = client.search_runs([run.info.experiment_id],
                                   f"tags.mlflow.parentRunId = '{sparse.run_id}'")
     assert [child.info.run_name for child in children] == ["lambda-0"]
-    assert children[0].data.metrics["zero_fraction"] == pytest.approx(
-        sweep["0"]["zero_fraction"])
+    assert children[0].data.metrics["val_zero_fraction"] == pytest.approx(
+        sweep["0"]["val_zero_fraction"])
     report = json.loads(Path(client.download_artifacts(sparse.run_id,
                                                        "sparsity/report.json")).read_text())
     assert report["layers"]["block2"]["dead_channels"] == sparse.report.layers[
@@ -81,6 +84,70 @@ def test_metrics_report_and_plots_are_in_mlflow(sparse):
     assert {"pruned_parameter_ratio", "pruned_latency_ratio_b1",
             "pruned_latency_ratio_b256"} <= set(metrics)
     assert len(run.data.tags["dvc.program.pruned"]) == 32
+
+
+def counted_test_zeros(summary, config: SparsifyConfig) -> dict[str, float]:
+    """Each regularized layer's share of exact zeros over the run's test images, counted here
+    with forward hooks on the network of the run's final checkpoint (`checkpoint.final`, its
+    activation thresholds applied by the hooks themselves: |x| <= t becomes 0, and the next
+    layer reads that), on the test split's raw images normalized by hand."""
+    import torch
+
+    from flows.skeleton import data_section
+    from models import build_model
+    from tasks.data import load_dataset, prepare_dataset, source_version
+
+    data_config = data_section(config)
+    dataset = prepare_dataset(data_config, source_version(data_config))
+    data = load_dataset(dataset)
+    ref = tracking.artifact_refs(summary.run_id)["checkpoint.final"]
+    payload = torch.load(ArtifactStore().path_of(ref["path"]), map_location="cpu",
+                         weights_only=True)
+    model = build_model(config.network_name(), dataset.channels, len(dataset.classes),
+                        config.width)
+    model.load_state_dict(payload["model"])
+    model.eval()
+    thresholds = payload.get("thresholds", {})
+    zeros, values = dict.fromkeys(summary.spec.lambdas, 0), dict.fromkeys(summary.spec.lambdas, 0)
+
+    def counting(name: str):
+        def hook(_module, _inputs, output):
+            if name in thresholds:
+                output = torch.where(output.abs() > thresholds[name], output, 0.0)
+            zeros[name] += int((output == 0).sum())
+            values[name] += output.numel()
+            return output
+        return hook
+
+    modules = dict(model.named_modules())
+    handles = [modules[name].register_forward_hook(counting(name)) for name in zeros]
+    shape = (1, -1, 1, 1)
+    x = data.images[data.splits["test"]].float().div(255)
+    with torch.no_grad():
+        model((x - torch.tensor(dataset.mean).view(shape)) / torch.tensor(dataset.std).view(shape))
+    for handle in handles:
+        handle.remove()
+    assert min(values.values()) > 0
+    return {name: zeros[name] / values[name] for name in zeros}
+
+
+def test_the_zeros_reported_are_counted_on_the_test_images(sparse):
+    """The run logs each layer's exact zeros on the test split (`test_zero_fraction_<layer>`),
+    which chose nothing, beside validation's (`val_...`); the logged shares are what a count
+    of the zeros on that run's test images gives."""
+    metrics = MlflowClient().get_run(sparse.run_id).data.metrics
+    counted = counted_test_zeros(sparse, smoke_sparsify())
+    assert sparse.test_report.split == "test" and list(sparse.test_report.layers) == list(counted)
+    for layer, share in counted.items():
+        assert metrics[f"test_zero_fraction_{layer}"] == pytest.approx(share, abs=1e-6), layer
+        assert sparse.test_report.layers[layer].zero_fraction == pytest.approx(share, abs=1e-6)
+        assert metrics[f"val_zero_fraction_{layer}"] == pytest.approx(
+            sparse.report.layers[layer].zero_fraction)
+        assert f"test_dead_channels_{layer}" in metrics
+        assert f"test_memory_bitmap_ratio_{layer}" in metrics
+    assert metrics["test_zero_fraction"] == pytest.approx(sum(counted.values()) / len(counted))
+    assert metrics["test_memory_bitmap_ratio"] == pytest.approx(
+        sparse.test_report.metrics()["memory_bitmap_ratio"])
 
 
 def test_the_hoyer_square_trains_through_the_flow_and_raises_the_zeros(sparse):
@@ -164,6 +231,12 @@ def test_a_zero_target_is_reached_in_steps_and_settled(sparse):
     refs = tracking.artifact_refs(target.run_id)
     assert "checkpoint.settle.epoch-001" in refs and "checkpoint.cycle-1.epoch-001" in refs
     assert target.test_accuracy > 0.25
+    # the thresholds were set on validation; the zeros logged for the test images are a
+    # count there with the thresholds in place
+    metrics = client.get_run(target.run_id).data.metrics
+    counted = counted_test_zeros(target, smoke_sparsify())
+    for layer, share in counted.items():
+        assert metrics[f"test_zero_fraction_{layer}"] == pytest.approx(share, abs=1e-6), layer
 
 
 def test_a_zero_target_ramp_raises_the_thresholds_inside_the_run(sparse):
