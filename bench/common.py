@@ -1,10 +1,10 @@
 """Shared by the benchmarks: statistics and the two outputs (a table, then one JSON line).
 
 The JSON line is also appended to `bench/results/<benchmark>.jsonl` with the commit, the
-command that made it (as typed: `python -m bench.NAME ARGS`), the time and whether the work
-tree had uncommitted changes, so that every README table can be traced to, and regenerated
-from, a raw record that anyone can rerun (`COMPACTML_BENCH_RESULTS` moves the folder; `none`
-records nothing).
+command that made it (as typed: `python -m bench.NAME ARGS`), the time and the tracked files
+that differed from that commit (`uncommitted`), so that every README table can be traced to,
+and regenerated from, a raw record that anyone can rerun (`COMPACTML_BENCH_RESULTS` moves the
+folder; `none` records nothing).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _git(*args: str) -> str:
     try:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
+                              check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -75,14 +75,15 @@ def results_folder() -> Path | None:
 
 
 def record(figures: dict) -> Path | None:
-    """Appends `figures` with its provenance (commit, dirty tree, command, time) as one JSON
-    line to `<results folder>/<figures["benchmark"]>.jsonl`; returns that file."""
+    """Appends `figures` with its provenance (commit, uncommitted files, command, time) as one
+    JSON line to `<results folder>/<figures["benchmark"]>.jsonl`; returns that file."""
     folder = results_folder()
     if folder is None or "benchmark" not in figures:
         return None
     folder.mkdir(parents=True, exist_ok=True)
-    line = {"commit": _git("rev-parse", "HEAD"),
-            "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+    changed = _git("status", "--porcelain", "--untracked-files=no")  # "XY path" lines
+    line = {"commit": _git("rev-parse", "HEAD").strip(),
+            "uncommitted": sorted(entry[3:] for entry in changed.splitlines() if entry),
             "command": command_line(),
             "finished": datetime.now(UTC).isoformat(timespec="seconds")} | figures
     target = folder / f"{figures['benchmark']}.jsonl"
