@@ -49,6 +49,7 @@ from tasks.pipeline_config import PipelineConfig
 from tasks.registration import CHAMPION, Policy, Registration
 from tasks.reporting import publish_summary
 from tasks.runners import task_runner
+from tasks.sparsify import sparsity_spec, test_activations
 from tasks.training import ClassifierConfig, TestResult, classifier_config, test_and_export
 from tasks.versioning import ArtifactRef
 
@@ -149,13 +150,17 @@ def run_pbt(config: PipelineConfig, prepared: Prepared, run_id: str, start: Arti
 
 def run_sparsify(config: PipelineConfig, prepared: Prepared, run_id: str, start: ArtifactRef):
     """Step 4: `sparsify`'s rounds from PBT's best; its classifier config, kept round and
-    activation report."""
+    activation report on the test split (the validation one chose the round and thresholds)."""
     sparse = prepared.apply(config.sparsify_config())
     with tracking.tracked_run(FLOW_NAME, "sparsify", sparse, parent_run_id=run_id) as sparse_run:
         classifier, budget = budgeted_classifier(sparse, prepared, sparse_run, sparse.epochs)
         _, best, report = train_sparse(sparse, classifier, prepared, budget, sparse_run, start)
         tracking.log_dict(sparse_run, report.model_dump(), "sparsity/report.json")
-    return classifier, best, report
+        test_report = test_activations(classifier, prepared.dataset, best.checkpoint,
+                                       sparsity_spec(sparse, prepared.dataset))
+        tracking.log_dict(sparse_run, test_report.model_dump(), "sparsity/test_report.json")
+        tracking.log_metrics(sparse_run, test_report.split_metrics())
+    return classifier, best, test_report
 
 
 @flow(name=FLOW_NAME, description="The retraining pipeline: data check, distillation from a "
