@@ -6,9 +6,13 @@ from the image), let a captioner trained on the described images describe the re
 (`caption-images`), and encode every distinct text (`describe-images`); align image and text
 features with the contrastive loss alone for `--align-epochs` rounds; start the classifier
 from the text features of each class's descriptions; train both sub-losses with early
-stopping on validation; test the classifier and zero-shot classification from the class
-descriptions; register the network as a pyfunc that classifies, or classifies zero-shot among
-descriptions given when predicting, and promote it like `train`'s models.
+stopping on validation; with `--head-mixing`, mix the classifier with the zero-shot head
+(WiSE-FT, the weight chosen on validation); test the classifier and zero-shot classification
+from the class descriptions; register the network as a pyfunc that classifies, or classifies
+zero-shot among descriptions given when predicting, and promote it like `train`'s models.
+
+With `--labels-per-class K`, unlabelled images get no text derived from their labels and
+every choice reads at most K validation images per class (`tasks/image_text.py`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,13 @@ from flows.skeleton import (
     run_tags,
 )
 from tasks import tracking
-from tasks.image_text import Descriptions, RoundResult, describe_images, train_image_text_round
+from tasks.image_text import (
+    Descriptions,
+    RoundResult,
+    describe_images,
+    mix_heads,
+    train_image_text_round,
+)
 from tasks.image_text_config import ImageTextConfig
 from tasks.image_text_evaluation import register_image_text, test_image_text
 from tasks.registration import Registration
@@ -46,7 +56,9 @@ class ImageTextSummary(BaseModel):
     descriptions: Descriptions
     aligned: ArtifactRef | None  # the checkpoint the classifier started from
     best_epoch: int
-    val_accuracy: float
+    val_accuracy: float  # of the model kept (the mixed head's with head mixing)
+    val_images: int  # the validation images the choices read
+    head_mixing_alpha: float | None  # the weight of the trained head (None: not mixed)
     test_metrics: dict[str, float]
     baselines: dict[str, float]
     registration: Registration
@@ -75,7 +87,8 @@ def image_text(config: ImageTextConfig) -> ImageTextSummary:
         tracking.log_metrics(run_id, {"described_images": described.described_images,
                                       "texts_per_image": described.texts_per_image,
                                       "train_images": described.train_images,
-                                      "labelled_images": described.labelled_images}
+                                      "labelled_images": described.labelled_images,
+                                      "val_images": described.val_images}
                              | described.matching)
         if described.pool is not None:
             tracking.log_artifact_refs(run_id, {"pool": described.pool})
@@ -108,29 +121,43 @@ def image_text(config: ImageTextConfig) -> ImageTextSummary:
                                           previous or aligned, budget.repeats)
 
         best = run_rounds(config.epochs, joint_round, run_id, config.patience,
-                          dataset.sizes["val"])
-        metrics = test_image_text(config, dataset, described, best.checkpoint)
-        tracking.log_metrics(run_id, metrics | {"val_accuracy": best.metrics["val_accuracy"]})
-        tracking.log_artifact_refs(run_id, {"checkpoint.final": best.checkpoint})
-        baseline = judge_baseline(run_id, prepared, best.metrics["val_accuracy"])
-        refusal = baseline.refusal() if config.baseline_gate and not baseline.beaten else None
-        registration = register_image_text(run_id, name, config, dataset, described,
-                                           best.checkpoint, refusal)
+                          described.val_images)
+        final, val_accuracy, alpha = best.checkpoint, best.metrics["val_accuracy"], None
+        if config.head_mixing:
+            mixed = mix_heads(config, dataset, described, best.checkpoint)
+            tracking.log_metrics(run_id, {"head_mixing_alpha": mixed.alpha} | {
+                f"head_mixing_val_accuracy_{a}": v for a, v in mixed.accuracies.items()})
+            final, val_accuracy, alpha = mixed.checkpoint, mixed.val_accuracy, mixed.alpha
+        metrics = test_image_text(config, dataset, described, final)
+        tracking.log_metrics(run_id, metrics | {"val_accuracy": val_accuracy})
+        tracking.log_artifact_refs(run_id, {"checkpoint.final": final})
+        baseline = judge_baseline(run_id, prepared, val_accuracy)
+        refusal = baseline.refusal() if config.baseline_gate else None
+        registration = register_image_text(run_id, name, config, dataset, described, final,
+                                           refusal)
         summary = ImageTextSummary(run_id=run_id, descriptions=described, aligned=aligned,
-                                   best_epoch=best.epoch + 1,
-                                   val_accuracy=best.metrics["val_accuracy"],
+                                   best_epoch=best.epoch + 1, val_accuracy=val_accuracy,
+                                   val_images=described.val_images, head_mixing_alpha=alpha,
                                    test_metrics=metrics, baselines=prepared.baselines,
                                    registration=registration)
-    finished = Finished(test=TestResult(metrics=metrics, program=best.checkpoint),
+    finished = Finished(test=TestResult(metrics=metrics, program=final),
                         registration=registration, baseline=baseline)
     rows = {
         "zero-shot from the class descriptions": f"test {metrics['test_zero_shot_accuracy']:.4f}",
         "descriptions": f"{described.described_images} images, "
                         f"{described.texts_per_image:.1f} texts each ({config.text_encoder})",
-        "best round (validation)": f"{summary.best_epoch} ({summary.val_accuracy:.4f})",
+        "best round (validation)": f"{summary.best_epoch} ({best.metrics['val_accuracy']:.4f} "
+                                   f"on {described.val_images} images)",
         "budget": f"{config.align_epochs} alignment + {config.epochs} rounds x "
                   f"{budget.repeats} passes, batch {budget.batch_size}",
     }
+    if alpha is not None:
+        rows["head mixing (validation)"] = (f"alpha {alpha:g} x trained + {1 - alpha:g} x "
+                                            f"zero-shot ({val_accuracy:.4f})")
+    if config.labels_per_class is not None:
+        rows["labels"] = (f"{described.labelled_images} training images, "
+                          f"{described.val_images} validation images (at most "
+                          f"{config.labels_per_class} per class)")
     if described.matching:
         rows["matched against the pool"] = ", ".join(
             f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"

@@ -1,5 +1,7 @@
 """Descriptions by a trained captioner (`training.captioner`): the `image_text` flow's third
-source, for training images that neither the captions table nor the pool describes.
+source, for training images that neither the captions table nor the pool describes, and, in
+a few-label run of the project's own texts, for the unlabelled images (which carry only their
+measured phrases: their class's descriptions would hand them their label).
 
 The captioner trains on the described training images, less a held-out tenth on which its
 captions are scored by BLEU (sacrebleu, every description of an image a reference) beside a
@@ -55,25 +57,43 @@ def bleu(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> floa
     return float(sacrebleu.corpus_bleu(list(hypotheses), streams).score)
 
 
+LOOKS_ONLY = frozenset({"phrase"})  # kinds that say how an image looks, not what it shows
+
+
+def described_positions(captions: pd.DataFrame) -> Tensor:
+    """The positions with a description that says what the image shows: a row of any kind
+    but a measured phrase (`LOOKS_ONLY`)."""
+    shows = captions[~captions["kind"].isin(LOOKS_ONLY)]
+    return torch.tensor(sorted(set(shows["position"].tolist())), dtype=torch.long)
+
+
 def undescribed(train: Tensor, captions: pd.DataFrame) -> Tensor:
-    """The training positions without a description."""
-    described = torch.tensor(sorted(set(captions["position"].tolist())), dtype=torch.long)
-    return train[~torch.isin(train, described)]
+    """The training positions without a description (`described_positions`: measured
+    phrases alone do not count, so a few-label run's unlabelled images, which have only their
+    phrases, are the captioner's to describe)."""
+    return train[~torch.isin(train, described_positions(captions))]
 
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="caption-images")
 def caption_images(config: ImageTextConfig, dataset: DatasetRef,
                    captions: ArtifactRef) -> Captioned:
     """Trains the captioner on the described training images (`captions`: position, text,
-    weight), scores it on a held-out tenth, and describes every undescribed training image
-    (weight `config.generated_weight`)."""
+    weight, kind; every row of an image `described_positions` names), scores it on a
+    held-out tenth, and describes every undescribed training image (weight
+    `config.generated_weight`). In a few-label run of the project's own texts the described
+    images are the labelled ones: the captioner learns from their texts and reads only the
+    pixels of the images it describes."""
     device = setup_device(config)
     store = ArtifactStore()
     data = load_dataset(dataset)
     table = pd.read_parquet(store.fetch(captions))
     train = seen_training_positions(config, dataset.classes, data.labels, data.splits["train"])
     table = table[table["position"].isin(set(train.tolist()))]
-    described = torch.tensor(sorted(set(table["position"].tolist())), dtype=torch.long)
+    described = described_positions(table)
+    if len(described) < 2:
+        raise ValueError(f"the captioner needs at least 2 described training images, got "
+                         f"{len(described)}: set --no-caption-missing or give descriptions")
+    table = table[table["position"].isin(set(described.tolist()))]
     generator = torch.Generator().manual_seed(config.seed + 31)
     order = described[torch.randperm(len(described), generator=generator)]
     held = order[:max(1, round(HELD_OUT * len(order)))]

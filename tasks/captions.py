@@ -118,16 +118,25 @@ def wordnet_classes(classes: list[str], wordnet: WordNet | None = None) -> pd.Da
 
 def own_captions(images: torch.Tensor, labels: torch.Tensor, train: torch.Tensor,
                  classes: pd.DataFrame, names: list[str], per_image: int, phrases: bool,
-                 seed: int) -> pd.DataFrame:
-    """The project's captions of every image (by position): `per_image` of its class's
-    descriptions (a seeded draw) and, with `phrases`, two measured phrases (worded by the
-    training split's thirds). Columns position, text, weight, kind."""
+                 seed: int, described: torch.Tensor | None = None) -> pd.DataFrame:
+    """The project's captions of the images (by position): `per_image` of its class's
+    descriptions (a seeded draw) for every position in `described` (None: every position),
+    and, with `phrases`, two measured phrases for every position (worded by the training
+    split's thirds). Columns position, text, weight, kind.
+
+    Class descriptions are derived from the label; the phrases only from the pixels. A
+    few-label run passes its labelled positions as `described`, so an unlabelled image gets
+    no text that knows its class (the draws do not depend on `described`: a labelled image
+    gets the same texts as in the run with every label)."""
     generator = torch.Generator().manual_seed(seed)
     by_class = {name: rows for name, rows in classes.groupby("class", sort=False)}
+    keep = None if described is None else set(described.tolist())
     rows = []
     for position, label in enumerate(labels.tolist()):
         own = by_class[names[label]]
         picks = torch.randperm(len(own), generator=generator)[:per_image].tolist()
+        if keep is not None and position not in keep:
+            continue
         rows += [(position, own.iloc[i]["text"], own.iloc[i]["weight"], own.iloc[i]["kind"])
                  for i in sorted(picks)]
     if phrases:
@@ -136,4 +145,3 @@ def own_captions(images: torch.Tensor, labels: torch.Tensor, train: torch.Tensor
         for position, pair in enumerate(image_phrases(measures, cuts)):
             rows += [(position, text, PHRASE_WEIGHT, "phrase") for text in pair]
     return pd.DataFrame(rows, columns=["position", "text", "weight", "kind"])
-

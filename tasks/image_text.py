@@ -1,8 +1,17 @@
-"""`image_text` tasks: describe the images, encode the texts, train a round, test and export.
+"""`image_text` tasks: describe the images, encode the texts, train a round, mix the heads,
+test and export.
 
 Descriptions and text features are versioned artifacts (Parquet tables, a tensor file), so a
 round on another machine pulls them by hash. The pretrained text encoder is frozen: every
 distinct text is encoded once, and training reads the vectors.
+
+A few-label run (`labels_per_class` K) keeps its labels out of the texts and out of its
+choices: only the K labelled images per class get the project's class-derived descriptions;
+an unlabelled image gets text only from sources blind to its label (the user's captions, a
+pool that holds none of the run's images, its measured phrases, the captioner trained on the
+labelled images' texts); and early stopping, the round kept and the head mixing read at most
+K validation images per class (`validation_images`). The test split stays fully labelled,
+for the report only.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from torch import Tensor
 
 from models.image_text import ImageTextNet, build_image_text, encode_texts
 from tasks.caching import computation_key
-from tasks.captioning import Captioned, caption_images, undescribed
+from tasks.captioning import Captioned, caption_images, described_positions, undescribed
 from tasks.captions import (
     DescriptionError,
     check_classes,
@@ -40,8 +49,10 @@ from training.device import inference_batch, place_model
 from training.image_text import (
     MAX_LOGIT_SCALE,
     TextBank,
+    choose_mixing,
     class_text_weights,
     image_text_step,
+    mixed_head,
     zero_shot_logits,
 )
 from training.loops import evaluate
@@ -61,6 +72,7 @@ class Descriptions(BaseModel):
     texts_per_image: float
     train_images: int  # what a round passes over (`training_images`)
     labelled_images: int
+    val_images: int  # what the choices read (`validation_images`)
     pool: ArtifactRef | None = None  # the pool matched against (`tasks/pool.py`)
     matching: dict[str, float] = {}  # its figures: precision, recall, ...
     captioned: Captioned | None = None  # what the captioner wrote for undescribed images
@@ -97,17 +109,25 @@ def checked_tables(config: ImageTextConfig, classes: list[str], skipped: list[st
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="describe-images")
 def describe_images(config: ImageTextConfig, dataset: DatasetRef) -> Descriptions:
-    """The captions of every image of the prepared data set (by position) and each class's
-    descriptions, as versioned tables, and every distinct text encoded (`encode_texts`)."""
+    """The captions of the images of the prepared data set (by position) and each class's
+    descriptions, as versioned tables, and every distinct text encoded (`encode_texts`).
+
+    Sources: the user's table; or pool matches (a few-label run's own pool holds no copy of
+    its images, `own_pool`); or the project's own texts, whose class descriptions go to the
+    labelled images only (every image without `labels_per_class`) and whose measured phrases
+    go to every image. The captioner, trained on the described training images, writes a
+    description for each training image that has none but phrases (`undescribed`)."""
     data = load_dataset(dataset)
     given, classes = checked_tables(config, dataset.classes, dataset.skipped)
+    train, labelled = training_images(config, dataset, data)
+    few = config.labels_per_class is not None
     pool_ref, matching = None, {}
     store = ArtifactStore()
     key = run_key(config, dataset)
     if config.source() == "pool":
         pool = folder_pool(config.pool) if config.pool is not None else own_pool(
             data, dataset, classes, config.pool_share, config.pool_distractors,
-            config.class_texts_per_image, config.phrases, config.seed)
+            config.class_texts_per_image, config.phrases, config.seed, train_copies=not few)
         pool_ref = store.write(f"image_text/{key}/pool.parquet",
                                lambda path: pool.to_parquet(path, index=False))
         captions, matching = match_training_images(data, pool, config.match_threshold,
@@ -115,7 +135,7 @@ def describe_images(config: ImageTextConfig, dataset: DatasetRef) -> Description
     elif given is None:
         captions = own_captions(data.images, data.labels, data.splits["train"], classes,
                                 dataset.classes, config.class_texts_per_image, config.phrases,
-                                config.seed)
+                                config.seed, labelled.nonzero().flatten() if few else None)
     else:
         position = {name: p for p, name in enumerate(
             [image_keys(config.data, dataset.skipped)[i] for i in data.ids.tolist()])}
@@ -126,9 +146,11 @@ def describe_images(config: ImageTextConfig, dataset: DatasetRef) -> Description
     captions_ref = store.write(f"image_text/{key}/captions.parquet",
                                lambda path: captions.to_parquet(path, index=False))
     captioned = None
-    train = seen_training_positions(config, dataset.classes, data.labels, data.splits["train"])
+    seen = seen_training_positions(config, dataset.classes, data.labels, data.splits["train"])
+    seen_captions = captions[captions["position"].isin(set(seen.tolist()))]
     if config.caption_missing and config.contrastive_weight > 0 and \
-            len(undescribed(train, captions)):
+            len(undescribed(seen, seen_captions)) and \
+            len(described_positions(seen_captions)) > 1:  # it needs some to learn from
         captioned = caption_images(config, dataset, captions_ref)
         captions = pd.concat([captions, pd.read_parquet(store.fetch(captioned.captions))],
                              ignore_index=True)
@@ -139,19 +161,23 @@ def describe_images(config: ImageTextConfig, dataset: DatasetRef) -> Description
     texts_ref = store.write(f"image_text/{key}/texts-{config.text_encoder}.pt",
                             lambda path: torch_save({"texts": texts, "features": features},
                                                     path))
-    counts = captions.groupby("position").size()
-    train, labelled = training_images(config, dataset, data)
+    counts = captions[captions["position"].isin(set(train.tolist()))].groupby("position").size()
     return Descriptions(captions=captions_ref, classes=classes_ref, texts=texts_ref,
                         text_dim=features.shape[1] if config.text_encoder == "minilm"
                         else config.text_dim,
-                        described_images=len(counts), texts_per_image=float(counts.mean()),
+                        described_images=len(counts),
+                        texts_per_image=float(counts.mean()) if len(counts) else 0.0,
                         train_images=len(train), labelled_images=int(labelled.sum()),
+                        val_images=len(validation_images(data.labels, data.splits["val"],
+                                                         config.labels_per_class,
+                                                         config.split_seed)),
                         pool=pool_ref, matching=matching, captioned=captioned)
 
 
 class TextSide:
     """What training and testing read of the descriptions: the text bank of every image, the
-    class descriptions' text rows, and which images train with their label."""
+    class descriptions' text rows, which images train with their label, and which
+    validation images the choices read."""
 
     def __init__(self, config: ImageTextConfig, dataset: DatasetRef, data: LoadedDataset,
                  described: Descriptions) -> None:
@@ -175,6 +201,8 @@ class TextSide:
         name_to_label = {name: i for i, name in enumerate(dataset.classes)}
         self.class_labels = torch.tensor(classes["class"].map(name_to_label).tolist())
         self.train, self.labelled = training_images(config, dataset, data)
+        self.validation = validation_images(data.labels, data.splits["val"],
+                                            config.labels_per_class, config.split_seed)
         self.unseen = unseen
 
     def class_weights(self, model: ImageTextNet, device: torch.device) -> Tensor:
@@ -199,9 +227,21 @@ def training_images(config: ImageTextConfig, dataset: DatasetRef, data: LoadedDa
     return train, labelled
 
 
+VALIDATION_SEED = 1009  # added to the split seed for the same-budget validation draw
+
+
+def validation_images(labels: Tensor, val: Tensor, per_class: int | None,
+                      split_seed: int) -> Tensor:
+    """The validation positions the run's choices read (early stopping, the round kept, the
+    head mixing): all of `val`, or with `per_class` K (`labels_per_class`) at most K of each
+    class, a draw per class seeded by the split seed (the labels a few-label user could hold
+    out), so that no choice reads more labels than the run is said to have."""
+    return labelled_images(labels, val, per_class, split_seed + VALIDATION_SEED)
+
+
 def labelled_images(labels: Tensor, train: Tensor, per_class: int | None, seed: int) -> Tensor:
-    """The training positions that keep their label: all, or `per_class` of each class (a
-    seeded draw)."""
+    """The positions of `train` that keep their label: all, or at most `per_class` of each
+    class (a seeded draw, class by class in label order), sorted."""
     if per_class is None:
         return train
     generator = torch.Generator().manual_seed(seed + 7)
@@ -243,7 +283,8 @@ def train_image_text_round(config: ImageTextConfig, dataset: DatasetRef,
     round starting the classifier from the class descriptions' text features (or from random
     directions of the same norm, `--no-text-init`). Scores the validation split: the
     classifier's accuracy (`val_accuracy`; zero-shot while aligning) and zero-shot accuracy
-    from the class descriptions (`val_zero_shot_accuracy`)."""
+    from the class descriptions (`val_zero_shot_accuracy`) on the validation images the
+    choices read (`validation_images`)."""
     device = setup_device(config)
     store = ArtifactStore()
     data = load_dataset(dataset)
@@ -276,7 +317,7 @@ def train_image_text_round(config: ImageTextConfig, dataset: DatasetRef,
                           (0, rounds * repeats), config.warmup_epochs * repeats,
                           config.grad_clip)
     seconds = time.perf_counter() - started
-    scores = score_split(model, side, data, dataset, "val", device)
+    scores = score_split(model, side, data, dataset, side.validation, device)
     metrics |= {"val_accuracy": scores["zero_shot_accuracy" if phase == "align"
                                        else "accuracy"],
                 "val_zero_shot_accuracy": scores["zero_shot_accuracy"],
@@ -305,11 +346,12 @@ def start_classifier(model: ImageTextNet, side: TextSide, config: ImageTextConfi
 
 @torch.no_grad()
 def score_split(model: ImageTextNet, side: TextSide, data: LoadedDataset, dataset: DatasetRef,
-                split: str, device: torch.device) -> dict[str, float]:
-    """The classifier's accuracy and loss on a split, its zero-shot accuracy from the class
-    descriptions, and both on the unseen classes' images alone (when there are any)."""
+                positions: Tensor, device: torch.device) -> dict[str, float]:
+    """The classifier's accuracy and loss on the images at `positions` (a split, or the
+    validation images the choices read), its zero-shot accuracy from the class descriptions,
+    and both on the unseen classes' images alone (when there are any)."""
     model.eval()
-    batches = Batches(data.images, data.labels, data.splits[split], inference_batch(device),
+    batches = Batches(data.images, data.labels, positions, inference_batch(device),
                       Normalize(dataset.mean, dataset.std), device=device)
     result = evaluate(model, batches, device)
     weights = side.class_weights(model, device)
@@ -328,3 +370,52 @@ def score_split(model: ImageTextNet, side: TextSide, data: LoadedDataset, datase
                    "unseen_accuracy": float((head_pred == y)[unseen].float().mean()),
                    "seen_accuracy": float((head_pred == y)[~unseen].float().mean())}
     return scores
+
+
+class MixedHead(BaseModel):
+    """The checkpoint with the mixed classifier, the alpha chosen and every alpha's validation
+    accuracy (`mix_heads`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    checkpoint: ArtifactRef
+    alpha: float
+    val_accuracy: float
+    accuracies: dict[str, float]  # alpha (as text) -> validation accuracy
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name="mix-heads")
+def mix_heads(config: ImageTextConfig, dataset: DatasetRef, described: Descriptions,
+              checkpoint: ArtifactRef) -> MixedHead:
+    """WiSE-FT on the classifier: its weights become `alpha * trained + (1 - alpha) *
+    zero-shot`, the zero-shot head being the class descriptions' text features in the shared
+    space times the similarity scale (`TextSide.class_weights`, as zero-shot scoring and the
+    served model build it), alpha chosen on the validation images the choices read
+    (`choose_mixing`). Writes the network with the mixed head as a checkpoint of its own: the
+    one tested and registered."""
+    device = setup_device(config)
+    store = ArtifactStore()
+    data = load_dataset(dataset)
+    side = TextSide(config, dataset, data, described)
+    payload = load_checkpoint(store, checkpoint)
+    model = new_network(config, dataset, described)
+    model.load_state_dict(payload["model"])
+    model = place_model(model, device).eval()
+    batches = Batches(data.images, data.labels, side.validation, inference_batch(device),
+                      Normalize(dataset.mean, dataset.std), device=device)
+    with torch.no_grad():
+        features, labels = [], []
+        for _ids, x, y in batches:
+            features.append(model.image_features(x))
+            labels.append(y)
+        zero_shot = side.class_weights(model, device)
+        trained = model.head.weight.detach().clone()
+        alpha, accuracies = choose_mixing(torch.cat(features), torch.cat(labels), trained,
+                                          zero_shot)
+        model.head.weight.copy_(mixed_head(trained, zero_shot, alpha))
+    payload = payload | {"model": {k: v.cpu() for k, v in model.state_dict().items()},
+                         "head_mixing": alpha}
+    relpath = f"checkpoints/image_text/{run_key(config, dataset)}/mixed-head.pt"
+    return MixedHead(checkpoint=save_checkpoint(store, relpath, payload), alpha=alpha,
+                     val_accuracy=accuracies[alpha],
+                     accuracies={f"{a:g}": v for a, v in accuracies.items()})

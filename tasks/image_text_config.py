@@ -98,7 +98,16 @@ class ImageTextConfig(ProfiledConfig, DataSection, ModelSection, OptimSection, R
                               "classifier starts from)")
     labels_per_class: int | None = Field(None, ge=1, description="keep the labels of only this "
                                          "many training images per class (a seeded draw); the "
-                                         "rest are described but unlabelled; none: all")
+                                         "rest are unlabelled and get text only from sources "
+                                         "blind to their label (the captions table, a pool "
+                                         "without the run's images, measured phrases, the "
+                                         "captioner); the choices (early stopping, the round "
+                                         "kept, head mixing) read at most this many validation "
+                                         "images per class; none: all")
+    head_mixing: bool = Field(False, description="after training, mix the classifier with the "
+                              "zero-shot head of the class descriptions (WiSE-FT: alpha x "
+                              "trained + (1 - alpha) x zero-shot, alpha in 0, 0.25, .., 1 "
+                              "chosen on validation); the mixed head is tested and registered")
     unseen_classes: tuple[str, ...] = Field((), description="comma-separated classes whose "
                                             "training images, labels and descriptions are left "
                                             "out; the test classifies them zero-shot from their "

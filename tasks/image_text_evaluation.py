@@ -35,12 +35,14 @@ SIGNATURE = ModelSignature(inputs=None, outputs=None,
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="test")
 def test_image_text(config: ImageTextConfig, dataset: DatasetRef, described: Descriptions,
                     checkpoint: ArtifactRef) -> dict[str, float]:
-    """The final network's `score_split` on the test split, as `test_*` metrics."""
+    """The final network's `score_split` on the whole test split, every label known (the
+    report, never a choice), as `test_*` metrics."""
     device = setup_device(config)
     data = load_dataset(dataset)
     side = TextSide(config, dataset, data, described)
     model = trained_network(config, dataset, described, checkpoint)
-    scores = score_split(place_model(model, device), side, data, dataset, "test", device)
+    scores = score_split(place_model(model, device), side, data, dataset, data.splits["test"],
+                         device)
     return {f"test_{k}": v for k, v in scores.items()}
 
 

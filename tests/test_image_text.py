@@ -1,7 +1,8 @@
 """The `image_text` pieces against hand-worked values: the weighted multi-description
 contrastive loss and what it never counts as a negative, the text-initialized classifier, the
-text bank, the built-in tokens, WordNet's files, the measured phrases, and the description
-tables' checks."""
+head mixing, the text bank, the built-in tokens, WordNet's files, the measured phrases, the
+description tables' checks, and what a few-label run gives its unlabelled images and its
+choices."""
 
 from __future__ import annotations
 
@@ -25,9 +26,11 @@ from training.descriptions import image_measures, image_phrases, tertiles
 from training.image_text import (
     UNLABELLED,
     TextBank,
+    choose_mixing,
     class_text_weights,
     contrastive_loss,
     image_text_step,
+    mixed_head,
 )
 
 # Two images, three texts: image 0 owns texts 0 (weight 1) and 1 (weight 0.5), image 1 owns
@@ -97,6 +100,65 @@ def test_class_weights_average_normalized_descriptions_as_wise_ft():
     assert weights.flatten().tolist() == pytest.approx([half, half, 0.0, -10.0])
     with pytest.raises(ValueError, match=r"no description for classes \[2\]"):
         class_text_weights(features, torch.tensor([0, 0, 1]), 3, scale=1.0)
+
+
+def test_head_mixing_picks_the_alpha_with_the_best_validation_accuracy():
+    # two classes; the trained head separates them along x, the zero-shot head along y, so
+    # the mixed head predicts class 0 where alpha * x + (1 - alpha) * y > 0
+    trained = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    zero_shot = torch.tensor([[0.0, 1.0], [0.0, 0.0]])
+    assert mixed_head(trained, zero_shot, 0.25).tolist() == [[0.25, 0.75], [0.0, 0.0]]
+    features = torch.tensor([[1.0, -0.5],  # class 0: right when alpha > 1/3
+                             [-0.5, 1.0],  # class 0: right when alpha < 2/3
+                             [-1.0, -1.0]])  # class 1: right at every alpha
+    labels = torch.tensor([0, 0, 1])
+    alpha, accuracies = choose_mixing(features, labels, trained, zero_shot)
+    assert alpha == 0.5
+    assert accuracies == pytest.approx({0.0: 2 / 3, 0.25: 2 / 3, 0.5: 1.0, 0.75: 2 / 3,
+                                        1.0: 2 / 3})
+    # ties go to the larger alpha: without the second image, 0.5, 0.75 and 1 are all right
+    alpha, accuracies = choose_mixing(features[[0, 2]], labels[[0, 2]], trained, zero_shot)
+    assert alpha == 1.0 and accuracies[0.5] == accuracies[1.0] == 1.0
+    with pytest.raises(ValueError, match=r"alpha must be in \[0, 1\], got 1.5"):
+        mixed_head(trained, zero_shot, 1.5)
+    with pytest.raises(ValueError, match="the heads differ in shape"):
+        mixed_head(trained, zero_shot[:1], 0.5)
+
+
+def test_the_validation_images_of_a_few_label_run_hold_at_most_k_per_class():
+    from tasks.image_text import validation_images
+
+    labels = torch.tensor([0] * 6 + [1] * 2 + [2] * 5 + [0] * 3)
+    val = torch.arange(6, 16)  # 3 of class 0, 2 of class 1, 5 of class 2
+    chosen = validation_images(labels, val, 3, split_seed=4)
+    assert set(chosen.tolist()) <= set(val.tolist()) and chosen.tolist() == sorted(chosen)
+    assert torch.bincount(labels[chosen]).tolist() == [3, 2, 3]  # class 1 has only 2
+    assert torch.equal(chosen, validation_images(labels, val, 3, split_seed=4))  # the same
+    assert torch.bincount(labels[validation_images(labels, val, 1, 5)]).tolist() == [1, 1, 1]
+    assert torch.equal(validation_images(labels, val, None, 4), val)  # every label: all
+
+
+def test_own_captions_give_class_texts_to_the_labelled_images_only():
+    from tasks.captions import own_captions
+
+    classes = pd.DataFrame({"class": ["Bag", "Bag", "Coat", "Coat", "Coat"],
+                            "text": ["a bag", "a kind of container", "a coat",
+                                     "an outer garment", "a kind of garment"],
+                            "weight": [1.0, 0.5, 1.0, 1.0, 0.5], "kind": ["name", "hypernym",
+                                                                         "name", "definition",
+                                                                         "hypernym"]})
+    images = torch.randint(0, 255, (6, 1, 8, 8), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([0, 1, 1, 0, 1, 0])
+    every = own_captions(images, labels, torch.arange(6), classes, ["Bag", "Coat"], 1, True, 3)
+    few = own_captions(images, labels, torch.arange(6), classes, ["Bag", "Coat"], 1, True, 3,
+                       described=torch.tensor([1, 3]))
+    class_rows = few[few["kind"] != "phrase"]
+    assert sorted(set(class_rows["position"])) == [1, 3]  # the labelled images only ...
+    assert set(few[few["position"].isin([0, 2, 4, 5])]["kind"]) == {"phrase"}
+    assert len(few[few["kind"] == "phrase"]) == 12  # ... every image its two phrases
+    same = every[every["position"].isin([1, 3])].reset_index(drop=True)
+    assert same.equals(few[few["position"].isin([1, 3])].reset_index(drop=True))
 
 
 def test_the_text_bank_gives_each_image_its_rows():

@@ -1,6 +1,7 @@
 """The `image_text` flow end to end (real Prefect, MLflow, DVC, Fashion-MNIST, WordNet and the
-pretrained MiniLM from its wheel), its text-initialized classifier, its registered pyfunc, and
-its bad input on the command line."""
+pretrained MiniLM from its wheel), its text-initialized classifier, what a few-label run gives
+its unlabelled images and its choices, its head mixing, its registered pyfunc, and its bad
+input on the command line."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def test_descriptions_rounds_and_zero_shot_are_tracked_and_versioned(run):
         assert len(tags[f"dvc.{key}"]) == 32, key
     refs = tracking.artifact_refs(run.run_id)
     assert {"checkpoint.align-001", "checkpoint.epoch-002", "captions"} <= set(refs)
-    assert metrics["texts_per_image"] == 4  # 2 of the class's descriptions + 2 phrases
+    # labelled: 2 of the class's descriptions + 2 phrases; unlabelled: 2 phrases + 1 written
+    assert 3 <= metrics["texts_per_image"] < 4
     assert [m.step for m in client.get_metric_history(run.run_id, "align_loss")] == [1]
     assert {"loss_ce", "loss_contrastive", "val_zero_shot_accuracy", "test_accuracy",
             "test_zero_shot_accuracy", "test_unseen_zero_shot_accuracy",
@@ -80,6 +82,52 @@ def test_the_classifier_starts_from_the_class_descriptions(run):
     assert torch.allclose(model.head.weight.norm(dim=1), text_weights.norm(dim=1))
     cosines = torch.nn.functional.cosine_similarity(model.head.weight, text_weights, dim=1)
     assert cosines.abs().max() < 0.99
+
+
+def test_unlabelled_images_get_no_text_derived_from_their_labels(run):
+    """A few-label run (20 per class) of the project's own texts: every row of an unlabelled
+    training image is one of its measured phrases or the captioner's, the class descriptions
+    go to the labelled images only, and the choices read at most 20 validation images per
+    class."""
+    from tasks.data import load_dataset
+    from tasks.image_text import training_images, validation_images
+    from tasks.versioning import ArtifactStore
+
+    config = smoke_image_text()
+    dataset = _prepared(config)
+    data = load_dataset(dataset)
+    train, labelled = training_images(config, dataset, data)
+    store, described = ArtifactStore(), run.descriptions
+    generated = pd.read_parquet(store.fetch(described.captioned.captions))
+    rows = pd.concat([pd.read_parquet(store.fetch(described.captions)), generated])
+    rows = rows[rows["position"].isin(set(train.tolist()))]
+    known = rows["position"].map(lambda p: bool(labelled[p]))
+    assert set(rows[~known]["kind"]) == {"phrase", "generated"}
+    assert set(rows[known]["kind"]) == {"name", "synonyms", "definition", "hypernym",
+                                        "phrase"}
+    assert not set(generated["position"]) & set(rows[known]["position"])
+    assert described.labelled_images == int(labelled.sum()) == 8 * 20  # 2 classes unseen
+    assert 0 < described.captioned.generated <= len(train) - described.labelled_images
+    val = validation_images(data.labels, data.splits["val"], 20, config.split_seed)
+    assert described.val_images == len(val) == 10 * 20
+    assert torch.bincount(data.labels[val]).max() <= 20
+    metrics = MlflowClient().get_run(run.run_id).data.metrics
+    assert metrics["val_images"] == 200
+
+
+def test_a_few_label_runs_own_pool_holds_none_of_its_images():
+    from tasks.captions import wordnet_classes
+    from tasks.data import load_dataset
+    from tasks.pool import own_pool
+    from training.matching import NO_MATCH
+
+    dataset = _prepared(smoke_image_text())
+    data = load_dataset(dataset)
+    classes = wordnet_classes(dataset.classes)
+    pool = own_pool(data, dataset, classes, 0.5, 40, 2, True, 0, train_copies=False)
+    assert pool["item"].nunique() == 40 and (pool["source"] == NO_MATCH).all()
+    every = own_pool(data, dataset, classes, 0.5, 40, 2, True, 0)
+    assert every["item"].nunique() == 40 + round(0.5 * len(data.splits["train"]))
 
 
 def test_the_registered_pyfunc_classifies_images(run):
@@ -141,7 +189,8 @@ def pooled():
 
     return image_text(smoke_image_text(captions_source="pool", pool_distractors=500,
                                        unseen_classes=(), labels_per_class=None,
-                                       caption_steps=150, epochs=1))
+                                       caption_steps=150, epochs=1, head_mixing=True,
+                                       registry=True, model_name="smoke-image-text-pool"))
 
 
 def test_pool_matches_and_the_captioner_describes_the_rest(pooled):
@@ -163,6 +212,41 @@ def test_pool_matches_and_the_captioner_describes_the_rest(pooled):
     metrics = MlflowClient().get_run(pooled.run_id).data.metrics
     assert metrics["captioner_bleu"] == pytest.approx(captioned.bleu)
     assert metrics["match_precision"] == pytest.approx(described.matching["match_precision"])
+
+
+def test_the_mixed_head_is_chosen_on_validation_tested_and_registered(pooled):
+    """Head mixing: every alpha's validation accuracy is logged, the best one's is the run's,
+    the final checkpoint's classifier is the kept round's mixed with its zero-shot head, and
+    the registered pyfunc scores as the test did."""
+    from tasks.data import load_dataset
+    from tasks.image_text import TextSide, new_network
+    from tasks.versioning import ArtifactStore
+    from training.image_text import mixed_head
+
+    metrics = MlflowClient().get_run(pooled.run_id).data.metrics
+    accuracies = {a: metrics[f"head_mixing_val_accuracy_{a}"]
+                  for a in ("0", "0.25", "0.5", "0.75", "1")}
+    alpha = pooled.head_mixing_alpha
+    assert metrics["head_mixing_alpha"] == alpha and accuracies[f"{alpha:g}"] == max(
+        accuracies.values()) == pytest.approx(pooled.val_accuracy)
+    store, refs = ArtifactStore(), tracking.artifact_refs(pooled.run_id)
+
+    def checkpoint(name: str) -> dict:
+        return torch.load(store.path_of(refs[name]["path"]), weights_only=True)
+
+    final = checkpoint("checkpoint.final")
+    config = smoke_image_text(captions_source="pool", pool_distractors=500, unseen_classes=(),
+                              labels_per_class=None, caption_steps=150, epochs=1)
+    kept = checkpoint(f"checkpoint.epoch-{final['epoch'] - config.align_epochs + 1:03d}")
+    dataset = _prepared(config)
+    side = TextSide(config, dataset, load_dataset(dataset), pooled.descriptions)
+    model = new_network(config, dataset, pooled.descriptions)
+    model.load_state_dict(kept["model"])
+    zero_shot = side.class_weights(model, torch.device("cpu"))
+    assert final["head_mixing"] == alpha
+    assert torch.allclose(final["model"]["head.weight"],
+                          mixed_head(kept["model"]["head.weight"], zero_shot, alpha), atol=1e-5)
+    assert pooled.registration.accuracy == pytest.approx(pooled.test_accuracy)  # as served
 
 
 def _runs() -> int:

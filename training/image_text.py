@@ -1,5 +1,6 @@
 """Image-text training, pure torch: the weighted multi-description contrastive loss, the
-text-initialized classifier, zero-shot classification, and the step that combines them.
+text-initialized classifier, zero-shot classification, WiSE-FT's mix of the trained and the
+zero-shot heads, and the step that combines the sub-losses.
 
 Texts are rows of a captions table, each owned by one image, with a weight; identical texts are
 one text (`text_id`). In a batch of B images and T text rows:
@@ -89,6 +90,44 @@ def class_text_weights(text_features: Tensor, text_classes: Tensor, classes: int
 def zero_shot_logits(image_features: Tensor, class_weights: Tensor) -> Tensor:
     """Logits of normalized image features against per-class text weights."""
     return image_features @ class_weights.T
+
+
+MIXING_ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)  # the grid `choose_mixing` tries
+
+
+def mixed_head(trained: Tensor, zero_shot: Tensor, alpha: float) -> Tensor:
+    """WiSE-FT's weight-space ensemble of two classifier heads on the same features:
+    `alpha * trained + (1 - alpha) * zero_shot` (alpha 1: the trained head, 0: zero-shot).
+
+    Raises:
+        ValueError: `alpha` outside [0, 1], or heads of different shapes.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if trained.shape != zero_shot.shape:
+        raise ValueError(f"the heads differ in shape: trained {tuple(trained.shape)}, "
+                         f"zero-shot {tuple(zero_shot.shape)}")
+    return alpha * trained + (1 - alpha) * zero_shot
+
+
+def choose_mixing(features: Tensor, labels: Tensor, trained: Tensor, zero_shot: Tensor,
+                  alphas: Sequence[float] = MIXING_ALPHAS) -> tuple[float, dict[float, float]]:
+    """The mixing weight whose `mixed_head` classifies `features` (N x D, the validation
+    images') best: accuracy of `argmax(features @ mixed_head(alpha).T)` against `labels` for
+    each alpha; ties go to the larger alpha (the trained head, unless the zero-shot one
+    measurably helps). Returns the alpha and every alpha's accuracy.
+
+    Raises:
+        ValueError: no images or no alphas.
+    """
+    if len(features) == 0 or not alphas:
+        raise ValueError(f"choose_mixing needs images and alphas, got {len(features)} images "
+                         f"and {len(alphas)} alphas")
+    accuracies = {float(alpha): float((zero_shot_logits(
+        features, mixed_head(trained, zero_shot, alpha)).argmax(1) == labels).float().mean())
+        for alpha in alphas}
+    best = max(accuracies.values())
+    return max(a for a, accuracy in accuracies.items() if accuracy == best), accuracies
 
 
 @dataclass(frozen=True)
