@@ -65,7 +65,7 @@ def server(first_run, tmp_path_factory):
 
 def test_served_champion_answers_like_the_loaded_model(server, first_run):
     test = load_fashion_mnist(fashion_mnist_root(), train=False)
-    pixels = test.images[:64, 0].numpy()
+    pixels = test.images[:512, 0].numpy()  # enough that chance cannot pass for learning
     encoded = []
     for image in pixels:
         buffer = io.BytesIO()
@@ -75,13 +75,15 @@ def test_served_champion_answers_like_the_loaded_model(server, first_run):
                   {"dataframe_split": {"columns": ["image"], "data": [[e] for e in encoded]}})
     by_array = post(f"{server}/invocations", {"inputs": pixels.tolist()})
     rows = by_png["predictions"]
-    assert len(rows) == 64 and rows == by_array["predictions"]
+    assert len(rows) == 512 and rows == by_array["predictions"]
     local = tracking.load_pyfunc(f"models:/{SMOKE_MODEL}@champion").predict(pixels)
     assert [row["label"] for row in rows] == local["label"].tolist()
     assert [row["confidence"] for row in rows] == pytest.approx(local["confidence"].tolist())
     accuracy = np.mean([row["label"] == test.classes[y] for row, y in
-                        zip(rows, test.labels[:64].tolist(), strict=True)])
-    assert accuracy > 0.2  # the smoke champion is weak, but far above chance (0.1)
+                        zip(rows, test.labels[:512].tolist(), strict=True)])
+    # the smoke champion is weak (about 0.3 after 32 steps) but far above chance (0.1): on
+    # 512 images a standard error is 0.02, so 0.2 is five of them below it
+    assert accuracy > 0.2
 
 
 def test_a_bad_payload_gets_its_cause_in_the_response(server):
