@@ -379,8 +379,8 @@ def promote(run_id: str, name: str, model_uri: str, score: Callable[[str], float
                                      f"{champion_version}, {champion_latency:.2f} ms) is not")
     else:
         alias, decision = decide(compared_score, champion_score)
-    if comparison is not None and champion_score is not None:
-        decision = f"{decision} {comparison.note}"
+        if comparison is not None and champion_score is not None:
+            decision = f"{decision} {comparison.note}"
     version = tracking.find_version(name, "program", program_md5)
     if version is None:
         version = tracking.register_model(model_uri, name, run_id, {
