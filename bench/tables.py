@@ -17,7 +17,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import ROOT, mean_std
+
 RESULTS = ROOT / "bench" / "results"
 README = ROOT / "README.md"
 BLOCK = re.compile(r"<!-- table: (?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /table -->", re.S)
@@ -46,9 +47,7 @@ def image_text(record: dict) -> str:
     lines = ["| variant, 10 labels per class | test accuracy | zero-shot (class descriptions) |",
              "| --- | --- | --- |"]
     for row in few:
-        zero_shot = row["zero_shot"]
-        mean = sum(zero_shot) / len(zero_shot)
-        std = (sum((z - mean) ** 2 for z in zero_shot) / max(len(zero_shot) - 1, 1)) ** 0.5
+        mean, std = mean_std(row["zero_shot"])
         alphas = [a for a in row.get("head_mixing_alpha") or [] if a is not None]
         name = row["variant"] + (f" (alpha {', '.join(f'{a:g}' for a in alphas)})"
                                  if alphas else "")

@@ -122,6 +122,11 @@ class LoadedDataset:
 UNUSED = "unused"  # an image of the training or test split left out by --train/test-limit
 
 
+def positions(splits: list[str], name: str) -> Tensor:
+    """The positions whose split is `name`, in order."""
+    return torch.tensor([i for i, split in enumerate(splits) if split == name], dtype=torch.long)
+
+
 def split_assignment(data: DataSection, keys: list[str]) -> list[str]:
     """Each key's split: `train`, `val`, `test` (`stable_split`; Fashion-MNIST's `test/` keys
     are its test split), or `unused` when `train_limit` / `test_limit` leave it out (the keys
@@ -134,8 +139,7 @@ def split_assignment(data: DataSection, keys: list[str]) -> list[str]:
         splits = ["test" if key.startswith("test/") else split
                   for key, split in zip(keys, splits, strict=True)]
     for name, count in (("train", data.train_limit), ("test", data.test_limit)):
-        members = torch.tensor([i for i, split in enumerate(splits) if split == name],
-                               dtype=torch.long)
+        members = positions(splits, name)
         kept = set(stable_limit(members, keys, count, data.split_seed, f"{name}-limit").tolist())
         for i in members.tolist():
             if i not in kept:
@@ -170,8 +174,7 @@ def split_source(data: DataSection) -> tuple[ImageSet, dict[str, Tensor]]:
         source = load_image_folder(Path(data.data), data.image_size, data.channels or None,
                                    data.skip_bad_images)
     splits = split_assignment(data, source.keys)
-    return source, {name: torch.tensor([i for i, split in enumerate(splits) if split == name],
-                                       dtype=torch.long) for name in ("train", "val", "test")}
+    return source, {name: positions(splits, name) for name in ("train", "val", "test")}
 
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="prepare-dataset")

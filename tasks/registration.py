@@ -294,13 +294,19 @@ def promote_on_test_images(run_id: str, name: str, model_uri: str, dataset: Data
     so that a later run can leave out the images this one saw) and `tags`."""
     split = functools.cache(lambda: test_images(dataset))
 
+    def whole_split(uri: str) -> float:
+        return pyfunc_accuracy(uri, *split())
+
     def compare(champion_tags: dict[str, str]) -> tuple[Callable[[str], float] | None,
                                                         Comparison]:
         images, comparison = unseen_test_split(dataset, champion_tags)
-        return (None if images is None else
-                lambda uri: pyfunc_accuracy(uri, *images)), comparison
+        if images is None:
+            return None, comparison
+        if comparison.left_out == 0:  # the whole split: the new model's score stands
+            return whole_split, comparison
+        return lambda uri: pyfunc_accuracy(uri, *images), comparison
 
-    return promote(run_id, name, model_uri, lambda uri: pyfunc_accuracy(uri, *split()),
+    return promote(run_id, name, model_uri, whole_split,
                    dataset.classes, program_md5, {"dataset": dataset.artifact.md5,
                                                   "dataset.ref": dataset.artifact.model_dump_json()}
                    | (tags or {}), policy, refusal,
