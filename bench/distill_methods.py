@@ -36,7 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import build_model  # noqa: E402
 from training.batches import Batches, Normalize  # noqa: E402
 from training.budget import Budget, fit_budget  # noqa: E402
-from training.datasets import channel_stats, limit, load_fashion_mnist, stratified_split  # noqa: E402
+from training.datasets import (  # noqa: E402
+    assign_splits,
+    channel_stats,
+    limit,
+    load_fashion_mnist,
+    split_positions,
+)
 from training.device import place_model, resolve_device  # noqa: E402
 from training.distill_stages import Role, draw_stage_ids, layer_features, train_stage  # noqa: E402
 from training.distillation import (  # noqa: E402
@@ -205,10 +211,12 @@ def main() -> None:
     train, test = load_fashion_mnist(args.data, True), load_fashion_mnist(args.data, False)
     images = torch.cat([train.images, test.images])
     labels = torch.cat([train.labels, test.labels])
-    rest, val_ids = stratified_split(train.labels, 0.1, 0)
-    train_ids = limit(rest, args.train_limit, 0)
-    val_ids = limit(val_ids, args.val_limit, 1)
-    test_ids = limit(torch.arange(len(train.labels), len(labels)), args.test_limit, 2)
+    # the flows' splits (split seed 0, 10% validation, the official test file), then limits
+    splits = assign_splits(train.keys + test.keys, 0.1, 0.0, 0, train_limit=args.train_limit,
+                           test_limit=args.test_limit)
+    train_ids = split_positions(splits, "train")
+    val_ids = limit(split_positions(splits, "val"), args.val_limit, 1)
+    test_ids = split_positions(splits, "test")
     normalize = Normalize(*channel_stats(images[train_ids]))
     data = (images.to(device), labels.to(device), normalize)
     val_batches = Batches(data[0], data[1], val_ids, EVAL_BATCH, normalize, device=device)

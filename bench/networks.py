@@ -25,7 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models import build_model, list_models  # noqa: E402
 from training.batches import Batches, Normalize  # noqa: E402
-from training.datasets import channel_stats, limit, load_fashion_mnist, stratified_split  # noqa: E402
+from training.datasets import (  # noqa: E402
+    assign_splits,
+    channel_stats,
+    load_fashion_mnist,
+    split_positions,
+)
 from training.device import place_model, resolve_device  # noqa: E402
 from training.loops import classification_step, evaluate  # noqa: E402
 from training.recipe import sgd, train_round  # noqa: E402
@@ -46,7 +51,9 @@ def main() -> None:
     args = parser.parse_args()
     device = resolve_device(args.device)
     train, test = load_fashion_mnist(args.data, True), load_fashion_mnist(args.data, False)
-    train_ids = limit(stratified_split(train.labels, 0.1, 0)[0], args.train_limit, 0)
+    # the flows' training split (split seed 0, 10% validation) and --train-limit
+    train_ids = split_positions(assign_splits(train.keys, 0.1, 0.0, 0,
+                                              train_limit=args.train_limit), "train")
     normalize = Normalize(*channel_stats(train.images[train_ids]))
     test_batches = Batches(test.images, test.labels, torch.arange(len(test.labels)), 2048,
                            normalize, device=device)

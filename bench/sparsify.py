@@ -2,23 +2,22 @@
 and contour recognition.
 
 Runs the real flow (`quick` profile) once per task, variant and seed; every variant of a task
-has the same budget. Classification: Fashion-MNIST (20,000 training images, `lenet`, 8
-rounds), every transform; reported: test accuracy, the share of exact zeros per regularized
-layer and over all maps together and the bytes a map takes stored as a bitmap plus values as a
-share of dense, all on the test images (the flow's `test_zero_fraction_<layer>`, ...: the
-validation images chose the round and calibrated the thresholds, so their zeros, shown beside
-for reference, are optimistic), and the network with its dead channels removed (parameters
-and CPU time at batch 1, as shares of the original's). Detection and contour runs measure
-their zeros on the validation canvases only (`flows.sparsify_dense`): their test-zero cells
-say so. The last classification variant is the ablation of the map-size
+has the same budget. Classification: Fashion-MNIST (20,000 training images, `lenet`, 8 rounds),
+every transform; reported: test accuracy, the share of exact zeros per regularized layer and
+over all maps together and the bytes a map takes stored as a bitmap plus values as a share of
+dense, all on the test images (the flow's `test_zero_fraction_<layer>`, ...: the validation
+images chose the round and calibrated the thresholds, so their zeros, shown beside for
+reference, are optimistic), and the network with its dead channels removed (parameters and CPU
+time at batch 1, as shares of the original's). Detection and contour runs measure theirs on the
+test canvases the same way. The last classification variant is the ablation of the map-size
 rule: one lambda for every layer (gamma 0) against the default gamma 0.5, at the same lambda
-and at a lambda that zeros as many values of all maps together (`all maps`: zeros weighted
-by map size). `abs, fine-tuned` starts from the seed's `none` network (registered by that
-variant) and trains 4 more rounds with the term at lr 0.01 (`--init-from`); `thresholds`
-zero each layer's activations below a threshold calibrated to cost at most 0.2 points of
-validation accuracy (`--zero-threshold-tolerance 0.002`). Detection (SSDlite,
-mAP@0.5) and contour recognition (the contour U-Net, boundary F at 1 pixel): without and with
-the default term, on the synthetic layouts of real Fashion-MNIST items.
+and at a lambda that zeros as many values of all maps together (`all maps`: zeros weighted by
+map size). `abs, fine-tuned` starts from the seed's `none` network (registered by that variant)
+and trains 4 more rounds with the term at lr 0.01 (`--init-from`); `thresholds` zero each
+layer's activations below a threshold calibrated to cost at most 0.2 points of validation
+accuracy (`--zero-threshold-tolerance 0.002`). Detection (SSDlite, mAP@0.5) and contour
+recognition (the contour U-Net, boundary F at 1 pixel): without and with the default term, on
+the synthetic layouts of real Fashion-MNIST items.
 
 `abs, fine-tuned, zero target 0.8` sets thresholds for 80% zeros per layer over 8 cycles of
 training with them in place (`--zero-target`); `..., zero target Z, ramp` raises them inside
@@ -143,8 +142,8 @@ def run(task: str, variant: str, seed: int, lam: float | None,
     `lam` None: the task's default lambda. `init_from`: a registered model to fine-tune
     (`FINETUNE`'s rounds, or the variant's). `classifier`: `model` and `width` of a
     classifier, where given. `overrides`: config fields for every run (`--set`), under the
-    variant's. Zeros and bitmap bytes on the test split (`test_*`; None where the flow
-    measures none: detection, contour) and on validation (`val_*`)."""
+    variant's. Zeros and bitmap bytes on the test split (`test_*`) and on validation
+    (`val_*`)."""
     started = time.perf_counter()
     summary = sparsify(SparsifyConfig(**{
         "task": task, "seed": seed, "progress": False, **(overrides or {}),
@@ -153,14 +152,12 @@ def run(task: str, variant: str, seed: int, lam: float | None,
         "model_name": f"bench-sparsify-{task}",
         **({"init_from": init_from, **FINETUNE} if init_from else {}), **VARIANTS[variant]}))
     val = summary.report
-    test = getattr(summary, "test_report", None)  # classification runs measure the test split
+    test = summary.test_report
     return {"score": (summary.test_accuracy if task == "classification"
                       else summary.test[SCORES[task]]),
-            "test_zero_fraction": None if test is None else {
-                k: v.zero_fraction for k, v in test.layers.items()},
-            "total_test_zero_fraction": None if test is None else test.all_maps_zero_fraction(),
-            "test_memory_bitmap_ratio": None if test is None else
-            test.metrics()["memory_bitmap_ratio"],
+            "test_zero_fraction": {k: v.zero_fraction for k, v in test.layers.items()},
+            "total_test_zero_fraction": test.all_maps_zero_fraction(),
+            "test_memory_bitmap_ratio": test.metrics()["memory_bitmap_ratio"],
             "val_zero_fraction": {k: v.zero_fraction for k, v in val.layers.items()},
             "total_val_zero_fraction": val.all_maps_zero_fraction(),
             "val_memory_bitmap_ratio": val.metrics()["memory_bitmap_ratio"],
@@ -174,10 +171,8 @@ def layer_label(layer: str) -> str:
     return layer.split(".")[-3] if "." in layer else layer
 
 
-def zeros_cell(per_layer: dict | None) -> str:
-    """A table cell: each layer's mean share of exact zeros, or a dash where none measured."""
-    if per_layer is None:
-        return "- (validation only)"
+def zeros_cell(per_layer: dict) -> str:
+    """A table cell: each layer's mean share of exact zeros."""
     return " / ".join(f"{layer_label(layer)} {value[0]:.3f}"
                       for layer, value in per_layer.items())
 

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict
 from tasks import tracking
 from tasks.config import DataSection, RunSection, SparsitySpec
 from tasks.data import DatasetRef, pixel_baselines, prepare_dataset, source_version
+from tasks.image_text_config import unseen_labels
 from tasks.registration import Baseline, Policy, Registration, register_and_promote
 from tasks.reporting import publish_summary
 from tasks.training import (
@@ -101,11 +102,13 @@ def prepare(config: BaseModel, run_id: str) -> Prepared:
     tracking.set_tags(run_id, {"data.version": dataset.version, "data.skipped_images":
                                len(dataset.skipped), "data.classes": ",".join(dataset.classes)})
     tracking.log_metrics(run_id, {f"data_{k}_images": v for k, v in dataset.sizes.items()})
-    baselines = pixel_baselines(dataset)
+    baselines = pixel_baselines(dataset, *label_budget(config, dataset.classes))
     tracking.log_metrics(run_id, {f"baseline_{k}": v for k, v in baselines.items()})
     logger = get_run_logger()
-    logger.info("raw-pixel baselines: k-NN validation %.4f, linear validation %.4f",
-                baselines["knn_val_accuracy"], baselines["linear_val_accuracy"])
+    logger.info("raw-pixel baselines: k-NN validation %.4f, linear validation %.4f (fitted on "
+                "%d labelled training images, chosen on %d validation images)",
+                baselines["knn_val_accuracy"], baselines["linear_val_accuracy"],
+                baselines["train_images"], baselines["val_images"])
     flip = config.flip == "on" or (config.flip == "auto" and mirror_safe(
         baselines, len(dataset.classes)))
     tracking.set_tags(run_id, {"augment.flip": "on" if flip else "off"})
@@ -114,6 +117,15 @@ def prepare(config: BaseModel, run_id: str) -> Prepared:
                     if flip else "off", baselines["knn_val_mirrored_accuracy"],
                     baselines["knn_val_accuracy"])
     return Prepared(dataset=dataset, baselines=baselines, flip=flip)
+
+
+def label_budget(config: BaseModel, classes: list[str]) -> tuple[int | None, int, tuple[int, ...]]:
+    """The labels a run holds, as `pixel_baselines` takes them: `labels_per_class` (None:
+    every label), the split seed its draw uses, and the labels of the classes it never trains
+    on (`unseen_classes`); a flow without those fields holds every label."""
+    unseen = unseen_labels(config, classes) if hasattr(config, "unseen_classes") else None
+    return (getattr(config, "labels_per_class", None), data_section(config).split_seed,
+            tuple(unseen.tolist()) if unseen is not None else ())
 
 
 def log_budget(run_id: str, budget: Budget, prefix: str = "") -> None:
@@ -184,8 +196,9 @@ def judge_baseline(run_id: str, prepared: Prepared, val_accuracy: float) -> Base
     the run as `baseline.beaten`, and `baseline.passed`: not below it by more than one
     standard error, what the gate asks)."""
     name, baseline_val = best_baseline(prepared.baselines)
+    read = prepared.baselines.get("val_images", prepared.dataset.sizes["val"])  # K per class
     baseline = Baseline(name=name, val_accuracy=baseline_val, model_val_accuracy=val_accuracy,
-                        val_images=max(prepared.dataset.sizes["val"], 1))
+                        val_images=max(int(read), 1))
     tracking.set_tags(run_id, {"baseline.beaten": str(baseline.beaten).lower(),
                                "baseline.passed": str(baseline.passed).lower()})
     return baseline

@@ -3,9 +3,10 @@
 The data's images (28-pixel gray) are pasted on synthetic layout canvases (a versioned task),
 the task's network (SSDlite, or the contour U-Net) trains in rounds with the sparsity term on
 its chosen layers, the round with the best validation score is kept (early stopping as in
-`train`), its activations are measured on the validation canvases, it is scored on the test
-canvases, registered as a pyfunc (boxes, labels and scores; or boundary and mask maps) and
-promoted only if it beats the champion on the same test canvases through its pyfunc.
+`train`), its activations are measured on the validation canvases (which chose it) and, with
+its score, on the test canvases (which chose nothing: the figures to report). It is registered
+as a pyfunc (boxes, labels and scores; or boundary and mask maps) and promoted only if it
+beats the champion on the same test canvases through its pyfunc.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tasks.dense import (
 )
 from tasks.registration import Registration
 from tasks.reporting import publish_summary
-from tasks.sparsify import SparsityReport, log_sweep, sparsity_figure
+from tasks.sparsify import ActivationReport, SparsityReport, log_sweep, sparsity_figure
 from tasks.training import EpochResult
 
 FLOW_NAME = "sparsify"
@@ -48,7 +49,8 @@ class DenseSummary(BaseModel):
     val_score: float
     test: dict[str, float]
     spec: SparsitySpec
-    report: SparsityReport
+    report: SparsityReport  # validation: chose the round
+    test_report: ActivationReport  # the test canvases' exact zeros
     sweep: dict[float, SparsityReport]
     registration: Registration
 
@@ -85,7 +87,7 @@ def train_sparse(config: SparsifyConfig, layouts: LayoutsRef, run_id: str
         config, layouts, epoch, previous, spec if active else None), run_id, config.patience,
         layouts.sizes["val"], f"val_{SCORE[config.task]}")
     report = dense_sparsity_report(config, layouts, best.checkpoint, spec)
-    tracking.log_metrics(run_id, report.metrics())
+    tracking.log_metrics(run_id, report.split_metrics())
     return spec, best, report
 
 
@@ -119,8 +121,11 @@ def sparsify_dense(config: SparsifyConfig, name: str, run_id: str) -> DenseSumma
                                                 f"{spec.build().describe()}"),
                         "sparsity/layers.png")
     points = sweep(config, layouts, report, run_id)
-    test = test_dense(config, layouts, best.checkpoint)
-    tracking.log_metrics(run_id, test | {f"val_{report.score_name}": report.val_score})
+    tested = test_dense(config, layouts, best.checkpoint, spec)
+    test, test_report = tested.scores, tested.activations
+    tracking.log_metrics(run_id, test | test_report.split_metrics()
+                         | {f"val_{report.score_name}": report.val_score})
+    tracking.log_dict(run_id, test_report.model_dump(), "sparsity/test_report.json")
     tracking.log_artifact_refs(run_id, {"checkpoint.final": best.checkpoint})
     registration = register_dense(run_id, name, config, layouts, best.checkpoint)
     score = SCORE[config.task]
@@ -128,10 +133,12 @@ def sparsify_dense(config: SparsifyConfig, name: str, run_id: str) -> DenseSumma
                     {f"test {score}": f"{test[f'test_{score}']:.4f}",
                      "sparsity term": f"{spec.build().describe()}, " + ", ".join(
                          f"{k}: lambda {v:.3g}" for k, v in spec.lambdas.items()),
-                     "exact zeros (validation)": ", ".join(
+                     "exact zeros (test)": ", ".join(
+                         f"{k} {v.zero_fraction:.3f}" for k, v in test_report.layers.items()),
+                     "exact zeros (validation: chose the round)": ", ".join(
                          f"{k} {v.zero_fraction:.3f}" for k, v in report.layers.items()),
-                     "stored as bitmap + values":
-                         f"{report.metrics()['memory_bitmap_ratio']:.3f} of dense",
+                     "stored as bitmap + values (test)":
+                         f"{test_report.metrics()['memory_bitmap_ratio']:.3f} of dense",
                      "canvases": "synthetic layouts of real images: " + ", ".join(
                          f"{k} {v}" for k, v in layouts.sizes.items()),
                      "best round (validation)": f"{best.epoch + 1} ({report.val_score:.4f})",
@@ -139,4 +146,4 @@ def sparsify_dense(config: SparsifyConfig, name: str, run_id: str) -> DenseSumma
                      "decision": registration.decision, "MLflow run": run_id})
     return DenseSummary(run_id=run_id, task=config.task, best_epoch=best.epoch + 1,
                         val_score=report.val_score, test=test, spec=spec, report=report,
-                        sweep=points, registration=registration)
+                        test_report=test_report, sweep=points, registration=registration)

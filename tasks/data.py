@@ -29,13 +29,15 @@ from tasks.versioning import ArtifactRef, ArtifactStore, atomic_path, data_dvc_h
 from training.baselines import raw_pixel_baselines
 from training.datasets import (
     ImageSet,
+    assign_splits,
     channel_stats,
     image_folder_listing,
+    labelled_images,
     load_fashion_mnist,
     load_image_folder,
     reshape_images,
-    stable_limit,
-    stable_split,
+    split_positions,
+    validation_images,
 )
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -119,32 +121,13 @@ class LoadedDataset:
         return {self.keys[i] for split in ("train", "val") for i in self.splits[split].tolist()}
 
 
-UNUSED = "unused"  # an image of the training or test split left out by --train/test-limit
-
-
-def positions(splits: list[str], name: str) -> Tensor:
-    """The positions whose split is `name`, in order."""
-    return torch.tensor([i for i, split in enumerate(splits) if split == name], dtype=torch.long)
-
-
 def split_assignment(data: DataSection, keys: list[str]) -> list[str]:
-    """Each key's split: `train`, `val`, `test` (`stable_split`; Fashion-MNIST's `test/` keys
-    are its test split), or `unused` when `train_limit` / `test_limit` leave it out (the keys
-    that hash lowest are kept, `stable_limit`). A pure function of each key and `data`'s split
-    settings: the images of a split never move as the folder grows."""
+    """Each key's split under `data`'s split settings (`training.datasets.assign_splits`):
+    `train`, `val`, `test` (Fashion-MNIST's `test/` keys are its test split), or `unused` when
+    `train_limit` / `test_limit` leave it out."""
     fashion = data.data == FASHION_MNIST
-    splits = stable_split(keys, data.val_fraction, 0.0 if fashion else data.test_fraction,
-                          data.split_seed, data.group_pattern)
-    if fashion:
-        splits = ["test" if key.startswith("test/") else split
-                  for key, split in zip(keys, splits, strict=True)]
-    for name, count in (("train", data.train_limit), ("test", data.test_limit)):
-        members = positions(splits, name)
-        kept = set(stable_limit(members, keys, count, data.split_seed, f"{name}-limit").tolist())
-        for i in members.tolist():
-            if i not in kept:
-                splits[i] = UNUSED
-    return splits
+    return assign_splits(keys, data.val_fraction, 0.0 if fashion else data.test_fraction,
+                         data.split_seed, data.group_pattern, data.train_limit, data.test_limit)
 
 
 def source_keys(data: DataSection) -> list[str]:
@@ -174,7 +157,7 @@ def split_source(data: DataSection) -> tuple[ImageSet, dict[str, Tensor]]:
         source = load_image_folder(Path(data.data), data.image_size, data.channels or None,
                                    data.skip_bad_images)
     splits = split_assignment(data, source.keys)
-    return source, {name: positions(splits, name) for name in ("train", "val", "test")}
+    return source, {name: split_positions(splits, name) for name in ("train", "val", "test")}
 
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="prepare-dataset")
@@ -217,8 +200,23 @@ def _load_artifact(artifact: ArtifactRef) -> LoadedDataset:
 
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="raw-pixel-baselines")
-def pixel_baselines(dataset: DatasetRef) -> dict[str, float]:
+def pixel_baselines(dataset: DatasetRef, labels_per_class: int | None = None, split_seed: int = 0,
+                    left_out_labels: tuple[int, ...] = ()) -> dict[str, float]:
     """The k-NN and linear baselines on the raw pixels of the prepared splits
-    (`training.baselines`): what a model must beat on validation to be promoted."""
+    (`training.baselines`): what a model must beat on validation to be promoted.
+
+    The baselines hold the labels the run holds, no more: the training images of
+    `left_out_labels` are left out (image_text's unseen classes), and with
+    `labels_per_class` K they fit on the same K training images per class the run keeps
+    labelled and choose k and the penalty on the same K validation images per class its
+    choices read (`training.datasets.labelled_images`, `validation_images`). The test split
+    stays whole. `train_images` and `val_images` say how many they read."""
     data = load_dataset(dataset)
-    return raw_pixel_baselines(data.images, data.labels, data.splits)
+    splits = dict(data.splits)
+    if left_out_labels:
+        train = splits["train"]
+        splits["train"] = train[~torch.isin(data.labels[train], torch.tensor(left_out_labels))]
+    splits["train"] = labelled_images(data.labels, splits["train"], labels_per_class, split_seed)
+    splits["val"] = validation_images(data.labels, splits["val"], labels_per_class, split_seed)
+    return raw_pixel_baselines(data.images, data.labels, splits) | {
+        "train_images": len(splits["train"]), "val_images": len(splits["val"])}

@@ -33,7 +33,7 @@ from tasks.registration import (
     served_ms_per_image,
     transient,
 )
-from tasks.sparsify import SparsityReport, measured_report
+from tasks.sparsify import ActivationReport, SparsityReport, measured_layers, measured_report
 from tasks.training import EpochResult, make_optimizer, setup_device
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.contours import contour_scores, contour_step
@@ -186,6 +186,15 @@ def train_dense_round(config: SparsifyConfig, layouts: LayoutsRef, epoch: int,
                        metrics=metrics | {f"val_{k}": v for k, v in scores.items()})
 
 
+def _activations(config: SparsifyConfig, model: nn.Module, layouts: Layouts, layers: list[str],
+                 device: torch.device) -> dict:
+    """`activation_stats` of `layers` over one split's canvases."""
+    batches = LayoutBatches(layouts, TARGET[config.task], EVAL_BATCH, device)
+    if config.task == "detection":
+        batches = [(ids, torch.stack(as_rgb(x)), y) for ids, x, y in batches]
+    return activation_stats(model, layers, batches, device)
+
+
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="sparsity-report")
 def dense_sparsity_report(config: SparsifyConfig, layouts: LayoutsRef, checkpoint: ArtifactRef,
                           spec: SparsitySpec) -> SparsityReport:
@@ -194,22 +203,34 @@ def dense_sparsity_report(config: SparsifyConfig, layouts: LayoutsRef, checkpoin
     device = setup_device(config)
     model = place_model(trained_network(config, layouts, checkpoint), device)
     val = load_layouts(layouts, "val")
-    batches = LayoutBatches(val, TARGET[config.task], EVAL_BATCH, device)
-    if config.task == "detection":
-        batches = [(ids, torch.stack(as_rgb(x)), y) for ids, x, y in batches]
-    stats = activation_stats(model, list(spec.lambdas), batches, device)
+    stats = _activations(config, model, val, list(spec.lambdas), device)
     name = SCORE[config.task]
     return measured_report(stats, spec, name, score(config, model, val, device)[name])
 
 
+class DenseTest(BaseModel):
+    """The kept network on the test canvases, which chose nothing: its scores
+    (`test_map_50`, `test_boundary_f`, ...) and its regularized layers' activations."""
+
+    model_config = ConfigDict(frozen=True)
+
+    scores: dict[str, float]
+    activations: ActivationReport
+
+
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="test-canvases")
-def test_dense(config: SparsifyConfig, layouts: LayoutsRef, checkpoint: ArtifactRef
-               ) -> dict[str, float]:
-    """The checkpoint's scores on the test canvases (`test_map_50`, `test_boundary_f`, ...)."""
+def test_dense(config: SparsifyConfig, layouts: LayoutsRef, checkpoint: ArtifactRef,
+               spec: SparsitySpec) -> DenseTest:
+    """The checkpoint's scores and its regularized layers' exact zeros (as `sparsify`'s
+    classification reports them) on the test canvases."""
     device = setup_device(config)
     model = place_model(trained_network(config, layouts, checkpoint), device)
-    return {f"test_{k}": v for k, v in score(config, model, load_layouts(layouts, "test"),
-                                               device).items()}
+    test = load_layouts(layouts, "test")
+    stats = _activations(config, model, test, list(spec.lambdas), device)
+    return DenseTest(scores={f"test_{k}": v for k, v in score(config, model, test,
+                                                              device).items()},
+                     activations=ActivationReport(split="test",
+                                                  layers=measured_layers(stats, spec)))
 
 
 @task(task_run_name="register-and-promote", retries=2, retry_delay_seconds=10,

@@ -45,6 +45,7 @@ from tasks.pool import folder_pool, match_training_images, own_pool
 from tasks.training import run_key, setup_device
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.batches import Batches, Normalize
+from training.datasets import labelled_images, validation_images
 from training.device import inference_batch, place_model
 from training.image_text import (
     MAX_LOGIT_SCALE,
@@ -225,31 +226,6 @@ def training_images(config: ImageTextConfig, dataset: DatasetRef, data: LoadedDa
     if config.contrastive_weight == 0:
         train = train[labelled[train]]
     return train, labelled
-
-
-VALIDATION_SEED = 1009  # added to the split seed for the same-budget validation draw
-
-
-def validation_images(labels: Tensor, val: Tensor, per_class: int | None,
-                      split_seed: int) -> Tensor:
-    """The validation positions the run's choices read (early stopping, the round kept, the
-    head mixing): all of `val`, or with `per_class` K (`labels_per_class`) at most K of each
-    class, a draw per class seeded by the split seed (the labels a few-label user could hold
-    out), so that no choice reads more labels than the run is said to have."""
-    return labelled_images(labels, val, per_class, split_seed + VALIDATION_SEED)
-
-
-def labelled_images(labels: Tensor, train: Tensor, per_class: int | None, seed: int) -> Tensor:
-    """The positions of `train` that keep their label: all, or at most `per_class` of each
-    class (a seeded draw, class by class in label order), sorted."""
-    if per_class is None:
-        return train
-    generator = torch.Generator().manual_seed(seed + 7)
-    kept = []
-    for label in labels[train].unique().tolist():
-        members = train[labels[train] == label]
-        kept.append(members[torch.randperm(len(members), generator=generator)[:per_class]])
-    return torch.cat(kept).sort().values
 
 
 def new_network(config: ImageTextConfig, dataset: DatasetRef,

@@ -13,7 +13,6 @@ from training.datasets import (
     limit,
     load_fashion_mnist,
     load_image_folder,
-    stratified_split,
 )
 from training.preprocess import image_to_array
 
@@ -59,18 +58,6 @@ def test_empty_class_folder_and_missing_path_are_named(tmp_path):
         load_image_folder(root, image_size=8)
     with pytest.raises(DataError, match="does not exist"):
         load_image_folder(tmp_path / "nope", image_size=8)
-
-
-def test_stratified_split_is_deterministic_disjoint_and_proportional():
-    labels = torch.arange(100) % 4
-    kept, held = stratified_split(labels, 0.2, seed=3)
-    again_kept, again_held = stratified_split(labels, 0.2, seed=3)
-    assert torch.equal(kept, again_kept) and torch.equal(held, again_held)
-    assert set(kept.tolist()).isdisjoint(held.tolist())
-    assert len(kept) + len(held) == 100
-    assert torch.bincount(labels[held]).tolist() == [5, 5, 5, 5]
-    _, other = stratified_split(labels, 0.2, seed=4)
-    assert not torch.equal(held, other)
 
 
 def test_limit_and_channel_stats():

@@ -88,7 +88,8 @@ def test_unlabelled_images_get_no_text_derived_from_their_labels(run):
     """A few-label run (20 per class) of the project's own texts: every row of an unlabelled
     training image is one of its measured phrases or the captioner's, the class descriptions
     go to the labelled images only, and the choices read at most 20 validation images per
-    class."""
+    class. The raw-pixel baselines its gate compares with hold the same labels: fitted on
+    the labelled training images, chosen on the same validation images."""
     from tasks.data import load_dataset
     from tasks.image_text import training_images, validation_images
     from tasks.versioning import ArtifactStore
@@ -113,6 +114,8 @@ def test_unlabelled_images_get_no_text_derived_from_their_labels(run):
     assert torch.bincount(data.labels[val]).max() <= 20
     metrics = MlflowClient().get_run(run.run_id).data.metrics
     assert metrics["val_images"] == 200
+    assert metrics["baseline_train_images"] == described.labelled_images
+    assert metrics["baseline_val_images"] == 200
 
 
 def test_a_few_label_runs_own_pool_holds_none_of_its_images():

@@ -293,6 +293,15 @@ def test_dense_tasks_train_measure_and_register_through_their_pyfunc(dense):
     assert list(summary.report.layers) == list(config.layers())
     for layer in summary.report.layers.values():
         assert 0 <= layer.zero_fraction <= layer.near_zero_fraction <= 1
+    # the zeros to report are the test canvases' (validation chose the round), named by split
+    assert summary.test_report.split == "test"
+    assert list(summary.test_report.layers) == list(config.layers())
+    for name, layer in summary.test_report.layers.items():
+        key = name.replace(".", "_")
+        assert metrics[f"test_zero_fraction_{key}"] == pytest.approx(layer.zero_fraction)
+        assert metrics[f"val_zero_fraction_{key}"] == pytest.approx(
+            summary.report.layers[name].zero_fraction)
+        assert f"zero_fraction_{key}" not in metrics
     losses = [m.value for m in client.get_metric_history(summary.run_id, "loss_sparsity")]
     assert len(losses) == 2 and all(value > 0 for value in losses)
     if config.task == "contour":

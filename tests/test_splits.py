@@ -15,9 +15,9 @@ import pytest
 from PIL import Image
 
 from tasks.config import SplitsConfig
-from tasks.data import UNUSED, source_keys, split_assignment
+from tasks.data import source_keys, split_assignment
 from tests.conftest import run_cli
-from training.datasets import group_key, stable_split, unit_hash
+from training.datasets import UNUSED, group_key, stable_split, unit_hash
 
 
 def folder_keys(classes: int, per_class: int, start: int = 0) -> list[str]:

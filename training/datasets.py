@@ -162,29 +162,6 @@ def load_image_folder(
     return ImageSet(images, labels, [p.name for p in class_dirs], skipped, keys)
 
 
-def stratified_split(
-    labels: Tensor, fraction: float, seed: int
-) -> tuple[Tensor, Tensor]:
-    """Splits indices so that `fraction` of each class goes to the second part.
-
-    Deterministic for a seed; each class with at least 2 items keeps one on each side.
-
-    Returns:
-        (kept, held_out) index tensors, each sorted.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    kept, held = [], []
-    for cls in torch.unique(labels):
-        idx = torch.nonzero(labels == cls).flatten()
-        idx = idx[torch.randperm(len(idx), generator=generator)]
-        n_held = int(round(len(idx) * fraction))
-        if len(idx) >= 2:
-            n_held = min(max(n_held, 1), len(idx) - 1)
-        held.append(idx[:n_held])
-        kept.append(idx[n_held:])
-    return torch.cat(kept).sort().values, torch.cat(held).sort().values
-
-
 def unit_hash(key: str, seed: int, salt: str = "split") -> float:
     """A number in [0, 1) that depends only on `key`, `seed` and `salt`: the first 8 bytes of
     SHA-1(`salt:seed:key`) over 2^64 (the stable-split recipe of TensorFlow's speech-commands
@@ -256,12 +233,67 @@ def stable_limit(indices: Tensor, keys: Sequence[str], count: int | None, seed: 
     return indices[ranks.argsort()[:count]].sort().values
 
 
+UNUSED = "unused"  # an image of the training or test split left out by a limit
+
+
+def split_positions(splits: Sequence[str], name: str) -> Tensor:
+    """The positions whose split is `name`, in order."""
+    return torch.tensor([i for i, split in enumerate(splits) if split == name], dtype=torch.long)
+
+
+def assign_splits(keys: Sequence[str], val_fraction: float, test_fraction: float, seed: int,
+                  group_pattern: str | None = None, train_limit: int | None = None,
+                  test_limit: int | None = None) -> list[str]:
+    """Each key's split: `train`, `val`, `test` (`stable_split`; keys under `test/` are the
+    test split whatever their hash when `test_fraction` is 0: Fashion-MNIST's test file), or
+    `UNUSED` where `train_limit` / `test_limit` leave it out (the keys that hash lowest are
+    kept, `stable_limit`). A pure function of each key and the settings: the images of a split
+    never move as the folder grows. What the flows (`tasks.data.split_assignment`) and the
+    benchmarks that train outside them both use."""
+    splits = stable_split(keys, val_fraction, test_fraction, seed, group_pattern)
+    if test_fraction == 0.0:
+        splits = ["test" if key.startswith("test/") else split
+                  for key, split in zip(keys, splits, strict=True)]
+    for name, count in (("train", train_limit), ("test", test_limit)):
+        members = split_positions(splits, name)
+        kept = set(stable_limit(members, keys, count, seed, f"{name}-limit").tolist())
+        for i in members.tolist():
+            if i not in kept:
+                splits[i] = UNUSED
+    return splits
+
+
 def limit(indices: Tensor, count: int | None, seed: int) -> Tensor:
     """A seeded random subset of `count` indices (all of them when `count` is None)."""
     if count is None or count >= len(indices):
         return indices
     generator = torch.Generator().manual_seed(seed)
     return indices[torch.randperm(len(indices), generator=generator)[:count]].sort().values
+
+
+VALIDATION_SEED = 1009  # added to the split seed for the same-budget validation draw
+
+
+def validation_images(labels: Tensor, val: Tensor, per_class: int | None,
+                      split_seed: int) -> Tensor:
+    """The validation positions the run's choices read (early stopping, the round kept, the
+    head mixing): all of `val`, or with `per_class` K (`labels_per_class`) at most K of each
+    class, a draw per class seeded by the split seed (the labels a few-label user could hold
+    out), so that no choice reads more labels than the run is said to have."""
+    return labelled_images(labels, val, per_class, split_seed + VALIDATION_SEED)
+
+
+def labelled_images(labels: Tensor, train: Tensor, per_class: int | None, seed: int) -> Tensor:
+    """The positions of `train` that keep their label: all, or at most `per_class` of each
+    class (a seeded draw, class by class in label order), sorted."""
+    if per_class is None:
+        return train
+    generator = torch.Generator().manual_seed(seed + 7)
+    kept = []
+    for label in labels[train].unique().tolist():
+        members = train[labels[train] == label]
+        kept.append(members[torch.randperm(len(members), generator=generator)[:per_class]])
+    return torch.cat(kept).sort().values
 
 
 def channel_stats(images: Tensor) -> tuple[list[float], list[float]]:
