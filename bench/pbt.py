@@ -9,6 +9,10 @@ round_epochs epochs, so every method spends N x E member-epochs:
     `pbt` config's search space (stratified, as PBT's stage 1 draws them), the best kept;
 (c) PBT: the `pbt` flow itself.
 
+Each method's final model is scored on Fashion-MNIST's official test images (some PBT variants
+were chosen on them in earlier sessions) and on 10,000 report images no choice ever read
+(`bench.report_set`), side by side.
+
 (a) and (b) train through the flow's own member task (`train_member`: the same data, batches,
 augmentation, cosine schedule over E epochs, gradient clipping, divergence check and weight
 average, the budget fitted to the data) and are tested by the flow's `test_and_export`, on the
@@ -36,8 +40,9 @@ from prefect import flow
 from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
 
 from bench.common import mean_std, print_json, print_table
+from bench.report_set import REPORT_IMAGES, ReportSet
 from flows.pbt import pbt
-from flows.skeleton import prepare
+from flows.skeleton import data_section, prepare
 from tasks import tracking
 from tasks.config import PBTConfig
 from tasks.data import DatasetRef
@@ -56,9 +61,10 @@ METHODS = ("a: default", "b: random search", "c: PBT")
 
 
 @flow(name="bench-pbt-search")
-def independent_members(config: PBTConfig, method: str) -> tuple[float | str, dict]:
+def independent_members(config: PBTConfig, method: str) -> tuple[float | str, dict, tuple]:
     """(a) or (b): N members trained E epochs each with fixed hyperparameters; the best on
-    validation is tested. Returns its test accuracy (or why all failed) and its values."""
+    validation is tested. Returns its test accuracy (or why all failed), its values and what
+    scores it elsewhere (its classifier config, data set and checkpoint; empty if none)."""
     with tracking.tracked_run("bench-pbt", f"{method}-seed{config.seed}", config, {}) as run_id:
         dataset = prepare(config, run_id).dataset
     epochs = config.burn_in_epochs + config.stages * config.round_epochs
@@ -83,13 +89,14 @@ def independent_members(config: PBTConfig, method: str) -> tuple[float | str, di
             results.append(None)
     scores = [r.metrics["val_accuracy"] if r else None for r in results]
     if all(s is None for s in scores):
-        return "FAILED", {}
+        return "FAILED", {}, ()
     best = best_member(scores)
-    test = test_and_export(member_config(base, best, drawn[best]), dataset,
-                           results[best].checkpoint, SCORED_WEIGHTS)
+    chosen = member_config(base, best, drawn[best])
+    test = test_and_export(chosen, dataset, results[best].checkpoint, SCORED_WEIGHTS)
     print(f"{method} seed {config.seed}: best member {best}, validation {scores[best]:.4f}, "
           f"test {test.metrics['test_accuracy']:.4f}", flush=True)
-    return test.metrics["test_accuracy"], drawn[best]
+    return test.metrics["test_accuracy"], drawn[best], (chosen, dataset,
+                                                         results[best].checkpoint)
 
 
 @flow(name="bench-pbt-stage")
@@ -146,18 +153,25 @@ def main() -> None:
                             "model_name": "bench-pbt", **overrides})
 
     accuracy: dict[str, list] = {method: [] for method in METHODS}
+    reported: dict[str, list] = {method: [] for method in METHODS}
     chosen: dict[str, list] = {method: [] for method in METHODS}
     config = config_for(args.seeds[0])
+    report = ReportSet(data_section(config), 500 if args.profile == "smoke" else
+                       REPORT_IMAGES) if args.accuracy else None
     for seed in args.seeds if args.accuracy else []:
         config = config_for(seed)
         for method in [m for m in METHODS[:2] if m[0] in args.methods]:
-            score, values = independent_members(config, method)
+            score, values, scorable = independent_members(config, method)
             accuracy[method].append(score)
             chosen[method].append(values)
+            reported[method].append(report.checkpoint_accuracy(*scorable, SCORED_WEIGHTS)
+                                    if report and scorable else None)
         if "c" in args.methods:
             summary = pbt(config)
             accuracy[METHODS[2]].append(summary.test_accuracy)
             chosen[METHODS[2]].append(summary.population.hyperparameters)
+            reported[METHODS[2]].append(report.served_accuracy(summary.registration.model_uri)
+                                        if report else None)
         print(f"seed {seed}: " + ", ".join(f"{k} {v[-1]}" for k, v in accuracy.items() if v),
               flush=True)
     rows, results = [], []
@@ -169,13 +183,18 @@ def main() -> None:
         rows.append([method, f"{mean:.4f} ± {std:.4f}", " / ".join(
             f"{v:.4f}" if isinstance(v, float) else "FAILED" for v in values),
             len(values) - len(ok)])
+        scored = [v for v in reported[method] if v is not None]
+        report_mean, report_std = mean_std(scored) if scored else (None, None)
+        rows[-1].insert(1, "-" if report_mean is None else f"{report_mean:.4f} ± {report_std:.4f}")
         results.append({"method": method, "test_accuracy": values, "mean": mean, "std": std,
-                        "hyperparameters": chosen[method]})
+                        "report_accuracy": reported[method], "report_mean": report_mean,
+                        "report_std": report_std, "hyperparameters": chosen[method]})
     epochs = config.burn_in_epochs + config.stages * config.round_epochs
     if rows:
         print(f"\n{config.members} members x {epochs} epochs of {config.model} on "
               f"{config.train_limit or 'all'} training images, per method and seed")
-        print_table(["method", "test accuracy (mean ± std)", "per seed", "failed"], rows)
+        print_table(["method", "report accuracy (never read)", "test accuracy (official)",
+                     "per seed (test)", "failed"], rows)
     timing = None
     if args.timing:
         timing = stage_speedup(config)
@@ -184,6 +203,7 @@ def main() -> None:
               f"{timing['two_workers_s']:.1f} s: speed-up {timing['speedup']:.2f}x "
               f"({os.cpu_count()} cores)")
     print_json({"benchmark": "pbt", "profile": args.profile, "seeds": args.seeds,
+                "report_images": len(report) if report else 0,
                 "overrides": overrides, "members": config.members, "epochs_per_member": epochs,
                 "results": results, "timing": timing})
 

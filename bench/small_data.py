@@ -94,17 +94,30 @@ def image_folder(images: int, size: int) -> Path:
     if root.is_dir():
         return root
     source = load_fashion_mnist(fashion_mnist_root(), train=True)
-    generator = torch.Generator().manual_seed(images * 1000 + size)
     partial = root.with_name(root.name + ".partial")
-    for label, name in enumerate(source.classes):
-        picks = (source.labels == label).nonzero().flatten()
-        picks = picks[torch.randperm(len(picks), generator=generator)[:images // 10]]
-        folder = partial / class_folder(name)
+    for label, picks in enumerate(class_draws(source.labels, images, size)):
+        folder = partial / class_folder(source.classes[label])
         folder.mkdir(parents=True, exist_ok=True)
         for n, index in enumerate(picks.tolist()):
             resized(source.images[index], size).save(folder / f"{n:05d}.png")
     partial.rename(root)
     return root
+
+
+def class_draws(labels: torch.Tensor, images: int, size: int) -> list[torch.Tensor]:
+    """The training-file positions of the set `images`x`size`, per class in label order:
+    `images / 10` of each class, a permutation seeded by `images x 1000 + size`."""
+    generator = torch.Generator().manual_seed(images * 1000 + size)
+    draws = []
+    for label in range(int(labels.max()) + 1):
+        picks = (labels == label).nonzero().flatten()
+        draws.append(picks[torch.randperm(len(picks), generator=generator)[:images // 10]])
+    return draws
+
+
+def drawn_positions(labels: torch.Tensor, images: int, size: int) -> list[int]:
+    """Every training-file position the set `images`x`size` holds."""
+    return torch.cat(class_draws(labels, images, size)).tolist()
 
 
 class Holdout:

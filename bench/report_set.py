@@ -1,0 +1,107 @@
+"""Report images that no choice of this project ever read, for the Fashion-MNIST benchmarks.
+
+Some defaults were chosen, in earlier sessions, by their score on Fashion-MNIST's official test
+images (PBT's variants, `--min-steps 3000`, the augmentation, the exit heads, ...), so a figure
+on those images is an upper estimate of what a user sees. The training file holds 60,000
+images, and a run with `--train-limit` trains on only some of them: the rest (`unused` in
+`python -m flows splits`) were never scored by any choice, provided they are also kept apart
+from what earlier sessions read:
+
+- the validation images of the splits before stable splits (a stratified draw of 10% of the
+  training file, seed `split_seed + 1`, reproduced in `earlier_validation`), on which the
+  flows chose rounds, thresholds and weights;
+- the images of `bench.small_data`'s tuning sets (`500x28`, `1500x28`, `5000x28`, `1500x8`),
+  whose own test splits were read while tuning the defaults.
+
+`report_images` takes `REPORT_IMAGES` of what is left, the ones whose keys hash lowest (salt
+`report`): the same images for every run of a data section, whatever its seed. A benchmark
+then scores its final models there as well as on the official test images, and says which is
+which.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from tasks.config import FASHION_MNIST, DataSection
+from tasks.data import split_assignment, split_source
+from tasks.registration import pyfunc_accuracy
+from training.datasets import UNUSED, stable_limit
+
+REPORT_IMAGES = 10_000
+TUNING_SETS = ((500, 28), (1500, 28), (5000, 28), (1500, 8))  # bench.small_data's
+
+
+def earlier_validation(labels: Tensor, fraction: float = 0.1, seed: int = 1) -> set[int]:
+    """The training-file positions of the validation split before stable splits (commit
+    b349fe5, `stratified_split(labels, val_fraction, split_seed + 1)` at split seed 0): per
+    class, in label order, a seeded permutation's first `round(n x fraction)`."""
+    generator = torch.Generator().manual_seed(seed)
+    held = []
+    for cls in torch.unique(labels):
+        idx = torch.nonzero(labels == cls).flatten()
+        idx = idx[torch.randperm(len(idx), generator=generator)]
+        held += idx[:int(round(len(idx) * fraction))].tolist()
+    return set(held)
+
+
+def tuning_set_images(labels: Tensor) -> set[int]:
+    """The training-file positions of `bench.small_data`'s tuning sets (its draw, per class
+    in label order, seeded by `images x 1000 + size`)."""
+    from bench.small_data import drawn_positions
+
+    return {i for images, size in TUNING_SETS for i in drawn_positions(labels, images, size)}
+
+
+def report_positions(data: DataSection, keys: list[str], labels: Tensor,
+                     count: int = REPORT_IMAGES) -> Tensor:
+    """Positions (in the source, training file first) of at most `count` training-file images
+    that `data`'s splits leave unused and that no earlier choice read (module docstring)."""
+    if data.data != FASHION_MNIST:
+        raise ValueError("report images are drawn from Fashion-MNIST's training file; "
+                         f"data is {data.data!r}")
+    splits = split_assignment(data, keys)
+    train_file = [i for i, key in enumerate(keys) if key.startswith("train/")]
+    read = earlier_validation(labels[train_file]) | tuning_set_images(labels[train_file])
+    left = [i for i in train_file if splits[i] == UNUSED and i not in read]
+    if count > len(left):
+        raise ValueError(f"only {len(left)} unread training images are left; lower the train "
+                         f"limit ({data.train_limit}) or the count ({count})")
+    return stable_limit(torch.tensor(left), keys, count, 0, "report")
+
+
+class ReportSet:
+    """The report images of a data section, as served models take them (raw uint8, N x H x W)
+    and as checkpoints take them (a uint8 tensor N x C x H x W), with their labels."""
+
+    def __init__(self, data: DataSection, count: int = REPORT_IMAGES):
+        source, _ = split_source(data)
+        index = report_positions(data, source.keys, source.labels, count)
+        self.tensor = source.images[index]
+        self.labels = source.labels[index]
+        self.names = [source.classes[i] for i in self.labels.tolist()]
+        pixels = self.tensor.permute(0, 2, 3, 1).numpy()
+        self.raw = pixels[:, :, :, 0] if pixels.shape[3] == 1 else pixels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def served_accuracy(self, model_uri: str) -> float:
+        """The served model's accuracy on the report images."""
+        return pyfunc_accuracy(model_uri, np.ascontiguousarray(self.raw), self.names)
+
+    def checkpoint_accuracy(self, classifier, dataset, checkpoint, weights: str = "model"
+                            ) -> float:
+        """A checkpoint's accuracy on the report images (the data set's normalization, the
+        flows' evaluation)."""
+        from tasks.training import trained_model
+        from training.batches import Batches, Normalize
+        from training.loops import evaluate
+
+        cpu = torch.device("cpu")
+        model = trained_model(classifier, dataset, checkpoint, weights)
+        batches = Batches(self.tensor, self.labels, torch.arange(len(self)), 256,
+                          Normalize(dataset.mean, dataset.std), device=cpu)
+        return evaluate(model, batches, cpu)["accuracy"]
