@@ -31,7 +31,6 @@ from tasks.registration import pyfunc_accuracy
 from training.datasets import UNUSED, stable_limit
 
 REPORT_IMAGES = 10_000
-TUNING_SETS = ((500, 28), (1500, 28), (5000, 28), (1500, 8))  # bench.small_data's
 
 
 def earlier_validation(labels: Tensor, fraction: float = 0.1, seed: int = 1) -> set[int]:
@@ -48,11 +47,23 @@ def earlier_validation(labels: Tensor, fraction: float = 0.1, seed: int = 1) -> 
 
 
 def tuning_set_images(labels: Tensor) -> set[int]:
-    """The training-file positions of `bench.small_data`'s tuning sets (its draw, per class
-    in label order, seeded by `images x 1000 + size`)."""
-    from bench.small_data import drawn_positions
+    """The training-file positions of `bench.small_data`'s Fashion-MNIST tuning sets (its
+    draw, per class in label order, seeded by `images x 1000 + size`)."""
+    from bench.small_data import tuning_sets
 
-    return {i for images, size in TUNING_SETS for i in drawn_positions(labels, images, size)}
+    return tuning_sets(labels)
+
+
+def unread_positions(keys: list[str], labels: Tensor, left: set[int], count: int,
+                     what: str) -> Tensor:
+    """At most `count` of the training-file positions in `left` that no earlier choice read
+    (`earlier_validation`, `tuning_set_images`), those whose keys hash lowest (salt `report`).
+    `keys` and `labels` are the training file's, position for position."""
+    read = earlier_validation(labels) | tuning_set_images(labels)
+    kept = sorted(left - read)
+    if count > len(kept):
+        raise ValueError(f"only {len(kept)} unread training images are left; {what}")
+    return stable_limit(torch.tensor(kept), keys, count, 0, "report")
 
 
 def report_positions(data: DataSection, keys: list[str], labels: Tensor,
@@ -64,12 +75,11 @@ def report_positions(data: DataSection, keys: list[str], labels: Tensor,
                          f"data is {data.data!r}")
     splits = split_assignment(data, keys)
     train_file = [i for i, key in enumerate(keys) if key.startswith("train/")]
-    read = earlier_validation(labels[train_file]) | tuning_set_images(labels[train_file])
-    left = [i for i in train_file if splits[i] == UNUSED and i not in read]
-    if count > len(left):
-        raise ValueError(f"only {len(left)} unread training images are left; lower the train "
-                         f"limit ({data.train_limit}) or the count ({count})")
-    return stable_limit(torch.tensor(left), keys, count, 0, "report")
+    assert train_file == list(range(len(train_file)))  # the training file comes first
+    unused = {i for i in train_file if splits[i] == UNUSED}
+    return unread_positions(keys[:len(train_file)], labels[:len(train_file)], unused, count,
+                            f"lower the train limit ({data.train_limit}) or the count "
+                            f"({count})")
 
 
 class ReportSet:
