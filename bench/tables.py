@@ -102,7 +102,107 @@ def cascade(record: dict) -> str:
         f"(commit {record['commit'][:7]}).\n")
 
 
-RENDERERS: dict[str, Callable[[dict], str]] = {"image_text": image_text, "cascade": cascade}
+def provenance(record: dict) -> str:
+    """`Seeds ...; command: `...` (commit ...)`."""
+    return (f"Seeds {', '.join(map(str, record['seeds']))}; command: `{record['command']}` "
+            f"(commit {record['commit'][:7]}).")
+
+
+PIPELINE_STEPS = {"teacher": "teacher", "distill": "distilled student", "pbt": "after PBT",
+                  "sparsify": "sparse", "cascade": "the fallback cascade"}
+
+
+def pipeline(record: dict) -> str:
+    """`bench.pipeline`'s two rows (accuracy on the unread report images and on the official
+    test images, served ms per image at batch 1, parameters, exact zeros) and each step's
+    accuracy on the report images with its change over the step before."""
+    runs = record["runs"]
+
+    def pair(model: str, key: str) -> tuple[float, float]:
+        return mean_std([run[model][key] for run in runs])
+
+    train_ms, pipe_ms = pair("train", "ms")[0], pair("pipeline", "ms")[0]
+    ratios = mean_std([run["pipeline"]["ms"] / run["train"]["ms"] for run in runs])
+    lines = ["| model | report accuracy (unread) | test accuracy (official) | ms / image, "
+             "batch 1 (served) | parameters | exact zeros |", "| --- " * 6 + "|",
+             f"| `train` (`resnet18`, its defaults) | {spread(*pair('train', 'report_accuracy'))} "
+             f"| {spread(*pair('train', 'accuracy'))} | {train_ms:.2f} | "
+             f"{runs[0]['train']['parameters']:,} | {pair('train', 'zeros')[0]:.2f} |",
+             f"| `pipeline` | {spread(*pair('pipeline', 'report_accuracy'))} | "
+             f"{spread(*pair('pipeline', 'accuracy'))} | {pipe_ms:.2f} ({ratios[0]:.2f} ± "
+             f"{ratios[1]:.2f} of `train`'s) | {runs[0]['pipeline']['student_parameters']:,} + "
+             f"{runs[0]['pipeline']['teacher_parameters']:,} | "
+             f"{pair('pipeline', 'zeros')[0]:.2f} (student) |"]
+    steps, previous = [], None
+    for name, label in PIPELINE_STEPS.items():
+        values = [run["report_steps"][name] if name in run["report_steps"]
+                  else run["pipeline"]["report_accuracy"] for run in runs]
+        mean = mean_std(values)[0]
+        change = "" if previous is None or name == "distill" else f" ({mean - previous:+.4f})"
+        steps.append(f"{label} {mean:.4f}{change}")
+        previous = mean
+    share = mean_std([run["pipeline"]["student_share"] for run in runs])[0]
+    minutes = mean_std([run["seconds"] for run in runs])[0] / 60
+    return "\n".join(lines) + (
+        f"\n\nEach step's model on the report images: {', '.join(steps)}; the student "
+        f"answers {share:.0%} of the test images; a run takes {minutes:.1f} minutes. "
+        f"{provenance(record)}\n")
+
+
+def pbt(record: dict) -> str:
+    """`bench.pbt`'s three methods: accuracy on the unread report images and on the official
+    test images (mean ± std over the seeds), at the same member-epochs."""
+    lines = ["| method | report accuracy (unread) | test accuracy (official) |",
+             "| --- | --- | --- |"]
+    for row in record["results"]:
+        lines.append(f"| {row['method']} | {spread(row['report_mean'], row['report_std'])} | "
+                     f"{spread(row['mean'], row['std'])} |")
+    return "\n".join(lines) + (
+        f"\n\n{record['members']} members x {record['epochs_per_member']} epochs each "
+        f"({record['overrides'] or 'the defaults'}). {provenance(record)}\n")
+
+
+def small_data(record: dict) -> str:
+    """`bench.small_data`'s sets: each flow's accuracy on the holdout and on the set's own
+    test split, beside the raw-pixel baselines (mean ± std over the seeds)."""
+    rows = [r for r in record["results"] if "flow" in r]
+    held = {r["set"]: r["holdout_baselines"] for r in record["results"]
+            if "holdout_baselines" in r}
+    flows = list(dict.fromkeys(r["flow"] for r in rows if not r["flow"].startswith("long")))
+    lines = ["| set | " + " | ".join(f"`{flow}`" for flow in flows)
+             + " | k-NN pixels | linear pixels |", "| --- " * (len(flows) + 3) + "|"]
+    for name in dict.fromkeys(r["set"] for r in rows):
+        cells = []
+        for flow in flows:
+            row = next(r for r in rows if r["set"] == name and r["flow"] == flow)
+            cells.append(f"{spread(row['holdout_accuracy_mean'], row['holdout_accuracy_std'])}"
+                         f" / {row['test_accuracy_mean']:.3f}")
+        for kind in ("knn", "linear"):
+            values = [b[kind] for b in held.get(name) or []]
+            cells.append(spread(*mean_std(values)) if values else "-")
+        lines.append(f"| {name.replace('x', ' x ')} px | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + (
+        f"\n\nEach cell: accuracy on the {record['holdout']} holdout (10,000 images) / on "
+        f"the set's own test split (20%); baselines on the holdout. Tuning sets, not reported "
+        f"here: {', '.join(record['tuning_sets'])}. {provenance(record)}\n")
+
+
+def train_accuracy(record: dict) -> str:
+    """`bench.train_accuracy`'s networks: the `train` flow's accuracy with each, on the unread
+    images and on the official test images (mean ± std over the seeds)."""
+    lines = ["| network (its role in `distill`) | report accuracy (unread) | test accuracy "
+             "(official) |", "| --- | --- | --- |"]
+    for row in record["results"]:
+        lines.append(f"| `{row['model']}` ({row['role']}) | "
+                     f"{spread(row['report_mean'], row['report_std'])} | "
+                     f"{spread(row['mean'], row['std'])} |")
+    return "\n".join(lines) + f"\n\n{provenance(record)}\n"
+
+
+RENDERERS: dict[str, Callable[[dict], str]] = {"image_text": image_text, "cascade": cascade,
+                                               "pipeline": pipeline, "pbt": pbt,
+                                               "small_data": small_data,
+                                               "train_accuracy": train_accuracy}
 
 
 def render(name: str, results: Path = RESULTS) -> str:
