@@ -56,7 +56,7 @@ def tuning_set_images(labels: Tensor) -> set[int]:
 
 def unread_positions(keys: list[str], labels: Tensor, left: set[int], count: int,
                      what: str) -> Tensor:
-    """At most `count` of the training-file positions in `left` that no earlier choice read
+    """`count` of the training-file positions in `left` that no earlier choice read
     (`earlier_validation`, `tuning_set_images`), those whose keys hash lowest (salt `report`).
     `keys` and `labels` are the training file's, position for position."""
     read = earlier_validation(labels) | tuning_set_images(labels)
@@ -68,14 +68,15 @@ def unread_positions(keys: list[str], labels: Tensor, left: set[int], count: int
 
 def report_positions(data: DataSection, keys: list[str], labels: Tensor,
                      count: int = REPORT_IMAGES) -> Tensor:
-    """Positions (in the source, training file first) of at most `count` training-file images
+    """Positions (in the source, training file first) of `count` training-file images
     that `data`'s splits leave unused and that no earlier choice read (module docstring)."""
     if data.data != FASHION_MNIST:
         raise ValueError("report images are drawn from Fashion-MNIST's training file; "
                          f"data is {data.data!r}")
     splits = split_assignment(data, keys)
     train_file = [i for i, key in enumerate(keys) if key.startswith("train/")]
-    assert train_file == list(range(len(train_file)))  # the training file comes first
+    if train_file != list(range(len(train_file))):
+        raise ValueError("keys: the training file's (`train/...`) must come first")
     unused = {i for i in train_file if splits[i] == UNUSED}
     return unread_positions(keys[:len(train_file)], labels[:len(train_file)], unused, count,
                             f"lower the train limit ({data.train_limit}) or the count "
