@@ -21,13 +21,12 @@ which.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from tasks.config import FASHION_MNIST, DataSection
 from tasks.data import split_assignment, split_source
-from tasks.registration import pyfunc_accuracy
+from tasks.registration import pyfunc_accuracy, raw_images
 from training.datasets import UNUSED, stable_limit
 
 REPORT_IMAGES = 10_000
@@ -93,15 +92,14 @@ class ReportSet:
         self.tensor = source.images[index]
         self.labels = source.labels[index]
         self.names = [source.classes[i] for i in self.labels.tolist()]
-        pixels = self.tensor.permute(0, 2, 3, 1).numpy()
-        self.raw = pixels[:, :, :, 0] if pixels.shape[3] == 1 else pixels
+        self.raw = raw_images(source, index)
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def served_accuracy(self, model_uri: str) -> float:
         """The served model's accuracy on the report images."""
-        return pyfunc_accuracy(model_uri, np.ascontiguousarray(self.raw), self.names)
+        return pyfunc_accuracy(model_uri, self.raw, self.names)
 
     def checkpoint_accuracy(self, classifier, dataset, checkpoint, weights: str = "model"
                             ) -> float:

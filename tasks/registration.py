@@ -39,6 +39,7 @@ from tasks.data import DatasetRef, LoadedDataset, load_dataset, load_dataset_art
 from tasks.environment import PROJECT_ROOT
 from tasks.registry import CHALLENGER, CHAMPION, crown
 from tasks.versioning import ArtifactRef, ArtifactStore
+from training.datasets import ImageSet
 from training.scores import standard_error
 
 SERVING_PACKAGES = ("torch", "torchvision", "mlflow", "pillow", "pandas", "numpy")
@@ -119,8 +120,9 @@ def log_weights_pyfunc(run_id: str, model_file: str, meta: dict,
             signature=signature)
 
 
-def raw_images(data: LoadedDataset, index: Any) -> np.ndarray:
-    """Images at `index` as raw uint8 (N x H x W, or N x H x W x C), as a user sends them."""
+def raw_images(data: LoadedDataset | ImageSet, index: Any) -> np.ndarray:
+    """Images at `index` (of a prepared data set or a source) as raw uint8 (N x H x W, or
+    N x H x W x C), as a user sends them."""
     images = data.images[index].permute(0, 2, 3, 1).numpy()
     return images[:, :, :, 0] if images.shape[3] == 1 else images
 
