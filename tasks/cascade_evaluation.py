@@ -295,14 +295,14 @@ def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRe
       retry_condition_fn=lambda _task, _run, state: transient(state))
 def register_cascade(run_id: str, name: str, config: CascadeConfig, dataset: DatasetRef,
                      calibrated: ArtifactRef, refusal: str | None) -> Registration:
-    """Logs the calibrated cascade as a pyfunc (`tasks.cascade_serving`: the real cascade on
+    """Logs the calibrated cascade as a pyfunc (`serving.cascade`: the real cascade on
     raw images), scores it and the champion through their pyfuncs on the same test images,
     registers it, and makes it champion only if it scores higher and nothing refuses it
     (`refusal`: the raw-pixel baseline gate)."""
     meta = {"classes": dataset.classes, "image_size": dataset.image_size,
             "channels": dataset.channels, "mean": dataset.mean, "std": dataset.std,
             "spec": dataclasses.asdict(config.spec())}  # every field of the network's shape
-    model_uri = log_weights_pyfunc(run_id, "cascade_pyfunc_model.py", meta,
+    model_uri = log_weights_pyfunc(run_id, "cascade", meta,
                                    trained_cascade(config, dataset, calibrated).state_dict())
     return promote_on_test_images(run_id, name, model_uri, dataset, calibrated.md5,
                                   Policy.of(config), refusal)

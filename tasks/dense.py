@@ -19,12 +19,12 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from models.dense import build_task_model
+from serving.canvas import served_scores
 from tasks import tracking
 from tasks.caching import computation_key, result_fields
 from tasks.checkpoints import load_checkpoint, save_checkpoint, torch_save
 from tasks.config import SparsifyConfig, SparsitySpec
 from tasks.data import DatasetRef, load_dataset
-from tasks.dense_serving import served_scores
 from tasks.registration import (
     Policy,
     Registration,
@@ -237,12 +237,12 @@ def test_dense(config: SparsifyConfig, layouts: LayoutsRef, checkpoint: Artifact
       retry_condition_fn=lambda _task, _run, state: transient(state))
 def register_dense(run_id: str, name: str, config: SparsifyConfig, layouts: LayoutsRef,
                    checkpoint: ArtifactRef) -> Registration:
-    """Logs the network as a pyfunc (`tasks.dense_serving`), scores it and the champion
+    """Logs the network as a pyfunc (`serving.canvas`), scores it and the champion
     through their pyfuncs on the same test canvases (`test_map_50` or `test_boundary_f`),
     registers it and makes it champion only if it scores higher."""
     meta = {"task": config.task, "model": config.network_name(), "width": config.width,
             "classes": layouts.classes, "canvas": layouts.canvas}
-    model_uri = log_weights_pyfunc(run_id, "dense_pyfunc_model.py", meta,
+    model_uri = log_weights_pyfunc(run_id, "canvas", meta,
                                    trained_network(config, layouts, checkpoint).state_dict())
     test = load_layouts(layouts, "test")
     images = test.images[:, 0].numpy()

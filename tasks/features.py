@@ -66,12 +66,14 @@ class FeaturesConfig(ModelVersionSection, DataSection):
 
 
 def load_embedder(model_uri: str) -> Any:
-    """The registered version's serving model (`tasks.serving.ImageClassifierModel`).
+    """The registered version's serving model (`serving.classifier.ImageClassifierModel`, or
+    a subclass; versions logged before `serving.entry` held it directly).
 
     Raises:
         DataError: the version is not an image model of this project.
     """
-    model = tracking.load_pyfunc(model_uri).unwrap_python_model()
+    served = tracking.load_pyfunc(model_uri).unwrap_python_model()
+    model = getattr(served, "implementation", served)
     if not callable(getattr(model, "embed", None)):
         raise DataError(f"{model_uri} is a {type(model).__name__}, not an image model of this "
                         "project: it cannot embed images")

@@ -1,6 +1,6 @@
 """`image_text` evaluation: score a split (the classifier, zero-shot from the class
 descriptions, the unseen classes apart), test, and register the image-text pyfunc
-(`tasks.image_text_serving`) gated like every flow's models."""
+(`serving.image_text`) gated like every flow's models."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from mlflow.types.schema import ParamSchema, ParamSpec
 from prefect import task
 
 from models.image_text import ImageTextNet
+from serving.image_text import ZERO_SHOT_PARAM
 from tasks.caching import computation_key
 from tasks.checkpoints import load_checkpoint
 from tasks.data import DatasetRef, load_dataset
 from tasks.image_text import Descriptions, TextSide, new_network, score_split
 from tasks.image_text_config import ImageTextConfig
-from tasks.prediction import ZERO_SHOT_PARAM
 from tasks.registration import (
     Policy,
     Registration,
@@ -26,7 +26,7 @@ from tasks.training import setup_device
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.device import place_model
 
-# `classes` is a parameter of the served model (`tasks.image_text_serving`): MLflow passes
+# `classes` is a parameter of the served model (`serving.image_text`): MLflow passes
 # parameters only to models whose signature declares them (inputs and outputs are left free).
 SIGNATURE = ModelSignature(inputs=None, outputs=None,
                            params=ParamSchema([ParamSpec(ZERO_SHOT_PARAM, "string", "")]))
@@ -59,7 +59,7 @@ def trained_network(config: ImageTextConfig, dataset: DatasetRef, described: Des
 def register_image_text(run_id: str, name: str, config: ImageTextConfig, dataset: DatasetRef,
                         described: Descriptions, checkpoint: ArtifactRef,
                         refusal: str | None) -> Registration:
-    """Logs the network as a pyfunc (`tasks.image_text_serving`: the classifier, or zero-shot
+    """Logs the network as a pyfunc (`serving.image_text`: the classifier, or zero-shot
     among descriptions given when predicting), scores it and the champion through their
     pyfuncs on the same test images, registers it, and makes it champion only if it scores
     higher and nothing refuses it (`refusal`: the raw-pixel baseline gate)."""
@@ -69,7 +69,7 @@ def register_image_text(run_id: str, name: str, config: ImageTextConfig, dataset
                         "text_dim": described.text_dim, "text_encoder": config.text_encoder,
                         "buckets": config.buckets}}
     weights = trained_network(config, dataset, described, checkpoint).state_dict()
-    model_uri = log_weights_pyfunc(run_id, "image_text_pyfunc_model.py", meta, weights,
+    model_uri = log_weights_pyfunc(run_id, "image_text", meta, weights,
                                    SIGNATURE)
     return promote_on_test_images(run_id, name, model_uri, dataset, checkpoint.md5,
                                   Policy.of(config), refusal)

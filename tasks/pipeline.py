@@ -13,15 +13,13 @@ import torch
 from prefect import task
 from pydantic import BaseModel, ConfigDict
 
-from tasks import tracking
 from tasks.caching import computation_key
 from tasks.checkpoints import load_checkpoint, save_checkpoint
 from tasks.data import DatasetRef, load_dataset
-from tasks.environment import PROJECT_ROOT
 from tasks.registration import (
     Policy,
     Registration,
-    pip_requirements,
+    log_served_model,
     promote_on_test_images,
     transient,
 )
@@ -110,7 +108,7 @@ def fit_fallback(student: ClassifierConfig, teacher: ClassifierConfig, dataset: 
 def register_fallback(run_id: str, name: str, dataset: DatasetRef, student_program: ArtifactRef,
                       teacher_program: ArtifactRef, fallback: Fallback, policy: Policy,
                       refusal: str | None, tags: dict[str, str]) -> Registration:
-    """Logs the fallback cascade as a pyfunc (`tasks.fallback_serving`: the two exported
+    """Logs the fallback cascade as a pyfunc (`serving.fallback`: the two exported
     programs and the threshold), scores it and the champion through their pyfuncs on the same
     test images, registers it (tagged with `tags`), and makes it champion only if it scores
     higher and nothing refuses it."""
@@ -121,13 +119,9 @@ def register_fallback(run_id: str, name: str, dataset: DatasetRef, student_progr
     with tempfile.TemporaryDirectory() as folder:
         meta_path = Path(folder) / "meta.json"
         meta_path.write_text(json.dumps(meta, indent=2))
-        model_uri = tracking.log_pyfunc_model(
-            run_id, str(PROJECT_ROOT / "tasks" / "fallback_pyfunc_model.py"),
-            artifacts={"program": str(store.fetch(student_program)),
-                       "fallback": str(store.fetch(teacher_program)), "meta": str(meta_path)},
-            pip_requirements=pip_requirements(),
-            code_paths=[str(PROJECT_ROOT / package) for package in ("tasks", "training",
-                                                                    "models")])
+        model_uri = log_served_model(run_id, "fallback", {
+            "program": str(store.fetch(student_program)),
+            "fallback": str(store.fetch(teacher_program)), "meta": str(meta_path)})
     identity = hashlib.md5(json.dumps([student_program.md5, teacher_program.md5,
                                        fallback.threshold]).encode()).hexdigest()
     return promote_on_test_images(run_id, name, model_uri, dataset, identity, policy, refusal,

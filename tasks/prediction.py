@@ -7,12 +7,11 @@ from pathlib import Path
 import pandas as pd
 from pydantic import Field, field_validator
 
+from serving.image_text import ZERO_SHOT_PARAM
 from tasks import tracking
 from tasks.config import StrictConfig
 from training.datasets import IMAGE_EXTENSIONS, DataError
 from training.preprocess import decode_image
-
-ZERO_SHOT_PARAM = "classes"  # image_text models: the class descriptions to choose among
 
 
 class ModelVersionSection(StrictConfig):

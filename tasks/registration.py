@@ -33,6 +33,7 @@ from mlflow.models import ModelSignature
 from prefect import task
 from pydantic import BaseModel, ConfigDict, Field
 
+from serving.entry import CONFIG_KEY, model_class
 from tasks import tracking
 from tasks.checkpoints import torch_save
 from tasks.data import DatasetRef, LoadedDataset, load_dataset, load_dataset_artifact
@@ -101,23 +102,33 @@ def pip_requirements() -> list[str]:
     return [f"{name}=={package_version(name).split('+')[0]}" for name in SERVING_PACKAGES]
 
 
-def log_weights_pyfunc(run_id: str, model_file: str, meta: dict,
+SERVED_CODE = ("serving", "training", "models")  # all a registered model imports
+
+
+def log_served_model(run_id: str, kind: str, artifacts: dict[str, str],
+                     signature: ModelSignature | None = None) -> str:
+    """Logs a pyfunc of `kind` (`serving.entry.KINDS`) with its `artifacts`: the one
+    models-from-code entry `serving/pyfunc_model.py`, with `serving/`, `training/` and
+    `models/` as its code (no Prefect, DVC or `tasks/`); returns its URI."""
+    model_class(kind)  # an unknown kind fails here, not when someone loads the model
+    return tracking.log_pyfunc_model(
+        run_id, str(PROJECT_ROOT / "serving" / "pyfunc_model.py"), artifacts=artifacts,
+        pip_requirements=pip_requirements(),
+        code_paths=[str(PROJECT_ROOT / package) for package in SERVED_CODE],
+        signature=signature, model_config={CONFIG_KEY: kind})
+
+
+def log_weights_pyfunc(run_id: str, kind: str, meta: dict,
                        weights: dict[str, Any], signature: ModelSignature | None = None) -> str:
-    """Logs a pyfunc that rebuilds its network from code (`tasks/<model_file>`, with `tasks`,
-    `training` and `models` as its code) and carries `meta` (JSON) and the `weights` (a state
-    dict); returns its URI. For networks that no exported program can hold (a detector's
-    post-processing, a cascade's per-image exits)."""
+    """Logs a pyfunc of `kind` that rebuilds its network from code and carries `meta` (JSON)
+    and the `weights` (a state dict); returns its URI. For networks that no exported program
+    can hold (a detector's post-processing, a cascade's per-image exits)."""
     with tempfile.TemporaryDirectory() as folder:
         meta_path, weights_path = Path(folder) / "meta.json", Path(folder) / "weights.pt"
         meta_path.write_text(json.dumps(meta, indent=2))
         torch_save(weights, weights_path)
-        return tracking.log_pyfunc_model(
-            run_id, str(PROJECT_ROOT / "tasks" / model_file),
-            artifacts={"weights": str(weights_path), "meta": str(meta_path)},
-            pip_requirements=pip_requirements(),
-            code_paths=[str(PROJECT_ROOT / package) for package in ("tasks", "training",
-                                                                    "models")],
-            signature=signature)
+        return log_served_model(run_id, kind, {"weights": str(weights_path),
+                                               "meta": str(meta_path)}, signature)
 
 
 def raw_images(data: LoadedDataset | ImageSet, index: Any) -> np.ndarray:
@@ -277,11 +288,8 @@ def register_and_promote(run_id: str, name: str, dataset: DatasetRef, program: A
     with tempfile.TemporaryDirectory() as folder:
         meta_path = Path(folder) / "meta.json"
         meta_path.write_text(json.dumps(meta, indent=2))
-        model_uri = tracking.log_pyfunc_model(
-            run_id, str(PROJECT_ROOT / "tasks" / "pyfunc_model.py"),
-            artifacts={"program": str(store.fetch(program)), "meta": str(meta_path)},
-            pip_requirements=pip_requirements(),
-            code_paths=[str(PROJECT_ROOT / "tasks"), str(PROJECT_ROOT / "training")])
+        model_uri = log_served_model(run_id, "classifier", {
+            "program": str(store.fetch(program)), "meta": str(meta_path)})
     return promote_on_test_images(run_id, name, model_uri, dataset, program.md5, policy,
                                   baseline.refusal() if baseline is not None else None)
 

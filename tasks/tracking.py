@@ -201,10 +201,12 @@ def log_file(run_id: str, path: Path, artifact_path: str | None = None) -> None:
 def log_pyfunc_model(run_id: str, python_model: str,
                      artifacts: Mapping[str, str], pip_requirements: list[str],
                      code_paths: list[str] | None = None, name: str = "model",
-                     signature: ModelSignature | None = None) -> str:
+                     signature: ModelSignature | None = None,
+                     model_config: dict[str, Any] | None = None) -> str:
     """Logs a pyfunc model (a models-from-code file) as an MLflow logged model linked to the
     run (its page lists it under "Logged models"); returns its `models:/m-...` URI.
-    `signature`: what the model declares (its prediction parameters).
+    `signature`: what the model declares (its prediction parameters); `model_config`: what
+    its `load_context` reads as `context.model_config`.
 
     The logged model is created in the run's experiment first: left to `Model.log`, MLflow
     puts it in the active or Default experiment (0), where the run's page never finds it."""
@@ -215,7 +217,7 @@ def log_pyfunc_model(run_id: str, python_model: str,
     info = Model.log(artifact_path=None, name=name, flavor=mlflow.pyfunc, run_id=run_id,
                      model_id=logged.model_id, python_model=python_model,
                      artifacts=dict(artifacts), pip_requirements=pip_requirements,
-                     code_paths=code_paths, signature=signature)
+                     code_paths=code_paths, signature=signature, model_config=model_config)
     return info.model_uri
 
 

@@ -96,3 +96,31 @@ def test_a_bad_payload_gets_its_cause_in_the_response(server):
     body = json.loads(answer.value.read())
     assert body["error_code"] == "INVALID_PARAMETER_VALUE"
     assert "row 0 of column 'image' is text but not base64 image bytes" in body["message"]
+
+
+def test_a_registered_model_loads_with_only_serving_models_and_training(first_run, tmp_path):
+    """The registered model's code is `serving/`, `models/` and `training/`: it loads and
+    answers in a process where tasks/, flows/, Prefect and DVC cannot be imported."""
+    from tests.conftest import subprocess_env
+
+    blocked = ["dvc", "flows", "prefect", "tasks"]
+    uri = first_run.registration.version_uri
+    pixels = load_fashion_mnist(fashion_mnist_root(), train=False).images[:64, 0].numpy()
+    np.save(tmp_path / "pixels.npy", pixels)
+    code = "\n".join([
+        "import importlib.abc, json, sys",
+        "class Blocked(importlib.abc.MetaPathFinder):",
+        "    def find_spec(self, name, path, target=None):",
+        f"        if name.split('.')[0] in {blocked!r}:",
+        "            raise ImportError(f'{name} is not part of a served model')",
+        "sys.meta_path.insert(0, Blocked())",
+        "import numpy as np, mlflow.pyfunc",
+        f"out = mlflow.pyfunc.load_model({uri!r}).predict(np.load('pixels.npy'))",
+        "print(json.dumps({'labels': out['label'].tolist(), 'modules': sorted(",
+        f"    {{m.split('.')[0] for m in sys.modules}} & {set(blocked)!r})}}))"])
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    served = json.loads(done.stdout.strip().splitlines()[-1])
+    assert served["modules"] == []
+    assert served["labels"] == tracking.load_pyfunc(uri).predict(pixels)["label"].tolist()

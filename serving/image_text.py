@@ -1,7 +1,7 @@
 """The registered image-text model: an MLflow pyfunc that classifies raw images with the trained
 classifier, or zero-shot among class descriptions given when it predicts.
 
-Inputs as the classifier's (`tasks.serving.input_images`). Without parameters the output is
+Inputs as the classifier's (`serving.inputs`). Without parameters the output is
 the classifier's `label` and `confidence`; with `params={"classes": "text;text;..."}` (or a
 list of texts) each image goes to the description its features are most similar to (the label
 is that description, the confidence a softmax over the scaled similarities), classes without
@@ -19,10 +19,12 @@ import torch
 from torch import Tensor, nn
 
 from models.image_text import ImageTextNet, build_image_text, encode_texts
-from tasks.prediction import ZERO_SHOT_PARAM
-from tasks.serving import ImageClassifierModel, InputError, input_images
+from serving.classifier import ImageClassifierModel
+from serving.inputs import InputError, input_images
 from training.image_text import MAX_LOGIT_SCALE, class_text_weights, zero_shot_logits
 from training.preprocess import images_to_batch
+
+ZERO_SHOT_PARAM = "classes"  # the class descriptions to choose among, when given
 
 
 def class_texts(value: str | list[str]) -> list[str]:

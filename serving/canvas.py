@@ -1,6 +1,6 @@
-"""The registered detection and contour models: MLflow pyfuncs that take raw images.
+"""The registered canvas models (detection and contour): MLflow pyfuncs that take raw images.
 
-Inputs as the classifier's (`tasks.serving.input_images`): a DataFrame with a column `image`
+Inputs as the classifier's (`serving.inputs`): a DataFrame with a column `image`
 of encoded bytes (or their base64 text), or a uint8 array N x H x W (x C). Each image is turned
 gray and resized to the canvas the network was trained on; the outputs are in the input
 image's own pixels:
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from models.dense import build_task_model
-from tasks.serving import input_images
+from serving.inputs import input_images
 from training.detection import as_rgb
 from training.preprocess import images_to_batch
 
@@ -33,7 +33,7 @@ MIN_SCORE = 0.05
 CHUNK = 64
 
 
-class DenseModel(mlflow.pyfunc.PythonModel):
+class CanvasModel(mlflow.pyfunc.PythonModel):
     """Raw images in; boxes, labels and scores (detection) or boundary and mask maps (contour)
     out (see the module docstring)."""
 

@@ -1,6 +1,6 @@
 """The registered cascade: an MLflow pyfunc that runs the real cascade on raw images.
 
-Inputs as the classifier's (`tasks.serving.input_images`). The output has one row per image:
+Inputs as the classifier's (`serving.inputs`). The output has one row per image:
 `label` and `confidence` (the exit's confidence measure), `exit` (1-based: the module the image
 left at) and `subnetworks` (per super-network module the image reached, `module:sub-network`,
 1-based, e.g. `2:1 3:2`). The network is rebuilt from its shape (`models.cascade`) and its
@@ -13,7 +13,8 @@ import pandas as pd
 import torch
 
 from models.cascade import CascadeSpec, build_cascade
-from tasks.serving import CHUNK, ImageClassifierModel, input_images
+from serving.classifier import ImageClassifierModel
+from serving.inputs import CHUNK, input_images
 from training.preprocess import images_to_batch
 
 

@@ -2,7 +2,7 @@
 
 Two `torch.export` programs travel with it, the sparse student (`program`) and the teacher
 (`fallback`), with the calibrated threshold in its meta JSON. Inputs as the classifier's
-(`tasks.serving.input_images`). The student answers every image; only those whose confidence
+(`serving.inputs`). The student answers every image; only those whose confidence
 is at most the threshold run through the teacher (`training.fallback.fallback_infer`). The
 output has one row per image: `label`, `confidence` and `exit` (1: the student, 2: the
 teacher). `embed` (`python -m flows features`) gives the student's embeddings.
@@ -13,7 +13,8 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
-from tasks.serving import CHUNK, ImageClassifierModel, input_images
+from serving.classifier import ImageClassifierModel
+from serving.inputs import CHUNK, input_images
 from training.fallback import fallback_infer
 from training.preprocess import images_to_batch
 

@@ -1,0 +1,74 @@
+"""What a served model takes: raw images as a person or a server sends them.
+
+- a pandas DataFrame with a column `image` of encoded image bytes (PNG, JPEG, ...), or of their
+  base64 text (as JSON requests to `mlflow models serve` carry them);
+- a numpy uint8 array N x H x W (gray) or N x H x W x C.
+
+Anything else raises `InputError`, which names what is wrong (MLflow's scoring server returns
+it to the client as HTTP 400).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+from training.preprocess import array_to_image, decode_image
+
+IMAGE_COLUMN = "image"
+CHUNK = 512
+
+
+def _as_bytes(value: Any, row: int) -> bytes:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    if isinstance(value, str):
+        text = value.split(",", 1)[1] if value.startswith("data:") else value  # a data: URL
+        try:
+            return base64.b64decode("".join(text.split()), validate=True)
+        except binascii.Error:
+            raise ValueError(f"row {row} of column '{IMAGE_COLUMN}' is text but not base64 "
+                             "image bytes") from None
+    raise ValueError(f"row {row} of column '{IMAGE_COLUMN}' is {type(value).__name__}, expected "
+                     "encoded image bytes")
+
+
+class InputError(MlflowException, ValueError):
+    """Input a served model cannot take. An MlflowException, so that MLflow's scoring server
+    returns this message (not a bare BAD_REQUEST) to the client; a ValueError for callers."""
+
+    def __init__(self, message: str):
+        super().__init__(message, error_code=INVALID_PARAMETER_VALUE)
+
+
+def input_images(model_input: Any) -> list:
+    """The PIL images in a DataFrame of encoded bytes or a uint8 image array; InputError names
+    what is wrong with any other input."""
+    try:
+        return _input_images(model_input)
+    except ValueError as error:
+        raise InputError(str(error)) from None
+
+
+def _input_images(model_input: Any) -> list:
+    if isinstance(model_input, pd.DataFrame):
+        if IMAGE_COLUMN not in model_input.columns:
+            raise ValueError(f"expected a column '{IMAGE_COLUMN}' of encoded images, got "
+                             f"columns {list(model_input.columns)}")
+        return [decode_image(_as_bytes(v, i)) for i, v in enumerate(model_input[IMAGE_COLUMN])]
+    array = np.asarray(model_input)
+    if array.size == 0:
+        raise ValueError("no images in the input")
+    if array.ndim not in (3, 4):
+        raise ValueError(f"expected images N x H x W or N x H x W x C, got shape {array.shape}")
+    if array.dtype != np.uint8:
+        if not np.issubdtype(array.dtype, np.integer) or array.min() < 0 or array.max() > 255:
+            raise ValueError(f"expected uint8 pixel values 0..255, got {array.dtype}")
+        array = array.astype(np.uint8)
+    return [array_to_image(image) for image in array]
