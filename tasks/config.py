@@ -667,6 +667,10 @@ class SparsifyConfig(TrainConfig):
         if self.init_from is not None and self.task != "classification":
             raise ValueError(f"init_from: fine-tuning is for --task classification, not "
                              f"{self.task}")
+        if self.ddp_procs > 1 and self.task != "classification":
+            raise ValueError(f"ddp_procs: --task {self.task} trains in one process; "
+                             f"data-parallel rounds (--ddp-procs {self.ddp_procs}) are for "
+                             f"--task classification")
         if self.layer_lambdas is not None and len(self.layer_lambdas) != len(self.layers()):
             raise ValueError(f"layer_lambdas has {len(self.layer_lambdas)} values for "
                              f"{len(self.layers())} sparse_layers ({', '.join(self.layers())})")

@@ -156,6 +156,10 @@ class ImageTextConfig(ProfiledConfig, DataSection, ModelSection, OptimSection, R
             raise ValueError(f"captions is given but captions_source is {self.captions_source}")
         if self.source() == "pool" and self.pool is None and self.data != FASHION_MNIST:
             raise ValueError("the project's own pool is made from Fashion-MNIST: give --pool")
+        if self.ddp_procs > 1:
+            raise ValueError(f"ddp_procs: the image_text flow trains in one process; "
+                             f"data-parallel rounds (--ddp-procs {self.ddp_procs}) are not built "
+                             f"for it: give 1")
         return self
 
     @model_validator(mode="after")

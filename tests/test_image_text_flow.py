@@ -292,3 +292,5 @@ def test_bad_options_name_the_field(capsys):
     assert code == 2 and "captions" in err and "no such file" in err
     code, err = cli("--contrastive-weight", "0")
     assert code == 2 and "align_epochs needs the contrastive" in err
+    code, err = cli("--ddp-procs", "2")  # refused, never accepted and ignored
+    assert code == 2 and "ddp_procs: the image_text flow trains in one process" in err

@@ -366,6 +366,8 @@ def client_classes(summary) -> list[str]:
     (["--init-from", "runs:/abc/model"], ["init_from", "models:/NAME@ALIAS"]),
     (["--task", "contour", "--init-from", "models:/train@champion"],
      ["init_from: fine-tuning is for --task classification"]),
+    (["--task", "detection", "--ddp-procs", "2"],
+     ["ddp_procs: --task detection trains in one process"]),
     (["--threshold-cycles", "2"], ["threshold_cycles", "--zero-threshold-tolerance"]),
     (["--zero-target", "0.8", "--zero-threshold-tolerance", "0.01"],
      ["zero_target: 0.8 sets the thresholds by their zeros", "give one"]),
