@@ -88,9 +88,11 @@ class PipelineSummary(BaseModel):
 
 def pipeline_key(config: PipelineConfig, dataset_md5: str) -> str:
     """What the final model depends on: the result-relevant config, the data set's hash and
-    the code; the registered version carries it (`pipeline.key`)."""
+    the code of this flow and all it imports; the registered version carries it
+    (`pipeline.key`)."""
     fields = {k: v for k, v in result_fields(config).items() if k != "skip_unchanged"}
-    text = json.dumps([fields, dataset_md5, code_version()], sort_keys=True, default=str)
+    text = json.dumps([fields, dataset_md5, code_version("flows.pipeline")], sort_keys=True,
+                      default=str)
     return hashlib.md5(text.encode()).hexdigest()
 
 

@@ -1,15 +1,20 @@
 """Cache keys for Prefect tasks: what a task computes from, nothing else.
 
 A task's key hashes its task name, its inputs with the run-only config fields removed (where
-it runs, how it reports, what the model is registered as), and the source of the code that
-computes the result (`models/`, `training/`, `tasks/`). So the same work under another
-`--model-name` or `--device auto` is reused, and an edited loss or network is recomputed.
+it runs, how it reports, what the model is registered as), the source of the code that
+computes the result and the versions of the libraries that do. The code is the task's own
+module and every project module it imports, directly or through others (`code_closure`: a
+static walk over `import` statements, those inside functions included), so an edited loss or
+network is recomputed while an edit to another technique's module leaves the key alone. The
+same work under another `--model-name` or `--device auto` is reused.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +26,76 @@ from tasks.environment import PROJECT_ROOT
 
 RUN_ONLY_FIELDS = frozenset({"profile", "model_name", "progress", "threads", "device",
                              "patience", "baseline_gate", "registry", "max_latency_ms"})
-CODE_PACKAGES = ("models", "training", "tasks")
+CODE_PACKAGES = ("models", "training", "serving", "tasks", "flows")
+LIBRARIES = ("torch", "torchvision", "compactml")  # their versions decide results too
 
 
-@functools.lru_cache(maxsize=1)
-def code_version(root: Path = PROJECT_ROOT) -> str:
-    """md5 of every Python file of the packages that compute results."""
-    digest = hashlib.md5()
-    for package in CODE_PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode())
-            digest.update(path.read_bytes())
+def module_file(name: str, root: Path = PROJECT_ROOT) -> Path | None:
+    """The source file of project module `name` (a module or a package), or None where `name`
+    is not one of the project's."""
+    if name.split(".")[0] not in CODE_PACKAGES:
+        return None
+    base = root.joinpath(*name.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def imported_names(path: Path) -> set[str]:
+    """Every module name the file's `import` statements may load: `import a.b` gives `a` and
+    `a.b`; `from a.b import c` gives `a`, `a.b` and `a.b.c` (c may be a module)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            dotted = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            dotted = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in dotted:
+            parts = name.split(".")
+            names.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return names
+
+
+@functools.cache
+def code_closure(module: str, root: Path = PROJECT_ROOT) -> tuple[Path, ...]:
+    """The project files that importing `module` runs: its own and, transitively, those of
+    every project module it imports (packages' `__init__.py` included), sorted."""
+    seen: set[Path] = set()
+    pending = [module]
+    while pending:
+        name = pending.pop()
+        names = {name} | {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+        for each in names:
+            path = module_file(each, root)
+            if path is None or path in seen:
+                continue
+            seen.add(path)
+            pending.extend(imported_names(path))
+    return tuple(sorted(seen))
+
+
+def library_versions() -> dict[str, str]:
+    """The installed versions of LIBRARIES (`none` where one is not installed)."""
+    found = {}
+    for name in LIBRARIES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "none"
+    return found
+
+
+@functools.cache
+def code_version(module: str, root: Path = PROJECT_ROOT) -> str:
+    """md5 of the source of `code_closure(module)` (paths and bytes) and of the library
+    versions: what decides the results computed by `module`."""
+    digest = hashlib.md5(repr(sorted(library_versions().items())).encode())
+    for path in code_closure(module, root):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
@@ -43,6 +107,8 @@ def result_fields(value: Any) -> Any:
 
 
 def computation_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
-    """The cache key: task name, result-relevant inputs and code version."""
+    """The cache key: task name, result-relevant inputs and the version of the code the
+    task's module runs (`code_version`)."""
     inputs = {name: result_fields(value) for name, value in sorted(parameters.items())}
-    return hash_objects(context.task.name, inputs, code_version()) or ""
+    return hash_objects(context.task.name, inputs,
+                        code_version(context.task.fn.__module__)) or ""
