@@ -44,7 +44,7 @@ from bench.report_set import REPORT_IMAGES, ReportSet
 from flows.pbt import pbt
 from flows.skeleton import data_section, prepare
 from tasks import tracking
-from tasks.config import PBTConfig
+from tasks.config import PBTConfig, classifier_config
 from tasks.data import DatasetRef
 from tasks.pbt import (
     HYPERPARAMETERS,
@@ -54,7 +54,7 @@ from tasks.pbt import (
     train_member,
 )
 from tasks.runners import task_runner
-from tasks.training import classifier_config, fit_to_data, run_key, test_and_export
+from tasks.training import fit_to_data, run_key, test_and_export
 from training.pbt import best_member, initial_hyperparameters
 
 METHODS = ("a: default", "b: random search", "c: PBT")

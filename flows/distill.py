@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from flows.skeleton import finish, log_budget, prepare, publish, run_tags
 from tasks import tracking
-from tasks.config import DistillConfig
+from tasks.config import DistillConfig, classifier_config
 from tasks.data import DatasetRef
 from tasks.distill import (
     BankSnapshot,
@@ -28,12 +28,7 @@ from tasks.distill import (
 )
 from tasks.registration import Registration
 from tasks.runners import submitter, task_runner, worker_threads
-from tasks.training import (
-    classifier_config,
-    fit_to_data,
-    test_and_export,
-    train_classifier_epoch,
-)
+from tasks.training import fit_to_data, test_and_export, train_classifier_epoch
 from tasks.versioning import ArtifactRef
 from training.budget import Budget
 

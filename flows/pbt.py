@@ -31,7 +31,7 @@ from flows.skeleton import (
     run_tags,
 )
 from tasks import tracking
-from tasks.config import PBTConfig
+from tasks.config import ClassifierConfig, PBTConfig, classifier_config
 from tasks.data import DatasetRef
 from tasks.features import recognition_test
 from tasks.pbt import (
@@ -48,7 +48,7 @@ from tasks.pbt import (
 )
 from tasks.registration import Registration
 from tasks.runners import submitter, task_runner, worker_threads
-from tasks.training import ClassifierConfig, classifier_config, run_key
+from tasks.training import run_key
 from tasks.versioning import ArtifactRef
 from training.budget import Budget
 from training.pbt import PopulationFailed

@@ -43,6 +43,7 @@ from flows.skeleton import (
 from flows.sparsify import train_sparse
 from tasks import tracking
 from tasks.caching import code_version, result_fields
+from tasks.config import ClassifierConfig, classifier_config
 from tasks.pbt import SCORED_WEIGHTS
 from tasks.pipeline import Fallback, fit_fallback, hand_over, register_fallback
 from tasks.pipeline_config import PipelineConfig
@@ -50,7 +51,7 @@ from tasks.registration import CHAMPION, Policy, Registration
 from tasks.reporting import publish_summary
 from tasks.runners import task_runner
 from tasks.sparsify import sparsity_spec, test_activations
-from tasks.training import ClassifierConfig, TestResult, classifier_config, test_and_export
+from tasks.training import TestResult, test_and_export
 from tasks.versioning import ArtifactRef
 
 FLOW_NAME = "pipeline"

@@ -17,16 +17,14 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict
 
 from tasks import tracking
-from tasks.config import DataSection, RunSection, SparsitySpec
+from tasks.config import ClassifierConfig, DataSection, RunSection, SparsitySpec, classifier_config
 from tasks.data import DatasetRef, pixel_baselines, prepare_dataset, source_version
 from tasks.image_text_config import unseen_labels
 from tasks.registration import Baseline, Policy, Registration, register_and_promote
 from tasks.reporting import publish_summary
 from tasks.training import (
-    ClassifierConfig,
     EpochResult,
     TestResult,
-    classifier_config,
     fit_to_data,
     test_and_export,
     train_classifier_epoch,

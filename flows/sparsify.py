@@ -29,7 +29,7 @@ from flows.skeleton import (
 )
 from flows.sparsify_dense import FLOW_NAME, DenseSummary, sparsify_dense
 from tasks import tracking
-from tasks.config import SparsifyConfig, SparsitySpec
+from tasks.config import ClassifierConfig, SparsifyConfig, SparsitySpec
 from tasks.initial_weights import fetch_initial_weights
 from tasks.sparsify import (
     ActivationReport,
@@ -46,7 +46,7 @@ from tasks.sparsify import (
     zero_target_step,
     zero_target_thresholds,
 )
-from tasks.training import ClassifierConfig, EpochResult, train_classifier_epoch
+from tasks.training import EpochResult, train_classifier_epoch
 from tasks.versioning import ArtifactRef
 from training.budget import Budget
 

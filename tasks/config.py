@@ -210,6 +210,15 @@ class RunSection(StrictConfig):
         return self.model_name or flow_name
 
 
+class ClassifierConfig(ModelSection, OptimSection, RunSection):
+    """What one classifier's training needs (a part of every flow config that trains one)."""
+
+
+def classifier_config(config: BaseModel) -> ClassifierConfig:
+    """The classifier part of a flow config."""
+    return ClassifierConfig(**config.model_dump(include=set(ClassifierConfig.model_fields)))
+
+
 class ProfiledConfig(StrictConfig):
     """A config whose unspecified fields come from a named profile."""
 

@@ -29,7 +29,7 @@ from training.ddp_round import cpu_state
 
 if TYPE_CHECKING:
     from tasks.cascade_config import CascadeConfig
-    from tasks.training import ClassifierConfig
+    from tasks.config import ClassifierConfig
 
 
 class DataParallelError(RuntimeError):

@@ -19,11 +19,10 @@ from torch import Tensor, nn
 
 from tasks.caching import computation_key
 from tasks.checkpoints import load_checkpoint, save_checkpoint, torch_save
-from tasks.config import DistillConfig, StrictConfig
+from tasks.config import ClassifierConfig, DistillConfig, StrictConfig
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
 from tasks.ddp import round_job, train_round_data_parallel
 from tasks.training import (
-    ClassifierConfig,
     eval_batches,
     make_optimizer,
     new_model,

@@ -21,9 +21,9 @@ from prefect import task
 from pydantic import BaseModel, ConfigDict
 
 from tasks.checkpoints import save_checkpoint
-from tasks.config import MODEL_URI
+from tasks.config import MODEL_URI, ClassifierConfig
 from tasks.data import DatasetRef
-from tasks.training import ClassifierConfig, new_model
+from tasks.training import new_model
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.datasets import DataError
 

@@ -21,9 +21,9 @@ from pydantic import BaseModel, ConfigDict
 
 from tasks.caching import computation_key
 from tasks.checkpoints import load_checkpoint, save_checkpoint
+from tasks.config import ClassifierConfig
 from tasks.data import DatasetRef, load_dataset
 from tasks.training import (
-    ClassifierConfig,
     eval_batches,
     new_model,
     resume,

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from tasks.caching import computation_key
 from tasks.checkpoints import load_checkpoint, save_checkpoint
+from tasks.config import ClassifierConfig
 from tasks.data import DatasetRef, load_dataset
 from tasks.registration import (
     Policy,
@@ -23,13 +24,7 @@ from tasks.registration import (
     promote_on_test_images,
     transient,
 )
-from tasks.training import (
-    ClassifierConfig,
-    eval_batches,
-    setup_device,
-    split_batches,
-    trained_model,
-)
+from tasks.training import eval_batches, setup_device, split_batches, trained_model
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.device import place_model
 from training.fallback import calibrate_fallback, fallback_infer, fallback_table

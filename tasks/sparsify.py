@@ -16,17 +16,10 @@ from pydantic import BaseModel, ConfigDict
 
 from tasks.caching import computation_key
 from tasks.checkpoints import load_checkpoint, save_checkpoint
-from tasks.config import SparsifyConfig, SparsitySpec
+from tasks.config import ClassifierConfig, SparsifyConfig, SparsitySpec
 from tasks.data import DatasetRef, load_dataset
 from tasks.reporting import figure_pyplot
-from tasks.training import (
-    ClassifierConfig,
-    eval_batches,
-    export_program,
-    new_model,
-    setup_device,
-    trained_model,
-)
+from tasks.training import eval_batches, export_program, new_model, setup_device, trained_model
 from tasks.versioning import ArtifactRef, ArtifactStore
 from training.device import place_model
 from training.loops import evaluate

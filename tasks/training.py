@@ -26,7 +26,7 @@ from torch.optim.swa_utils import AveragedModel
 from models import ImageClassifier, build_model
 from tasks.caching import computation_key, result_fields
 from tasks.checkpoints import load_checkpoint, save_checkpoint
-from tasks.config import ModelSection, OptimSection, RunSection, SparsitySpec
+from tasks.config import ClassifierConfig, SparsitySpec
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
 from tasks.ddp import round_job, train_round_data_parallel
 from tasks.versioning import ArtifactRef, ArtifactStore
@@ -40,10 +40,6 @@ from training.sparsity import sparsity_regularized
 from training.thresholds import install_thresholds, thresholds_in_place
 
 
-class ClassifierConfig(ModelSection, OptimSection, RunSection):
-    """What one classifier's training needs (a part of every flow config that trains one)."""
-
-
 class EpochResult(BaseModel):
     """What an epoch task returns: the checkpoint written and the epoch's metrics."""
 
@@ -52,11 +48,6 @@ class EpochResult(BaseModel):
     epoch: int
     checkpoint: ArtifactRef
     metrics: dict[str, float]
-
-
-def classifier_config(config: BaseModel) -> ClassifierConfig:
-    """The classifier part of a flow config."""
-    return ClassifierConfig(**config.model_dump(include=set(ClassifierConfig.model_fields)))
 
 
 def run_key(config: BaseModel, dataset: DatasetRef) -> str:

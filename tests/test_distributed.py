@@ -34,9 +34,8 @@ def test_two_processes_give_the_loss_curve_of_one_with_the_same_global_batch(tmp
 
 def _lenet_smoke():
     from flows.skeleton import data_section
-    from tasks.config import TrainConfig
+    from tasks.config import TrainConfig, classifier_config
     from tasks.data import prepare_dataset, source_version
-    from tasks.training import classifier_config
 
     config = TrainConfig(profile="smoke", model="lenet", epochs=2, train_limit=512,
                          batch_size=64, threads=1)

@@ -37,3 +37,37 @@ def test_importing_pure_packages_loads_no_pipeline_module():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout.strip()
     assert out == "[]"
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each project module and the project modules it imports (anywhere in the file), without
+    its own enclosing packages (importing `models.registry` from `models.cnn` runs `models`
+    first: that is nesting, not a circle)."""
+    from tasks.caching import CODE_PACKAGES, imported_names
+
+    files = {}
+    for package in CODE_PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in files.items():
+        enclosing = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+        graph[name] = {n for n in imported_names(path) if n in files} - enclosing - {name}
+    return graph
+
+
+def test_no_module_imports_itself_through_others():
+    graph = import_graph()
+    circles = []
+    for start in graph:  # a path from each module back to itself, depth first
+        stack, seen = [(start, [start])], set()
+        while stack:
+            name, path = stack.pop()
+            for nxt in graph[name]:
+                if nxt == start:
+                    circles.append(" -> ".join([*path, start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+    assert circles == []

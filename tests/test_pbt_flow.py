@@ -17,7 +17,7 @@ from flows.commands import COMMANDS
 from flows.pbt import pbt
 from flows.skeleton import data_section
 from tasks.checkpoints import load_checkpoint, save_checkpoint
-from tasks.config import PBTConfig
+from tasks.config import PBTConfig, classifier_config
 from tasks.data import prepare_dataset, source_version
 from tasks.pbt import (
     HYPERPARAMETERS,
@@ -26,7 +26,6 @@ from tasks.pbt import (
     population_scheduler,
     train_member,
 )
-from tasks.training import classifier_config
 from tasks.versioning import ArtifactStore
 from training.pbt import replay
 

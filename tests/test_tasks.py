@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from flows.skeleton import data_section
-from tasks.config import TrainConfig
+from tasks.config import TrainConfig, classifier_config
 from tasks.data import load_dataset, prepare_dataset, source_version
-from tasks.training import classifier_config, run_key, train_classifier_epoch
+from tasks.training import run_key, train_classifier_epoch
 from tasks.versioning import ArtifactStore
 
 
