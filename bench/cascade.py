@@ -40,7 +40,7 @@ os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
 
 from bench.common import mean_std, parse_overrides, print_json, print_table  # noqa: E402
 from flows.cascade import cascade  # noqa: E402
-from tasks.cascade_config import CascadeConfig  # noqa: E402
+from tasks.configs.cascade import CascadeConfig  # noqa: E402
 
 # variant: the prefix of its test metrics, and the routing it is when the calibration
 # registers it (`Calibration.routing`)

@@ -33,8 +33,9 @@ from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
 
 from bench.common import mean_std, print_json, print_table
 from flows.distill import distill, role_budgets
-from tasks.checkpoints import load_checkpoint
-from tasks.config import DistillConfig
+from tasks.adapters.checkpoints import load_checkpoint
+from tasks.adapters.versioning import ArtifactStore
+from tasks.configs.distill import DistillConfig
 from tasks.data import load_dataset
 from tasks.distill import (
     DistillPlan,
@@ -45,7 +46,6 @@ from tasks.distill import (
     student_network,
 )
 from tasks.training import eval_batches, make_optimizer, new_model, restore
-from tasks.versioning import ArtifactStore
 from training.device import place_model, resolve_device
 from training.distillation import (
     FeatureLoss,

@@ -38,7 +38,7 @@ os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
 
 from bench.common import mean_std, parse_overrides, print_json, print_table  # noqa: E402
 from flows.image_text import image_text  # noqa: E402
-from tasks.image_text_config import ImageTextConfig  # noqa: E402
+from tasks.configs.image_text import ImageTextConfig  # noqa: E402
 
 FEW = 10  # labelled images per class in the few-label runs
 ROUNDS = ImageTextConfig.model_fields["align_epochs"].default + \

@@ -35,7 +35,8 @@ from training.device import place_model, resolve_device  # noqa: E402
 from training.loops import classification_step, evaluate  # noqa: E402
 from training.recipe import sgd, train_round  # noqa: E402
 
-# The flows' defaults (tasks/config.py StepSection), for what this benchmark does not vary.
+# The flows' defaults (tasks/configs/sections.py, StepSection), for what this benchmark does
+# not vary.
 LR, MOMENTUM, WEIGHT_DECAY, BATCH, AUGMENT, GRAD_CLIP = 0.05, 0.9, 5e-4, 128, 0.5, 5.0
 
 

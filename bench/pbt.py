@@ -43,8 +43,10 @@ from bench.common import mean_std, print_json, print_table
 from bench.report_set import REPORT_IMAGES, ReportSet
 from flows.pbt import pbt
 from flows.skeleton import data_section, prepare
-from tasks import tracking
-from tasks.config import PBTConfig, classifier_config
+from tasks.adapters import tracking
+from tasks.adapters.runners import task_runner
+from tasks.configs.pbt import PBTConfig
+from tasks.configs.sections import classifier_config
 from tasks.data import DatasetRef
 from tasks.pbt import (
     HYPERPARAMETERS,
@@ -53,7 +55,6 @@ from tasks.pbt import (
     search_spaces,
     train_member,
 )
-from tasks.runners import task_runner
 from tasks.training import fit_to_data, run_key, test_and_export
 from training.pbt import best_member, initial_hyperparameters
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tasks.config import FASHION_MNIST, DataSection
+from tasks.adapters.registration import pyfunc_accuracy, raw_images
+from tasks.configs.sections import FASHION_MNIST, DataSection
 from tasks.data import split_assignment, split_source
-from tasks.registration import pyfunc_accuracy, raw_images
 from training.datasets import UNUSED, stable_limit
 
 REPORT_IMAGES = 10_000

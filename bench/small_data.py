@@ -54,10 +54,13 @@ from bench.report_set import REPORT_IMAGES, unread_positions  # noqa: E402
 from flows.distill import distill  # noqa: E402
 from flows.pbt import pbt  # noqa: E402
 from flows.train import train  # noqa: E402
-from tasks.config import DataSection, DistillConfig, PBTConfig, TrainConfig  # noqa: E402
+from tasks.adapters.environment import data_dir  # noqa: E402
+from tasks.adapters.registration import pyfunc_accuracy  # noqa: E402
+from tasks.configs.distill import DistillConfig  # noqa: E402
+from tasks.configs.pbt import PBTConfig  # noqa: E402
+from tasks.configs.sections import DataSection  # noqa: E402
+from tasks.configs.train import TrainConfig  # noqa: E402
 from tasks.data import fashion_mnist_root, split_source  # noqa: E402
-from tasks.environment import data_dir  # noqa: E402
-from tasks.registration import pyfunc_accuracy  # noqa: E402
 from training.baselines import raw_pixel_baselines  # noqa: E402
 from training.datasets import load_fashion_mnist  # noqa: E402
 

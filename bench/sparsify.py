@@ -63,7 +63,8 @@ from bench.common import mean_std, parse_overrides, print_json, print_table  # n
 from bench.report_set import REPORT_IMAGES, ReportSet  # noqa: E402
 from flows.skeleton import data_section  # noqa: E402
 from flows.sparsify import sparsify  # noqa: E402
-from tasks.config import FASHION_MNIST, SparsifyConfig  # noqa: E402
+from tasks.configs.sections import FASHION_MNIST  # noqa: E402
+from tasks.configs.sparsify import SparsifyConfig  # noqa: E402
 
 VARIANTS: dict[str, dict] = {
     "none": {"sparsity_lambda": 0.0},

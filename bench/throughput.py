@@ -28,8 +28,9 @@ from prefect import flow
 
 from bench.common import mean_std, print_json, print_table
 from flows.skeleton import data_section
-from tasks import tracking
-from tasks.config import ClassifierConfig, TrainConfig, classifier_config
+from tasks.adapters import tracking
+from tasks.configs.sections import ClassifierConfig, classifier_config
+from tasks.configs.train import TrainConfig
 from tasks.data import DatasetRef, load_dataset, prepare_dataset, source_version
 from tasks.training import (
     eval_batches,

@@ -22,7 +22,7 @@ from bench.common import mean_std, print_json, print_table
 from bench.report_set import ReportSet
 from flows.skeleton import data_section
 from flows.train import train
-from tasks.config import TrainConfig
+from tasks.configs.train import TrainConfig
 from training.device import resolve_device
 
 ROLES = {"teacher": "resnet18", "student": "lenet"}  # the distill flow's defaults

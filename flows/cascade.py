@@ -32,7 +32,9 @@ from flows.skeleton import (
     run_rounds,
     run_tags,
 )
-from tasks import tracking
+from tasks.adapters import tracking
+from tasks.adapters.registration import Registration
+from tasks.adapters.versioning import md5_of
 from tasks.cascade import (
     CascadeSets,
     difficulty_sets,
@@ -44,7 +46,6 @@ from tasks.cascade import (
     serving_device,
     train_module_round,
 )
-from tasks.cascade_config import CascadeConfig
 from tasks.cascade_evaluation import (
     ROUTINGS,
     Calibration,
@@ -54,9 +55,8 @@ from tasks.cascade_evaluation import (
     sweep_figure,
     test_cascade,
 )
-from tasks.registration import Registration
+from tasks.configs.cascade import CascadeConfig
 from tasks.training import TestResult
-from tasks.versioning import md5_of
 
 FLOW_NAME = "cascade"
 

@@ -10,13 +10,17 @@ from typing import TYPE_CHECKING
 from flows.cli import Command
 
 if TYPE_CHECKING:  # the stack is imported by the command that runs, not by `--help`
-    from tasks.cascade_config import CascadeConfig
-    from tasks.config import DistillConfig, PBTConfig, SparsifyConfig, SplitsConfig, TrainConfig
+    from tasks.adapters.aliases import PromoteConfig, RollbackConfig
+    from tasks.configs.cascade import CascadeConfig
+    from tasks.configs.distill import DistillConfig
+    from tasks.configs.image_text import ImageTextConfig
+    from tasks.configs.pbt import PBTConfig
+    from tasks.configs.pipeline import PipelineConfig
+    from tasks.configs.sections import SplitsConfig
+    from tasks.configs.sparsify import SparsifyConfig
+    from tasks.configs.train import TrainConfig
     from tasks.features import FeaturesConfig
-    from tasks.image_text_config import ImageTextConfig
-    from tasks.pipeline_config import PipelineConfig
     from tasks.prediction import PredictConfig
-    from tasks.registry import PromoteConfig, RollbackConfig
 
 SERVER_TIMEOUT = "Timed out while attempting to connect to ephemeral Prefect API server"
 
@@ -76,7 +80,7 @@ def _exit_on_data_error(call):
 
 
 def _print_registration(summary) -> None:
-    from tasks.reporting import ui_commands
+    from tasks.adapters.reporting import ui_commands
 
     reg = summary.registration
     print(f"registered {reg.name} version {reg.version} as '{reg.alias}': {reg.decision}"
@@ -248,7 +252,7 @@ def run_features(config: FeaturesConfig) -> None:
 
 
 def _move_alias(call) -> None:
-    from tasks.registry import RegistryError
+    from tasks.adapters.aliases import RegistryError
 
     try:
         print(call())
@@ -260,14 +264,14 @@ def _move_alias(call) -> None:
 def run_promote(config: PromoteConfig) -> None:
     """Make a registered model version champion by hand (who and why recorded on the
     versions)."""
-    from tasks.registry import promote_by_hand
+    from tasks.adapters.aliases import promote_by_hand
 
     _move_alias(lambda: promote_by_hand(config.name, config.version, config.reason, config.by))
 
 
 def run_rollback(config: RollbackConfig) -> None:
     """Give the champion alias back to the version that held it before the current one."""
-    from tasks.registry import rollback
+    from tasks.adapters.aliases import rollback
 
     _move_alias(lambda: rollback(config.name, config.reason, config.by))
 
@@ -291,8 +295,8 @@ def run_splits(config: SplitsConfig) -> None:
 
 def prepare_data() -> None:
     """Install Fashion-MNIST into data/, track it with data.dvc and push it to the remote."""
+    from tasks.adapters.versioning import project_data_status, track_project_data
     from tasks.data import install_fashion_mnist
-    from tasks.versioning import project_data_status, track_project_data
 
     written = install_fashion_mnist()
     ref = track_project_data()
@@ -302,17 +306,17 @@ def prepare_data() -> None:
 
 
 COMMANDS = [
-    Command("train", "tasks.config:TrainConfig", run_train),
-    Command("distill", "tasks.config:DistillConfig", run_distill),
-    Command("pbt", "tasks.config:PBTConfig", run_pbt),
-    Command("sparsify", "tasks.config:SparsifyConfig", run_sparsify),
-    Command("cascade", "tasks.cascade_config:CascadeConfig", run_cascade),
-    Command("image-text", "tasks.image_text_config:ImageTextConfig", run_image_text),
-    Command("pipeline", "tasks.pipeline_config:PipelineConfig", run_pipeline),
+    Command("train", "tasks.configs.train:TrainConfig", run_train),
+    Command("distill", "tasks.configs.distill:DistillConfig", run_distill),
+    Command("pbt", "tasks.configs.pbt:PBTConfig", run_pbt),
+    Command("sparsify", "tasks.configs.sparsify:SparsifyConfig", run_sparsify),
+    Command("cascade", "tasks.configs.cascade:CascadeConfig", run_cascade),
+    Command("image-text", "tasks.configs.image_text:ImageTextConfig", run_image_text),
+    Command("pipeline", "tasks.configs.pipeline:PipelineConfig", run_pipeline),
     Command("predict", "tasks.prediction:PredictConfig", run_predict),
     Command("features", "tasks.features:FeaturesConfig", run_features),
-    Command("promote", "tasks.registry:PromoteConfig", run_promote),
-    Command("rollback", "tasks.registry:RollbackConfig", run_rollback),
-    Command("splits", "tasks.config:SplitsConfig", run_splits),
+    Command("promote", "tasks.adapters.aliases:PromoteConfig", run_promote),
+    Command("rollback", "tasks.adapters.aliases:RollbackConfig", run_rollback),
+    Command("splits", "tasks.configs.sections:SplitsConfig", run_splits),
     Command("prepare-data", None, prepare_data),
 ]

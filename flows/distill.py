@@ -14,8 +14,12 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
 from flows.skeleton import finish, log_budget, prepare, publish, run_tags
-from tasks import tracking
-from tasks.config import DistillConfig, classifier_config
+from tasks.adapters import tracking
+from tasks.adapters.registration import Registration
+from tasks.adapters.runners import submitter, task_runner, worker_threads
+from tasks.adapters.versioning import ArtifactRef
+from tasks.configs.distill import DistillConfig
+from tasks.configs.sections import classifier_config
 from tasks.data import DatasetRef
 from tasks.distill import (
     BankSnapshot,
@@ -26,10 +30,7 @@ from tasks.distill import (
     student_stage,
     teacher_stage,
 )
-from tasks.registration import Registration
-from tasks.runners import submitter, task_runner, worker_threads
 from tasks.training import fit_to_data, test_and_export, train_classifier_epoch
-from tasks.versioning import ArtifactRef
 from training.budget import Budget
 
 FLOW_NAME = "distill"

@@ -29,7 +29,10 @@ from flows.skeleton import (
     run_rounds,
     run_tags,
 )
-from tasks import tracking
+from tasks.adapters import tracking
+from tasks.adapters.registration import Registration
+from tasks.adapters.versioning import ArtifactRef
+from tasks.configs.image_text import ImageTextConfig
 from tasks.image_text import (
     Descriptions,
     RoundResult,
@@ -37,11 +40,8 @@ from tasks.image_text import (
     mix_heads,
     train_image_text_round,
 )
-from tasks.image_text_config import ImageTextConfig
 from tasks.image_text_evaluation import register_image_text, test_image_text
-from tasks.registration import Registration
 from tasks.training import TestResult
-from tasks.versioning import ArtifactRef
 from training.budget import fit_budget
 
 FLOW_NAME = "image_text"

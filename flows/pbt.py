@@ -30,8 +30,12 @@ from flows.skeleton import (
     publish,
     run_tags,
 )
-from tasks import tracking
-from tasks.config import ClassifierConfig, PBTConfig, classifier_config
+from tasks.adapters import tracking
+from tasks.adapters.registration import Registration
+from tasks.adapters.runners import submitter, task_runner, worker_threads
+from tasks.adapters.versioning import ArtifactRef
+from tasks.configs.pbt import PBTConfig
+from tasks.configs.sections import ClassifierConfig, classifier_config
 from tasks.data import DatasetRef
 from tasks.features import recognition_test
 from tasks.pbt import (
@@ -46,10 +50,7 @@ from tasks.pbt import (
     train_member,
     write_lineage,
 )
-from tasks.registration import Registration
-from tasks.runners import submitter, task_runner, worker_threads
 from tasks.training import run_key
-from tasks.versioning import ArtifactRef
 from training.budget import Budget
 from training.pbt import PopulationFailed
 

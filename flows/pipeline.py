@@ -41,18 +41,18 @@ from flows.skeleton import (
     run_tags,
 )
 from flows.sparsify import train_sparse
-from tasks import tracking
-from tasks.caching import code_version, result_fields
-from tasks.config import ClassifierConfig, classifier_config
+from tasks.adapters import tracking
+from tasks.adapters.caching import code_version, result_fields
+from tasks.adapters.registration import CHAMPION, Policy, Registration
+from tasks.adapters.reporting import publish_summary
+from tasks.adapters.runners import task_runner
+from tasks.adapters.versioning import ArtifactRef
+from tasks.configs.pipeline import PipelineConfig
+from tasks.configs.sections import ClassifierConfig, classifier_config
 from tasks.pbt import SCORED_WEIGHTS
 from tasks.pipeline import Fallback, fit_fallback, hand_over, register_fallback
-from tasks.pipeline_config import PipelineConfig
-from tasks.registration import CHAMPION, Policy, Registration
-from tasks.reporting import publish_summary
-from tasks.runners import task_runner
 from tasks.sparsify import sparsity_spec, test_activations
 from tasks.training import TestResult, test_and_export
-from tasks.versioning import ArtifactRef
 
 FLOW_NAME = "pipeline"
 KEY_TAG = "pipeline.key"

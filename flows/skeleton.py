@@ -16,12 +16,14 @@ from prefect import get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict
 
-from tasks import tracking
-from tasks.config import ClassifierConfig, DataSection, RunSection, SparsitySpec, classifier_config
+from tasks.adapters import tracking
+from tasks.adapters.registration import Baseline, Policy, Registration, register_and_promote
+from tasks.adapters.reporting import publish_summary
+from tasks.adapters.versioning import ArtifactRef
+from tasks.configs.image_text import unseen_labels
+from tasks.configs.sections import ClassifierConfig, DataSection, RunSection, classifier_config
+from tasks.configs.sparsify import SparsitySpec
 from tasks.data import DatasetRef, pixel_baselines, prepare_dataset, source_version
-from tasks.image_text_config import unseen_labels
-from tasks.registration import Baseline, Policy, Registration, register_and_promote
-from tasks.reporting import publish_summary
 from tasks.training import (
     EpochResult,
     TestResult,
@@ -29,7 +31,6 @@ from tasks.training import (
     test_and_export,
     train_classifier_epoch,
 )
-from tasks.versioning import ArtifactRef
 from training.baselines import best_baseline, mirror_safe
 from training.budget import Budget
 from training.recipe import EarlyStopping

@@ -28,8 +28,10 @@ from flows.skeleton import (
     train_epochs,
 )
 from flows.sparsify_dense import FLOW_NAME, DenseSummary, sparsify_dense
-from tasks import tracking
-from tasks.config import ClassifierConfig, SparsifyConfig, SparsitySpec
+from tasks.adapters import tracking
+from tasks.adapters.versioning import ArtifactRef
+from tasks.configs.sections import ClassifierConfig
+from tasks.configs.sparsify import SparsifyConfig, SparsitySpec
 from tasks.initial_weights import fetch_initial_weights
 from tasks.sparsify import (
     ActivationReport,
@@ -47,7 +49,6 @@ from tasks.sparsify import (
     zero_target_thresholds,
 )
 from tasks.training import EpochResult, train_classifier_epoch
-from tasks.versioning import ArtifactRef
 from training.budget import Budget
 
 

@@ -17,8 +17,10 @@ from prefect import get_run_logger
 from pydantic import BaseModel, ConfigDict
 
 from flows.skeleton import data_section, run_rounds
-from tasks import tracking
-from tasks.config import SparsifyConfig, SparsitySpec
+from tasks.adapters import tracking
+from tasks.adapters.registration import Registration
+from tasks.adapters.reporting import publish_summary
+from tasks.configs.sparsify import SparsifyConfig, SparsitySpec
 from tasks.data import prepare_dataset, source_version
 from tasks.dense import (
     SCORE,
@@ -30,8 +32,6 @@ from tasks.dense import (
     test_dense,
     train_dense_round,
 )
-from tasks.registration import Registration
-from tasks.reporting import publish_summary
 from tasks.sparsify import ActivationReport, SparsityReport, log_sweep, sparsity_figure
 from tasks.training import EpochResult
 

@@ -13,8 +13,8 @@ from flows.skeleton import (
     run_tags,
     train_epochs,
 )
-from tasks import tracking
-from tasks.config import TrainConfig
+from tasks.adapters import tracking
+from tasks.configs.train import TrainConfig
 
 FLOW_NAME = "train"
 

@@ -1,7 +1,7 @@
 """The one pyfunc every registered model is: it builds the kind its `model_config` names.
 
 `model_config={"serving": KIND}` is stored in the model's MLmodel file when it is logged
-(`tasks.registration.log_served_model`); loading builds that kind's class and hands it the
+(`tasks.adapters.registration.log_served_model`); loading builds that kind's class and hands it the
 context, then every `predict` goes to it. `implementation` is the built model (its `embed`,
 its network).
 """

@@ -21,12 +21,12 @@ from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
 from models.image_text import image_backbone
-from tasks.caching import computation_key
-from tasks.checkpoints import torch_save
+from tasks.adapters.caching import computation_key
+from tasks.adapters.checkpoints import torch_save
+from tasks.adapters.versioning import ArtifactRef, ArtifactStore
+from tasks.configs.image_text import ImageTextConfig, seen_training_positions
 from tasks.data import DatasetRef, load_dataset
-from tasks.image_text_config import ImageTextConfig, seen_training_positions
 from tasks.training import run_key, setup_device
-from tasks.versioning import ArtifactRef, ArtifactStore
 from training.batches import Normalize
 from training.captioner import Captioner, Vocabulary, caption_loss
 from training.device import place_model

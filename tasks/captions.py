@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from tasks.config import FASHION_MNIST
+from tasks.configs.sections import FASHION_MNIST
 from tasks.wordnet import WordNet
 from training.datasets import DataError, image_folder_listing
 from training.descriptions import (

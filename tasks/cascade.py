@@ -19,13 +19,13 @@ from prefect.runtime import task_run
 from pydantic import BaseModel, ConfigDict
 
 from models.cascade import CascadeNet, build_cascade
-from tasks.caching import computation_key
-from tasks.cascade_config import CascadeConfig
-from tasks.checkpoints import load_checkpoint, save_checkpoint
+from tasks.adapters.caching import computation_key
+from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint
+from tasks.adapters.torchrun import round_job, train_round_data_parallel
+from tasks.adapters.versioning import ArtifactRef, ArtifactStore
+from tasks.configs.cascade import CascadeConfig
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
-from tasks.ddp import round_job, train_round_data_parallel
 from tasks.training import EpochResult, eval_batches, run_key, setup_device
-from tasks.versioning import ArtifactRef, ArtifactStore
 from training.baselines import fit_linear, flatten_pixels
 from training.batches import Batches, Normalize
 from training.budget import Budget, fit_budget
@@ -174,8 +174,8 @@ def train_module_round(config: CascadeConfig, dataset: DatasetRef, sets: Cascade
     it train along, or stay frozen), from `start` (the cascade as module k - 1 left it) or
     `previous` (this module's last round); then module k's exit scored on validation
     (`module{k}_val_accuracy`: its most expensive sub-network). With `config.ddp_procs` > 1
-    the round trains data-parallel under torchrun (`tasks/ddp.py`) on the same batches and
-    schedule."""
+    the round trains data-parallel under torchrun (`tasks/adapters/torchrun.py`) on the same
+    batches and schedule."""
     device = setup_device(config)
     store = ArtifactStore()
     data = load_dataset(dataset)

@@ -16,21 +16,21 @@ from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
 from models.cascade import CascadeNet
-from tasks.caching import computation_key
-from tasks.cascade import read_table, trained_cascade
-from tasks.cascade_config import CascadeConfig
-from tasks.checkpoints import load_checkpoint, save_checkpoint
-from tasks.data import DatasetRef, load_dataset
-from tasks.registration import (
+from tasks.adapters.caching import computation_key
+from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint
+from tasks.adapters.registration import (
     Policy,
     Registration,
     log_weights_pyfunc,
     promote_on_test_images,
     transient,
 )
-from tasks.reporting import figure_pyplot
+from tasks.adapters.reporting import figure_pyplot
+from tasks.adapters.versioning import ArtifactRef, ArtifactStore
+from tasks.cascade import read_table, trained_cascade
+from tasks.configs.cascade import CascadeConfig
+from tasks.data import DatasetRef, load_dataset
 from tasks.training import eval_batches, run_key, setup_device
-from tasks.versioning import ArtifactRef, ArtifactStore
 from training.batches import Normalize
 from training.cascade import ExitTable, ThresholdGrid, exit_table, oracles, threshold_grid
 from training.device import inference_batch

@@ -21,11 +21,11 @@ from prefect import task
 from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
-from tasks.caching import computation_key
-from tasks.checkpoints import torch_save
-from tasks.config import FASHION_MNIST, DataSection
-from tasks.environment import PROJECT_ROOT, data_dir
-from tasks.versioning import ArtifactRef, ArtifactStore, atomic_path, data_dvc_hash
+from tasks.adapters.caching import computation_key
+from tasks.adapters.checkpoints import torch_save
+from tasks.adapters.environment import PROJECT_ROOT, data_dir
+from tasks.adapters.versioning import ArtifactRef, ArtifactStore, atomic_path, data_dvc_hash
+from tasks.configs.sections import FASHION_MNIST, DataSection
 from training.baselines import raw_pixel_baselines
 from training.datasets import (
     ImageSet,

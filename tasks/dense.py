@@ -20,12 +20,10 @@ from torch import nn
 
 from models.dense import build_task_model
 from serving.canvas import served_scores
-from tasks import tracking
-from tasks.caching import computation_key, result_fields
-from tasks.checkpoints import load_checkpoint, save_checkpoint, torch_save
-from tasks.config import SparsifyConfig, SparsitySpec
-from tasks.data import DatasetRef, load_dataset
-from tasks.registration import (
+from tasks.adapters import tracking
+from tasks.adapters.caching import computation_key, result_fields
+from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint, torch_save
+from tasks.adapters.registration import (
     Policy,
     Registration,
     log_weights_pyfunc,
@@ -33,9 +31,11 @@ from tasks.registration import (
     served_ms_per_image,
     transient,
 )
+from tasks.adapters.versioning import ArtifactRef, ArtifactStore
+from tasks.configs.sparsify import SparsifyConfig, SparsitySpec
+from tasks.data import DatasetRef, load_dataset
 from tasks.sparsify import ActivationReport, SparsityReport, measured_layers, measured_report
 from tasks.training import EpochResult, make_optimizer, setup_device
-from tasks.versioning import ArtifactRef, ArtifactStore
 from training.contours import contour_scores, contour_step
 from training.detection import as_rgb, detect, detection_step, mean_average_precision
 from training.device import place_model

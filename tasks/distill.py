@@ -17,11 +17,13 @@ from prefect.runtime import task_run
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
-from tasks.caching import computation_key
-from tasks.checkpoints import load_checkpoint, save_checkpoint, torch_save
-from tasks.config import ClassifierConfig, DistillConfig, StrictConfig
+from tasks.adapters.caching import computation_key
+from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint, torch_save
+from tasks.adapters.torchrun import round_job, train_round_data_parallel
+from tasks.adapters.versioning import ArtifactRef, ArtifactStore
+from tasks.configs.distill import DistillConfig
+from tasks.configs.sections import ClassifierConfig, StrictConfig
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
-from tasks.ddp import round_job, train_round_data_parallel
 from tasks.training import (
     eval_batches,
     make_optimizer,
@@ -31,7 +33,6 @@ from tasks.training import (
     run_key,
     setup_device,
 )
-from tasks.versioning import ArtifactRef, ArtifactStore
 from training.batches import Batches, Normalize
 from training.budget import Budget
 from training.ddp_round import cpu_state
@@ -175,8 +176,8 @@ def run_stage(role: RoleConfig, dataset: DatasetRef, stage: int, model: nn.Modul
               data: LoadedDataset, adapter: FeatureAdapter | None = None,
               distill: dict | None = None) -> dict[str, float]:
     """`training.distill_stages.train_stage` with `role`'s settings: in this process, or with
-    `role.ddp_procs` > 1 data-parallel under torchrun (`tasks/ddp.py`), on the same stream of
-    batches; a student stage's job also carries its `adapter` and `distill` (layer, loss,
+    `role.ddp_procs` > 1 data-parallel under torchrun (`tasks/adapters/torchrun.py`), on the same
+    stream of batches; a student stage's job also carries its `adapter` and `distill` (layer, loss,
     bank), from which `training.ddp_round` builds the same step."""
 
     def data_parallel(passes: range, schedule: tuple[int, int], warmup: float) -> dict:

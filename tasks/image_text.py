@@ -26,7 +26,9 @@ from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
 from models.image_text import ImageTextNet, build_image_text, encode_texts
-from tasks.caching import computation_key
+from tasks.adapters.caching import computation_key
+from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint, torch_save
+from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.captioning import Captioned, caption_images, described_positions, undescribed
 from tasks.captions import (
     DescriptionError,
@@ -38,12 +40,10 @@ from tasks.captions import (
     source_classes,
     wordnet_classes,
 )
-from tasks.checkpoints import load_checkpoint, save_checkpoint, torch_save
+from tasks.configs.image_text import ImageTextConfig, seen_training_positions, unseen_labels
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
-from tasks.image_text_config import ImageTextConfig, seen_training_positions, unseen_labels
 from tasks.pool import folder_pool, match_training_images, own_pool
 from tasks.training import run_key, setup_device
-from tasks.versioning import ArtifactRef, ArtifactStore
 from training.batches import Batches, Normalize
 from training.datasets import labelled_images, validation_images
 from training.device import inference_batch, place_model

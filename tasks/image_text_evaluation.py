@@ -10,20 +10,20 @@ from prefect import task
 
 from models.image_text import ImageTextNet
 from serving.image_text import ZERO_SHOT_PARAM
-from tasks.caching import computation_key
-from tasks.checkpoints import load_checkpoint
-from tasks.data import DatasetRef, load_dataset
-from tasks.image_text import Descriptions, TextSide, new_network, score_split
-from tasks.image_text_config import ImageTextConfig
-from tasks.registration import (
+from tasks.adapters.caching import computation_key
+from tasks.adapters.checkpoints import load_checkpoint
+from tasks.adapters.registration import (
     Policy,
     Registration,
     log_weights_pyfunc,
     promote_on_test_images,
     transient,
 )
+from tasks.adapters.versioning import ArtifactRef, ArtifactStore
+from tasks.configs.image_text import ImageTextConfig
+from tasks.data import DatasetRef, load_dataset
+from tasks.image_text import Descriptions, TextSide, new_network, score_split
 from tasks.training import setup_device
-from tasks.versioning import ArtifactRef, ArtifactStore
 from training.device import place_model
 
 # `classes` is a parameter of the served model (`serving.image_text`): MLflow passes

@@ -20,11 +20,11 @@ from mlflow.exceptions import MlflowException
 from prefect import task
 from pydantic import BaseModel, ConfigDict
 
-from tasks.checkpoints import save_checkpoint
-from tasks.config import MODEL_URI, ClassifierConfig
+from tasks.adapters.checkpoints import save_checkpoint
+from tasks.adapters.versioning import ArtifactRef, ArtifactStore
+from tasks.configs.sections import MODEL_URI, ClassifierConfig
 from tasks.data import DatasetRef
 from tasks.training import new_model
-from tasks.versioning import ArtifactRef, ArtifactStore
 from training.datasets import DataError
 
 WRAPPER_PREFIX = "model."  # the exported program wraps the network (training.features)

@@ -19,9 +19,10 @@ from prefect import task
 from prefect.runtime import task_run
 from pydantic import BaseModel, ConfigDict
 
-from tasks.caching import computation_key
-from tasks.checkpoints import load_checkpoint, save_checkpoint
-from tasks.config import ClassifierConfig
+from tasks.adapters.caching import computation_key
+from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint
+from tasks.adapters.versioning import ArtifactRef, ArtifactStore
+from tasks.configs.sections import ClassifierConfig
 from tasks.data import DatasetRef, load_dataset
 from tasks.training import (
     eval_batches,
@@ -31,7 +32,6 @@ from tasks.training import (
     split_batches,
     train_passes,
 )
-from tasks.versioning import ArtifactRef, ArtifactStore
 from training.device import place_model
 from training.pbt import PBTScheduler, SearchSpace
 from training.recipe import choose_weights, start_average

@@ -13,19 +13,19 @@ import torch
 from prefect import task
 from pydantic import BaseModel, ConfigDict
 
-from tasks.caching import computation_key
-from tasks.checkpoints import load_checkpoint, save_checkpoint
-from tasks.config import ClassifierConfig
-from tasks.data import DatasetRef, load_dataset
-from tasks.registration import (
+from tasks.adapters.caching import computation_key
+from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint
+from tasks.adapters.registration import (
     Policy,
     Registration,
     log_served_model,
     promote_on_test_images,
     transient,
 )
+from tasks.adapters.versioning import ArtifactRef, ArtifactStore
+from tasks.configs.sections import ClassifierConfig
+from tasks.data import DatasetRef, load_dataset
 from tasks.training import eval_batches, setup_device, split_batches, trained_model
-from tasks.versioning import ArtifactRef, ArtifactStore
 from training.device import place_model
 from training.fallback import calibrate_fallback, fallback_infer, fallback_table
 from training.latency import interleaved_ms_per_image

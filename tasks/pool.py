@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 
 from tasks.captions import DescriptionError, own_captions, read_table
-from tasks.config import FASHION_MNIST
+from tasks.configs.sections import FASHION_MNIST
 from tasks.data import DatasetRef, LoadedDataset, fashion_mnist_root
 from training.datasets import IMAGE_EXTENSIONS, load_fashion_mnist
 from training.matching import (

@@ -8,8 +8,8 @@ import pandas as pd
 from pydantic import Field, field_validator
 
 from serving.image_text import ZERO_SHOT_PARAM
-from tasks import tracking
-from tasks.config import StrictConfig
+from tasks.adapters import tracking
+from tasks.configs.sections import StrictConfig
 from training.datasets import IMAGE_EXTENSIONS, DataError
 from training.preprocess import decode_image
 

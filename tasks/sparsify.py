@@ -14,13 +14,14 @@ import torch
 from prefect import task
 from pydantic import BaseModel, ConfigDict
 
-from tasks.caching import computation_key
-from tasks.checkpoints import load_checkpoint, save_checkpoint
-from tasks.config import ClassifierConfig, SparsifyConfig, SparsitySpec
+from tasks.adapters.caching import computation_key
+from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint
+from tasks.adapters.reporting import figure_pyplot
+from tasks.adapters.versioning import ArtifactRef, ArtifactStore
+from tasks.configs.sections import ClassifierConfig
+from tasks.configs.sparsify import SparsifyConfig, SparsitySpec
 from tasks.data import DatasetRef, load_dataset
-from tasks.reporting import figure_pyplot
 from tasks.training import eval_batches, export_program, new_model, setup_device, trained_model
-from tasks.versioning import ArtifactRef, ArtifactStore
 from training.device import place_model
 from training.loops import evaluate
 from training.pruning import median_latency, parameter_count, prune_channels
@@ -373,7 +374,7 @@ def log_sweep(run_id: str, points: dict[float, SparsityReport], title: str) -> N
     """A lambda sweep's points on the run: `sparsity/sweep.json` (each lambda's zeros and
     score, on validation: `val_zero_fraction`, `val_accuracy`, ...) and the plot
     `sparsity/sweep.png`."""
-    from tasks import tracking
+    from tasks.adapters import tracking
 
     tracking.log_dict(run_id, {
         f"{lam:g}": point.split_metrics() | {f"val_{point.score_name}": point.val_score}

@@ -24,12 +24,13 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
 from models import ImageClassifier, build_model
-from tasks.caching import computation_key, result_fields
-from tasks.checkpoints import load_checkpoint, save_checkpoint
-from tasks.config import ClassifierConfig, SparsitySpec
+from tasks.adapters.caching import computation_key, result_fields
+from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint
+from tasks.adapters.torchrun import round_job, train_round_data_parallel
+from tasks.adapters.versioning import ArtifactRef, ArtifactStore
+from tasks.configs.sections import ClassifierConfig
+from tasks.configs.sparsify import SparsitySpec
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
-from tasks.ddp import round_job, train_round_data_parallel
-from tasks.versioning import ArtifactRef, ArtifactStore
 from training.batches import Batches, Normalize
 from training.budget import Budget, fit_budget
 from training.device import inference_batch, place_model, resolve_device
@@ -161,7 +162,7 @@ def train_passes(config: ClassifierConfig, dataset: DatasetRef, data: LoadedData
                  ) -> dict[str, float]:
     """Trains `passes` of a classifier on the training split (`training.recipe.train_round`):
     in this process, or with `config.ddp_procs` > 1 data-parallel under torchrun
-    (`tasks/ddp.py`), with the same batches, schedule and weight average either way.
+    (`tasks/adapters/torchrun.py`), with the same batches, schedule and weight average either way.
     `sparsity` adds its activation-sparsity term to the loss (`training.sparsity`)."""
 
     def seed_of(epoch: int) -> int:  # each pass's shuffling and augmentation

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.environment import read_env_file  # Prefect and MLflow are not imported yet
+from tasks.adapters.environment import read_env_file  # Prefect and MLflow are not imported yet
 
 _SESSION_DIR = Path(tempfile.mkdtemp(prefix="compactml-tests-"))
 # A tracking URI chosen by the user (a test server, say) is honoured; the project's own default
@@ -76,7 +76,7 @@ SMOKE_MODEL = "smoke-model"
 def smoke(**overrides):
     """A seconds-long `train` config on 1024 Fashion-MNIST images, named SMOKE_MODEL (the smoke
     profile registers nothing unless given `registry=True`)."""
-    from tasks.config import TrainConfig
+    from tasks.configs.train import TrainConfig
 
     return TrainConfig(**{"profile": "smoke", "model_name": SMOKE_MODEL, "epochs": 2,
                           "train_limit": 1024, "lr": 0.1, **overrides})
@@ -130,7 +130,7 @@ def assert_whole_after_kill(folder: Path, pattern: str) -> None:
     of our own temporaries (`.epoch-002.<random>.pt`) is left. A kill during `dvc commit` may
     leave DVC's link-test file (`.<22 characters>.tmp`); the next commit in the folder
     removes it."""
-    from tasks.versioning import data_dvc_hash, md5_of
+    from tasks.adapters.versioning import data_dvc_hash, md5_of
 
     assert not list(folder.rglob(f".{pattern}")), "a temporary of ours was left"
     for pointer in folder.rglob(f"{pattern}.dvc"):

@@ -1,4 +1,4 @@
-"""Cache keys cover exactly the code that decides a task's result (`tasks.caching`)."""
+"""Cache keys cover exactly the code that decides a task's result (`tasks.adapters.caching`)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from tasks.caching import code_closure, code_version, library_versions
-from tasks.environment import PROJECT_ROOT
+from tasks.adapters.caching import code_closure, code_version, library_versions
+from tasks.adapters.environment import PROJECT_ROOT
 
 
 def write(root: Path, name: str, text: str = "") -> Path:
@@ -58,13 +58,13 @@ def test_one_techniques_module_is_not_in_anothers_key():
 
 
 def test_a_new_torch_changes_every_key(tmp_path, monkeypatch):
-    import tasks.caching
+    import tasks.adapters.caching
 
     tree(tmp_path)
     assert library_versions()["torch"] == torch.__version__.split("+")[0]
     before = code_version("tasks.a", tmp_path)
-    installed = tasks.caching.version
-    monkeypatch.setattr(tasks.caching, "version",
+    installed = tasks.adapters.caching.version
+    monkeypatch.setattr(tasks.adapters.caching, "version",
                         lambda name: "9.9.9" if name == "torch" else installed(name))
     code_version.cache_clear()
     assert code_version("tasks.a", tmp_path) != before

@@ -12,8 +12,8 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from tasks import tracking
-from tasks.cascade_config import CascadeConfig
+from tasks.adapters import tracking
+from tasks.configs.cascade import CascadeConfig
 from tests.conftest import assert_whole_after_kill, kill_when_written, run_cli, task_states
 
 
@@ -62,7 +62,7 @@ def test_modules_train_in_order_on_rising_difficulty_and_everything_is_tracked(r
 
 
 def test_the_exit_refit_changes_the_early_heads_alone(run):
-    from tasks.versioning import ArtifactStore, md5_of
+    from tasks.adapters.versioning import ArtifactStore, md5_of
 
     refs = tracking.artifact_refs(run.run_id)
 
@@ -95,8 +95,8 @@ def test_the_calibrated_cascade_keeps_its_promise_on_validation(run):
     as_run = (calibration["val_accuracy"] < target, calibration["val_cost_ratio"])
     other = calibration["predictors_kept"] or calibration["most_expensive_fixed"]
     assert bool(other) == (as_run < choices_fixed)
-    from tasks.checkpoints import load_checkpoint
-    from tasks.versioning import ArtifactStore
+    from tasks.adapters.checkpoints import load_checkpoint
+    from tasks.adapters.versioning import ArtifactStore
 
     weights = load_checkpoint(ArtifactStore(), run.calibration.checkpoint)["model"]
     fixed = [int(weights[f"blocks.{k}.fixed"]) for k in (1, 2)]
@@ -116,8 +116,8 @@ def test_both_routings_are_tested_and_the_registered_one_is_the_calibrations_cho
     thresholds: the most frequent sub-networks fixed (`fixed_...`) and the fitted predictors
     (`fitted_...`); the run records which one validation chose (`Calibration.routing`, the tag
     `cascade.routing`), and the registered model's own figures (no prefix) are that one's."""
-    from tasks.checkpoints import load_checkpoint
-    from tasks.versioning import ArtifactStore
+    from tasks.adapters.checkpoints import load_checkpoint
+    from tasks.adapters.versioning import ArtifactStore
 
     data = MlflowClient().get_run(run.run_id).data
     metrics, tags = data.metrics, data.tags
@@ -161,9 +161,9 @@ def test_the_registered_pyfunc_runs_the_real_cascade(run):
     gives it, and only names the super-network modules the image reached."""
     import mlflow
 
+    from tasks.adapters.registration import test_images
     from tasks.cascade import trained_cascade
     from tasks.data import load_dataset
-    from tasks.registration import test_images
 
     config = smoke_cascade()
     prepared = _prepared(config)

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from flows.cli import main
 from flows.commands import COMMANDS
-from tasks.config import TrainConfig
+from tasks.configs.train import TrainConfig
 from tests.conftest import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,7 +126,7 @@ def test_a_prefect_server_that_does_not_start_in_time_ends_in_one_error_line(tmp
 
 
 def test_each_sparsify_task_has_its_defaults_below_the_profile_and_the_given_values():
-    from tasks.config import SparsifyConfig
+    from tasks.configs.sparsify import SparsifyConfig
 
     assert SparsifyConfig().sparsity_lambda == 0.3  # classification
     contour = SparsifyConfig(task="contour")

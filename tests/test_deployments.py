@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks import tracking
+from tasks.adapters import tracking
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT = str(Path(sys.executable).with_name("prefect"))
@@ -209,8 +209,8 @@ def test_the_nightly_pipeline_retrains_only_when_the_data_changed(deployed, mlfl
     assert third.data.tags["registry.version"] == "2"
     # each version's recorded data set: the grown folder kept every old test image in test,
     # and the two versions were compared on test images neither trained or was chosen on
+    from tasks.adapters.versioning import ArtifactRef
     from tasks.data import load_dataset_artifact
-    from tasks.versioning import ArtifactRef
 
     def keys(version: str, *splits: str) -> set[str]:
         data = load_dataset_artifact(ArtifactRef.model_validate_json(
@@ -221,7 +221,7 @@ def test_the_nightly_pipeline_retrains_only_when_the_data_changed(deployed, mlfl
     assert not keys("2", "test") & (keys("1", "train", "val") | keys("2", "train", "val"))
     assert third.data.tags["registry.compared_images"] == str(len(keys("2", "test")))
     assert "test images neither model trained" in third.data.tags["registry.decision"]
-    from tasks.versioning import ArtifactStore, md5_of
+    from tasks.adapters.versioning import ArtifactStore, md5_of
 
     for name in ("dataset", "program.sparsify", "program.teacher"):  # versioned in DVC
         ref = tracking.artifact_refs(third.info.run_id)[name]

@@ -18,8 +18,8 @@ from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
 from flows.cli import main
 from flows.commands import COMMANDS
 from flows.distill import distill
-from tasks import tracking
-from tasks.config import DistillConfig
+from tasks.adapters import tracking
+from tasks.configs.distill import DistillConfig
 from tests.conftest import kill_when_written
 
 NAME = "distill-smoke"

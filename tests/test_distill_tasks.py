@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from flows.skeleton import data_section
-from tasks.checkpoints import load_checkpoint
-from tasks.config import DistillConfig
+from tasks.adapters.checkpoints import load_checkpoint
+from tasks.adapters.versioning import ArtifactStore
+from tasks.configs.distill import DistillConfig
 from tasks.data import load_dataset, prepare_dataset, source_version
 from tasks.distill import (
     DistillPlan,
@@ -22,7 +23,6 @@ from tasks.distill import (
     teacher_stage,
 )
 from tasks.training import new_model, train_classifier_epoch
-from tasks.versioning import ArtifactStore
 from training.feature_bank import UNFILLED
 
 

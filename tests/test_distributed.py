@@ -34,7 +34,8 @@ def test_two_processes_give_the_loss_curve_of_one_with_the_same_global_batch(tmp
 
 def _lenet_smoke():
     from flows.skeleton import data_section
-    from tasks.config import TrainConfig, classifier_config
+    from tasks.configs.sections import classifier_config
+    from tasks.configs.train import TrainConfig
     from tasks.data import prepare_dataset, source_version
 
     config = TrainConfig(profile="smoke", model="lenet", epochs=2, train_limit=512,
@@ -46,7 +47,7 @@ def _lenet_smoke():
 def _weights(ref, entry="model"):
     import torch
 
-    from tasks.versioning import ArtifactStore
+    from tasks.adapters.versioning import ArtifactStore
 
     return torch.load(ArtifactStore().fetch(ref), weights_only=True)[entry]
 
@@ -83,7 +84,7 @@ def test_a_pbt_member_trains_data_parallel_with_its_weight_average():
 
 def test_distill_teacher_and_student_stages_train_data_parallel_like_one_process():
     from flows.skeleton import data_section
-    from tasks.config import DistillConfig
+    from tasks.configs.distill import DistillConfig
     from tasks.data import prepare_dataset, source_version
     from tasks.distill import DistillPlan, bank_snapshot, student_stage, teacher_stage
 
@@ -117,7 +118,7 @@ def test_distill_teacher_and_student_stages_train_data_parallel_like_one_process
 
 
 def test_the_sparsity_term_and_thresholds_train_data_parallel_like_one_process():
-    from tasks.config import SparsitySpec
+    from tasks.configs.sparsify import SparsitySpec
     from tasks.training import train_classifier_epoch
 
     classifier, dataset = _lenet_smoke()
@@ -191,8 +192,8 @@ def test_a_cascade_round_under_torchrun_in_one_process_is_the_in_process_round(
     import torch
 
     import tasks.cascade
+    from tasks.adapters.torchrun import train_round_data_parallel
     from tasks.cascade import train_module_round
-    from tasks.ddp import train_round_data_parallel
     from tests.test_cascade_flow import smoke_cascade
 
     settings, dataset, sets, latency = tiny_cascade

@@ -10,8 +10,8 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from tasks import tracking
-from tasks.image_text_config import ImageTextConfig
+from tasks.adapters import tracking
+from tasks.configs.image_text import ImageTextConfig
 from tests.conftest import run_cli
 
 UNSEEN = ("Sandal", "Bag")
@@ -62,10 +62,10 @@ def test_descriptions_rounds_and_zero_shot_are_tracked_and_versioned(run):
 def test_the_classifier_starts_from_the_class_descriptions(run):
     """The first joint round's classifier: each class's text direction times the similarity
     scale; without text initialization, other directions of the same norms."""
-    from tasks.checkpoints import load_checkpoint
+    from tasks.adapters.checkpoints import load_checkpoint
+    from tasks.adapters.versioning import ArtifactStore
     from tasks.data import load_dataset
     from tasks.image_text import TextSide, new_network, start_classifier
-    from tasks.versioning import ArtifactStore
 
     config = smoke_image_text()
     dataset = _prepared(config)
@@ -90,9 +90,9 @@ def test_unlabelled_images_get_no_text_derived_from_their_labels(run):
     go to the labelled images only, and the choices read at most 20 validation images per
     class. The raw-pixel baselines its gate compares with hold the same labels: fitted on
     the labelled training images, chosen on the same validation images."""
+    from tasks.adapters.versioning import ArtifactStore
     from tasks.data import load_dataset
     from tasks.image_text import training_images, validation_images
-    from tasks.versioning import ArtifactStore
 
     config = smoke_image_text()
     dataset = _prepared(config)
@@ -136,7 +136,7 @@ def test_a_few_label_runs_own_pool_holds_none_of_its_images():
 def test_the_registered_pyfunc_classifies_images(run):
     import mlflow
 
-    from tasks.registration import test_images
+    from tasks.adapters.registration import test_images
 
     images, labels = test_images(_prepared(smoke_image_text()))
     model = mlflow.pyfunc.load_model(f"models:/smoke-image-text/{run.registration.version}")
@@ -153,7 +153,7 @@ def test_the_registered_pyfunc_classifies_zero_shot_among_given_descriptions(run
     pyfunc) and on the command line (`predict --classes`), which refuses other models."""
     import mlflow
 
-    from tasks.registration import test_images
+    from tasks.adapters.registration import test_images
 
     images, labels = test_images(_prepared(smoke_image_text()))
     uri = f"models:/smoke-image-text/{run.registration.version}"
@@ -197,7 +197,7 @@ def pooled():
 
 
 def test_pool_matches_and_the_captioner_describes_the_rest(pooled):
-    from tasks.versioning import ArtifactStore
+    from tasks.adapters.versioning import ArtifactStore
 
     described = pooled.descriptions
     assert described.matching["match_precision"] > 0.7
@@ -221,9 +221,9 @@ def test_the_mixed_head_is_chosen_on_validation_tested_and_registered(pooled):
     """Head mixing: every alpha's validation accuracy is logged, the best one's is the run's,
     the final checkpoint's classifier is the kept round's mixed with its zero-shot head, and
     the registered pyfunc scores as the test did."""
+    from tasks.adapters.versioning import ArtifactStore
     from tasks.data import load_dataset
     from tasks.image_text import TextSide, new_network
-    from tasks.versioning import ArtifactStore
     from training.image_text import mixed_head
 
     metrics = MlflowClient().get_run(pooled.run_id).data.metrics

@@ -43,7 +43,7 @@ def import_graph() -> dict[str, set[str]]:
     """Each project module and the project modules it imports (anywhere in the file), without
     its own enclosing packages (importing `models.registry` from `models.cnn` runs `models`
     first: that is nesting, not a circle)."""
-    from tasks.caching import CODE_PACKAGES, imported_names
+    from tasks.adapters.caching import CODE_PACKAGES, imported_names
 
     files = {}
     for package in CODE_PACKAGES:

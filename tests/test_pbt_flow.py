@@ -16,8 +16,10 @@ from flows.cli import main
 from flows.commands import COMMANDS
 from flows.pbt import pbt
 from flows.skeleton import data_section
-from tasks.checkpoints import load_checkpoint, save_checkpoint
-from tasks.config import PBTConfig, classifier_config
+from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint
+from tasks.adapters.versioning import ArtifactStore
+from tasks.configs.pbt import PBTConfig
+from tasks.configs.sections import classifier_config
 from tasks.data import prepare_dataset, source_version
 from tasks.pbt import (
     HYPERPARAMETERS,
@@ -26,7 +28,6 @@ from tasks.pbt import (
     population_scheduler,
     train_member,
 )
-from tasks.versioning import ArtifactStore
 from training.pbt import replay
 
 NAME = "pbt-smoke"

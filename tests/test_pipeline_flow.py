@@ -9,8 +9,8 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from tasks import tracking
-from tasks.pipeline_config import PipelineConfig
+from tasks.adapters import tracking
+from tasks.configs.pipeline import PipelineConfig
 from tests.conftest import run_cli, task_states
 
 NAME = "smoke-pipeline"
@@ -56,7 +56,7 @@ def test_every_step_is_tracked_under_one_parent_run(run):
 def test_each_step_starts_from_the_last_ones_weights(run):
     """PBT's members start from the distilled student and sparsity fine-tuning from PBT's
     best: the hand-over checkpoints hold exactly those weights."""
-    from tasks.versioning import ArtifactStore
+    from tasks.adapters.versioning import ArtifactStore
 
     store = ArtifactStore()
     refs = tracking.artifact_refs(run.run_id)  # this run's own hand-overs, not the store's
@@ -81,8 +81,8 @@ def test_the_registered_pyfunc_runs_the_fallback_cascade(run):
     import mlflow
 
     from flows.skeleton import data_section
+    from tasks.adapters.registration import test_images
     from tasks.data import prepare_dataset, source_version
-    from tasks.registration import test_images
 
     config = smoke_pipeline()
     data = data_section(config)

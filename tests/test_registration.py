@@ -1,6 +1,6 @@
 """The promotion rule: champion only when strictly better (ties keep the current champion)."""
 
-from tasks.registration import CHALLENGER, CHAMPION, decide, pip_requirements
+from tasks.adapters.registration import CHALLENGER, CHAMPION, decide, pip_requirements
 
 
 def test_promotion_rule():

@@ -11,9 +11,9 @@ from mlflow import MlflowClient
 
 from flows.cli import main
 from flows.commands import COMMANDS
-from tasks import tracking
-from tasks.registration import NOT_REGISTERED, Policy, promote
-from tasks.registry import history
+from tasks.adapters import tracking
+from tasks.adapters.aliases import history
+from tasks.adapters.registration import NOT_REGISTERED, Policy, promote
 
 CLASSES = ["a", "b"]
 
@@ -58,7 +58,7 @@ def test_the_latency_budget_gates_the_champion(first_run):
 def test_the_real_pyfunc_is_timed(first_run):
     import numpy as np
 
-    from tasks.registration import served_ms_per_image
+    from tasks.adapters.registration import served_ms_per_image
 
     images = np.zeros((4, 28, 28), dtype=np.uint8)
     assert 0 < served_ms_per_image(first_run.registration.model_uri, images) < 10_000
@@ -97,7 +97,7 @@ def test_promote_and_rollback_by_hand(first_run, capsys):
 def test_a_model_that_ties_a_perfect_baseline_is_promoted(first_run):
     """The gate refuses a model only below the baseline by more than one standard error: a
     tie at the ceiling (1.0 against 1.0 on the digits' validation split) is no refusal."""
-    from tasks.registration import Baseline
+    from tasks.adapters.registration import Baseline
 
     perfect = Baseline(name="knn", val_accuracy=1.0, model_val_accuracy=1.0, val_images=270)
     assert perfect.refusal() is None
@@ -122,9 +122,9 @@ def test_champion_and_challenger_are_compared_on_images_neither_saw(first_run, f
     """A champion prepared under another split seed trained on part of this run's test split:
     those images are left out of the comparison, counted from each version's recorded data
     set (its keys), and the decision says on how many images it was made."""
-    from tasks.config import DataSection
+    from tasks.adapters.registration import promote_on_test_images
+    from tasks.configs.sections import DataSection
     from tasks.data import load_dataset, prepare_dataset, source_version
-    from tasks.registration import promote_on_test_images
 
     name, uri = "unseen-comparison", first_run.registration.model_uri
     prepared = {}

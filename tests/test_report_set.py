@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bench.report_set import earlier_validation, report_positions, tuning_set_images
-from tasks.config import DataSection
+from tasks.configs.sections import DataSection
 from tasks.data import split_source
 
 

@@ -8,7 +8,7 @@ import os
 
 from distributed import Client
 
-from tasks.runners import local_gpus, one_gpu_per_worker_cluster
+from tasks.adapters.runners import local_gpus, one_gpu_per_worker_cluster
 
 
 def _visible_devices() -> str:

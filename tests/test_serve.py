@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tasks import tracking
+from tasks.adapters import tracking
 from tasks.data import fashion_mnist_root
 from tests.conftest import SMOKE_MODEL
 from training.datasets import load_fashion_mnist

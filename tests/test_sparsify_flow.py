@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tasks import tracking
-from tasks.config import SparsifyConfig
-from tasks.versioning import ArtifactStore
+from tasks.adapters import tracking
+from tasks.adapters.versioning import ArtifactStore
+from tasks.configs.sparsify import SparsifyConfig
 from tests.conftest import run_cli
 
 

@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 from PIL import Image
 
-from tasks.config import SplitsConfig
+from tasks.configs.sections import SplitsConfig
 from tasks.data import source_keys, split_assignment
 from tests.conftest import run_cli
 from training.datasets import UNUSED, group_key, stable_split, unit_hash

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from flows.skeleton import data_section
-from tasks.config import TrainConfig, classifier_config
+from tasks.adapters.versioning import ArtifactStore
+from tasks.configs.sections import classifier_config
+from tasks.configs.train import TrainConfig
 from tasks.data import load_dataset, prepare_dataset, source_version
 from tasks.training import run_key, train_classifier_epoch
-from tasks.versioning import ArtifactStore
 
 
 def test_prepare_dataset_splits_and_versions_the_subset():
@@ -82,9 +83,9 @@ def test_rounds_before_keep_from_are_neither_kept_nor_counted_by_early_stopping(
     from prefect import flow
 
     from flows.skeleton import run_rounds
-    from tasks import tracking
+    from tasks.adapters import tracking
+    from tasks.adapters.versioning import ArtifactRef
     from tasks.training import EpochResult
-    from tasks.versioning import ArtifactRef
 
     scores = [0.9, 0.8, 0.7, 0.6, 0.5]
     trained: list[int] = []

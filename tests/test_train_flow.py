@@ -12,9 +12,9 @@ from mlflow import MlflowClient
 from PIL import Image
 
 from flows.train import train
-from tasks import tracking
-from tasks.config import TrainConfig
-from tasks.versioning import data_dvc_hash
+from tasks.adapters import tracking
+from tasks.adapters.versioning import data_dvc_hash
+from tasks.configs.train import TrainConfig
 from tests.conftest import SMOKE_MODEL as NAME
 from tests.conftest import assert_whole_after_kill, kill_when_written, smoke, task_states
 

@@ -6,7 +6,7 @@ import shutil
 import pytest
 from dvc_objects.fs.utils import tmp_fname
 
-from tasks.versioning import ArtifactStore, data_dvc_hash, md5_of, project_data_status
+from tasks.adapters.versioning import ArtifactStore, data_dvc_hash, md5_of, project_data_status
 
 
 @pytest.fixture

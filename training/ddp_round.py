@@ -1,16 +1,16 @@
 """One training round run data-parallel: `torchrun --nproc-per-node N -m training.ddp_round
 JOB OUT`.
 
-The job file (written by the task that launches it, `tasks/ddp.py`) holds everything the round
-needs: the images and labels, the training positions, the normalisation, the network's name
-and state, the optimizer's state, the passes with their shuffling seeds (one per pass, or one
-stream of batches over all passes, as a distillation stage draws them), the schedule and the
-weight average. A `job["sparsity"]` adds the activation-sparsity term of `training.sparsity`
-to the step. A distillation job (`job["distill"]`) also holds the student's layer, its
-adapter and the feature bank: the step is then `training.distillation.distillation_step`.
-A cascade job (`job["cascade"]`) trains module k of a `models.cascade` network instead of a
-registered one: its state is the whole network's, its optimizer that of the module's
-`training.cascade.StageModel` parameters, its step `training.cascade.module_step`.
+The job file (written by the task that launches it, `tasks/adapters/torchrun.py`) holds everything
+the round needs: the images and labels, the training positions, the normalisation, the network's
+name and state, the optimizer's state, the passes with their shuffling seeds (one per pass, or one
+stream of batches over all passes, as a distillation stage draws them), the schedule and the weight
+average. A `job["sparsity"]` adds the activation-sparsity term of `training.sparsity` to the step.
+A distillation job (`job["distill"]`) also holds the student's layer, its adapter and the feature
+bank: the step is then `training.distillation.distillation_step`. A cascade job (`job["cascade"]`)
+trains module k of a `models.cascade` network instead of a registered one: its state is the whole
+network's, its optimizer that of the module's `training.cascade.StageModel` parameters, its step
+`training.cascade.module_step`.
 
 Every process builds the same network and batches and trains its share of each batch
 (`training.distributed`: gloo on CPUs, nccl on CUDA); DDP averages the gradients, so a step

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tasks.versioning import ArtifactRef, ArtifactStore
+from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 
 
 def torch_save(payload: Any, path: Path) -> None:

@@ -26,8 +26,8 @@ from mlflow.models import Model, ModelSignature
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 from pydantic import BaseModel
 
-from tasks.environment import PROJECT_ROOT
-from tasks.versioning import ArtifactRef, data_dvc_hash
+from tasks.adapters.environment import PROJECT_ROOT
+from tasks.adapters.versioning import ArtifactRef, data_dvc_hash
 
 
 def client() -> MlflowClient:

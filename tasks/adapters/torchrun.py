@@ -22,14 +22,14 @@ import torch
 from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
 
-from tasks.checkpoints import torch_save
+from tasks.adapters.checkpoints import torch_save
+from tasks.adapters.environment import PROJECT_ROOT
 from tasks.data import DatasetRef, LoadedDataset
-from tasks.environment import PROJECT_ROOT
 from training.ddp_round import cpu_state
 
 if TYPE_CHECKING:
-    from tasks.cascade_config import CascadeConfig
-    from tasks.config import ClassifierConfig
+    from tasks.configs.cascade import CascadeConfig
+    from tasks.configs.sections import ClassifierConfig
 
 
 class DataParallelError(RuntimeError):

@@ -3,7 +3,8 @@
 Every move is kept in the registered model's tag `champion.history` (the versions that held the
 alias, oldest first), so `rollback` knows the champion before the current one; the version
 that gains or loses the alias by hand gets `promoted.*` / `demoted.*` tags (who, when, why).
-Pure MLflow (through `tasks.tracking`): the `promote` and `rollback` commands need no Prefect.
+Pure MLflow (through `tasks.adapters.tracking`): the `promote` and `rollback` commands need no
+Prefect.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from typing import ClassVar
 from mlflow.exceptions import MlflowException
 from pydantic import Field, field_validator
 
-from tasks import tracking
-from tasks.config import StrictConfig
+from tasks.adapters import tracking
+from tasks.configs.sections import StrictConfig
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 HISTORY = "champion.history"

@@ -8,15 +8,15 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from tasks.config import (
+from tasks.configs.sections import (
     FASHION_MNIST,
     DataSection,
     ModelSection,
     OptimSection,
     ProfiledConfig,
     RunSection,
-    TrainConfig,
 )
+from tasks.configs.train import TrainConfig
 
 TABLE_SUFFIXES = (".csv", ".parquet")
 

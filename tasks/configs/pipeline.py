@@ -9,12 +9,10 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from tasks.config import (
-    DistillConfig,
-    PBTConfig,
-    SparsifyConfig,
-    _comma_list,
-)
+from tasks.configs.distill import DistillConfig
+from tasks.configs.pbt import PBTConfig
+from tasks.configs.sections import comma_list
+from tasks.configs.sparsify import SparsifyConfig
 
 # The distill flow's own fields: not passed on to the later steps, which take the pipeline's
 # other fields (data, optimizer step, budget, run, runner) as they are (`shared`).
@@ -83,7 +81,7 @@ class PipelineConfig(DistillConfig):
     @field_validator("sparse_layers", "pbt_lr_range", mode="before")
     @classmethod
     def _lists(cls, value: Any) -> Any:
-        return _comma_list(value)
+        return comma_list(value)
 
     @model_validator(mode="after")
     def _steps_valid(self) -> PipelineConfig:

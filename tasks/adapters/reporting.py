@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect.artifacts import create_markdown_artifact
 
-from tasks import tracking
+from tasks.adapters import tracking
 
 
 def ui_commands() -> str:

@@ -22,7 +22,7 @@ from prefect.context import TaskRunContext
 from prefect.utilities.hashing import hash_objects
 from pydantic import BaseModel
 
-from tasks.environment import PROJECT_ROOT
+from tasks.adapters.environment import PROJECT_ROOT
 
 RUN_ONLY_FIELDS = frozenset({"profile", "model_name", "progress", "threads", "device",
                              "patience", "baseline_gate", "registry", "max_latency_ms"})

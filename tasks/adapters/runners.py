@@ -17,7 +17,7 @@ import dask
 from prefect.settings import PREFECT_API_URL
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
-from tasks.config import RunnerSection
+from tasks.configs.sections import RunnerSection
 
 
 def shared_api_url() -> str:

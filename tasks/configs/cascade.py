@@ -9,14 +9,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from models.cascade import CascadeSpec
-from tasks.config import (
-    DataSection,
-    OptimSection,
-    ProfiledConfig,
-    RunSection,
-    TrainConfig,
-    _comma_list,
-)
+from tasks.configs.sections import DataSection, OptimSection, ProfiledConfig, RunSection, comma_list
+from tasks.configs.train import TrainConfig
 
 
 class CascadeConfig(ProfiledConfig, DataSection, OptimSection, RunSection):
@@ -114,7 +108,7 @@ class CascadeConfig(ProfiledConfig, DataSection, OptimSection, RunSection):
                      mode="before")
     @classmethod
     def _lists(cls, value: Any) -> Any:
-        return _comma_list(value)
+        return comma_list(value)
 
     @field_validator("thresholds")
     @classmethod

@@ -34,12 +34,12 @@ from prefect import task
 from pydantic import BaseModel, ConfigDict, Field
 
 from serving.entry import CONFIG_KEY, model_class
-from tasks import tracking
-from tasks.checkpoints import torch_save
+from tasks.adapters import tracking
+from tasks.adapters.aliases import CHALLENGER, CHAMPION, crown
+from tasks.adapters.checkpoints import torch_save
+from tasks.adapters.environment import PROJECT_ROOT
+from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.data import DatasetRef, LoadedDataset, load_dataset, load_dataset_artifact
-from tasks.environment import PROJECT_ROOT
-from tasks.registry import CHALLENGER, CHAMPION, crown
-from tasks.versioning import ArtifactRef, ArtifactStore
 from training.datasets import ImageSet
 from training.scores import standard_error
 
@@ -89,7 +89,7 @@ class Policy(BaseModel):
 
     @classmethod
     def of(cls, config: Any) -> Policy:
-        """The policy a flow config sets (`tasks.config.RunSection`)."""
+        """The policy a flow config sets (`tasks.configs.sections.RunSection`)."""
         return cls(registry=config.registry, max_latency_ms=config.max_latency_ms)
 
 

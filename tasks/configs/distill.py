@@ -1,0 +1,108 @@
+"""The `distill` flow's config."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+import models
+from tasks.configs.sections import (
+    BudgetSection,
+    DataSection,
+    ModelSection,
+    ProfiledConfig,
+    RunnerSection,
+    RunSection,
+    StepSection,
+)
+
+
+def _layers_of(model: str) -> tuple[tuple[str, ...], int]:
+    """A registered model's feature layers (and the classifier `fc`) and its depth."""
+    network = models.build_model(model, 1, 2, 4)
+    return (*network.feature_layers, "fc"), network.depth
+
+
+class DistillConfig(ProfiledConfig, DataSection, StepSection, BudgetSection, RunSection,
+                    RunnerSection):
+    """The `distill` flow: a deeper teacher trained in stages fills a feature bank; a shallower
+    student learns stage by stage from the bank and the labels."""
+
+    PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
+        "smoke": {"teacher_model": "resnet8", "student_model": "cnn2", "stages": 2,
+                  "train_limit": 512, "test_limit": 256, "batch_size": 64, "lr": 0.1,
+                  "progress": False, "min_steps": None,
+                  "baseline_gate": False, "registry": False},
+        "quick": {},
+        "full": {"train_limit": None, "stages": 60, "teacher_width": 32, "batch_size": 256,
+                 "lr": 0.1, "warmup_epochs": 1.0},
+    }
+
+    teacher_model: str = Field("resnet18", description="the teacher network (deeper than the "
+                               "student)")
+    teacher_width: int | None = Field(None, ge=1, le=1024, description="the teacher's width; "
+                                      "none: the model's default")
+    student_model: str = Field("lenet", description="the student network, the final model")
+    student_width: int | None = Field(None, ge=1, le=1024, description="the student's width; "
+                                      "none: the model's default")
+    stages: int = Field(10, ge=2, le=10000, description="S: teacher and student stages")
+    teacher_pretrain_epochs: int = Field(0, ge=0, le=1000, description="epochs the teacher "
+                                         "trains on all training images before stage 1 (a warm "
+                                         "start: its state 0, which --initial-bank teacher "
+                                         "fills the bank from); 0: from the seeded weights")
+    teacher_fraction: float = Field(0.8, gt=0.0, lt=1.0, description="N/M: the share of the M "
+                                    "training images the teacher draws per stage")
+    student_fraction: float = Field(0.8, gt=0.0, lt=1.0, description="P/M: the share of the "
+                                    "training images the student draws per stage")
+    front_weight: float = Field(2.0, gt=0.0, description="draw weight of an image not drawn "
+                                "in the previous stage")
+    back_weight: float = Field(1.0, gt=0.0, description="draw weight of an image drawn in the "
+                               "previous stage")
+    student_queue: Literal["recency", "uniform"] = Field("recency", description="how the "
+                                                         "student draws: like the teacher, or "
+                                                         "uniformly")
+    teacher_layer: str = Field("pool", description="the teacher layer whose features fill "
+                               "the bank (`fc`: the logits)")
+    student_layer: str = Field("pool", description="the student layer matched to the bank "
+                               "through the adapter")
+    feature_loss: Literal["l2", "cosine", "kl"] = Field("cosine", description="the feature "
+                                                       "sub-loss (kl: on softened outputs)")
+    feature_weight: float = Field(1.0, ge=0.0, le=1000.0, description="weight of the feature "
+                                  "sub-loss")
+    ce_weight: float = Field(1.0, ge=0.0, le=1000.0, description="weight of the CE sub-loss")
+    temperature: float = Field(4.0, gt=0.0, le=100.0, description="softening temperature of "
+                               "the kl feature loss")
+    bank_mode: Literal["single", "per-state"] = Field("single", description="single: one bank, "
+                                                      "each entry from the state that last "
+                                                      "wrote it; per-state: bank s kept for "
+                                                      "each stage s")
+    bank_dtype: Literal["float16", "bfloat16", "float32"] = Field("float16", description="how "
+                                                                  "bank features are stored")
+    bank_memmap: bool = Field(False, description="memory-map banks from disk instead of "
+                              "loading them (for banks larger than memory)")
+    initial_bank: Literal["masked", "teacher"] = Field("masked", description="masked: entries "
+                                                       "no stage wrote are left out of the "
+                                                       "loss; teacher: filled by the initial "
+                                                       "teacher (state 0)")
+
+    @field_validator("teacher_model", "student_model")
+    @classmethod
+    def _model_registered(cls, value: str) -> str:
+        return ModelSection._model_registered(value)
+
+    @model_validator(mode="after")
+    def _teacher_deeper_and_layers_exist(self) -> DistillConfig:
+        teacher_layers, teacher_depth = _layers_of(self.teacher_model)
+        student_layers, student_depth = _layers_of(self.student_model)
+        if teacher_depth <= student_depth:
+            raise ValueError(f"the teacher must be deeper than the student: teacher_model "
+                             f"{self.teacher_model} has {teacher_depth} layers, student_model "
+                             f"{self.student_model} has {student_depth}")
+        if self.teacher_layer not in teacher_layers:
+            raise ValueError(f"teacher_layer {self.teacher_layer!r} is not a layer of "
+                             f"{self.teacher_model}: {', '.join(teacher_layers)}")
+        if self.student_layer not in student_layers:
+            raise ValueError(f"student_layer {self.student_layer!r} is not a layer of "
+                             f"{self.student_model}: {', '.join(student_layers)}")
+        return self

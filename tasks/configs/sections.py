@@ -1,0 +1,253 @@
+"""The config sections every flow mixes in: data, model, step, budget, optimizer, run, runner,
+and the profile that fills the fields not given."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+import models
+from tasks.adapters.environment import data_dir
+from training.datasets import DataError, check_group_pattern, image_folder_listing
+
+Profile = Literal["smoke", "quick", "full"]
+FASHION_MNIST = "fashion-mnist"
+# a registered model version: models:/NAME@ALIAS or models:/NAME/VERSION
+MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[\w.-]+)|/(?P<version>\d+))$")
+
+
+
+class StrictConfig(BaseModel):
+    """Base of every config: unknown fields are errors, values are validated and frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class DataSection(StrictConfig):
+    """Which images, how they are split, and how they are read."""
+
+    data: str = Field(FASHION_MNIST, description="`fashion-mnist`, or the path of an ImageFolder "
+                      "directory (one sub-folder of images per class)")
+    image_size: int = Field(28, ge=8, le=512, description="images are resized to this square "
+                            "size (Fashion-MNIST is 28)")
+    channels: int = Field(0, ge=0, le=3, description="1 (gray) or 3 (RGB); 0 picks 1 when every "
+                          "image is grayscale")
+    val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="fraction of the training "
+                                "images held out for validation (early stopping, all choices)")
+    test_fraction: float = Field(0.2, gt=0.0, lt=0.5, description="ImageFolder only: fraction "
+                                 "held out as the test split (Fashion-MNIST has its own)")
+    split_seed: int = Field(0, ge=0, description="seed of the train/validation/test split, "
+                            "independent of the training seed so that every run sees the same "
+                            "test set; an image's split is a hash of its path and this seed, so "
+                            "adding or removing other images never moves it")
+    group_pattern: str | None = Field(None, description="a regular expression over file names "
+                                      "whose match (its first group, if any) names an image's "
+                                      "group: variants of one original (`(\\d+)` puts "
+                                      "cat_001.png and cat_001_flip.png together) share a split;"
+                                      " none: every image is its own group")
+    train_limit: int | None = Field(20000, ge=1, description="use at most this many training "
+                                    "images (those whose paths hash lowest: a grown folder "
+                                    "keeps them); none: all")
+    test_limit: int | None = Field(None, ge=1, description="evaluate on at most this many test "
+                                   "images (chosen the same way); none: all")
+    skip_bad_images: bool = Field(False, description="skip and count unreadable images instead "
+                                  "of stopping with an error")
+
+    @field_validator("group_pattern")
+    @classmethod
+    def _compiles(cls, value: str | None) -> str | None:
+        return check_group_pattern(value)
+
+    @field_validator("channels")
+    @classmethod
+    def _one_or_three(cls, value: int) -> int:
+        if value == 2:
+            raise ValueError("channels must be 0 (auto), 1 or 3")
+        return value
+
+    @field_validator("data")
+    @classmethod
+    def _data_exists(cls, value: str) -> str:
+        if value == FASHION_MNIST:
+            raw = data_dir() / "fashion-mnist" / "FashionMNIST" / "raw"
+            if not raw.is_dir():
+                raise ValueError(f"Fashion-MNIST is not prepared in {raw}: run `make data`")
+            return value
+        path = Path(value).expanduser()
+        if not path.exists():
+            raise ValueError(f"no such dataset directory: {value}")
+        if not path.is_dir():
+            raise ValueError(f"{value} is not a directory (an ImageFolder has one folder per "
+                             "class)")
+        try:  # its layout is checked before any work; its images when they are read
+            image_folder_listing(path)
+        except DataError as error:
+            raise ValueError(str(error)) from None
+        return str(path.resolve())
+
+
+class SplitsConfig(DataSection):
+    """The data settings whose splits `python -m flows splits` prints (a run's defaults: the
+    `quick` profile's 20,000-image training limit; `--train-limit none` lists every image)."""
+
+
+class ModelSection(StrictConfig):
+    """Which network."""
+
+    model: str = Field("resnet18", description=f"a registered network: "
+                       f"{', '.join(models.list_models())}")
+    width: int | None = Field(None, ge=1, le=1024, description="channels of the first stage "
+                              "(doubling per stage); none: the model's default")
+
+    @field_validator("model")
+    @classmethod
+    def _model_registered(cls, value: str) -> str:
+        if value not in models.list_models():
+            raise ValueError(f"unknown model {value!r}; registered: "
+                             f"{', '.join(models.list_models())}")
+        return value
+
+
+class StepSection(StrictConfig):
+    """How each step learns: SGD with momentum, a cosine schedule and divergence guards."""
+
+    batch_size: int = Field(128, ge=1, le=65536, description="images per training step")
+    lr: float = Field(0.05, gt=0.0, le=10.0, description="peak learning rate (cosine decay)")
+    warmup_epochs: float = Field(0.0, ge=0.0, le=100.0, description="linear warm-up, in epochs")
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum")
+    weight_decay: float = Field(5e-4, ge=0.0, lt=1.0, description="L2 weight decay")
+    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0, description="cross-entropy label "
+                                   "smoothing")
+    augment: float = Field(0.5, ge=0.0, le=1.0, description="augmentation strength: flips and "
+                           "shifts of up to augment x size / 7 pixels, rounded down (4 x "
+                           "augment at 28 pixels); 0 is none")
+    flip: Literal["auto", "on", "off"] = Field("auto", description="horizontal flips in the "
+                                               "augmentation; auto: only where the classes "
+                                               "survive a mirror (3-NN on mirrored validation "
+                                               "images, `training.baselines.mirror_safe`)")
+    grad_clip: float | None = Field(5.0, gt=0.0, description="clip the gradient norm to this; "
+                                    "none: no clipping")
+
+    def flips(self) -> bool:
+        """Whether the augmentation flips: `flip` as the flow resolved it from the data
+        (`flows.skeleton.Prepared.apply`); `auto` reaching a task directly flips."""
+        return self.flip != "off"
+
+
+class BudgetSection(StrictConfig):
+    """How the budget fits the data (`training/budget.py`): a small data set gets a smaller
+    batch and more passes, so that it trains for enough optimizer steps."""
+
+    min_steps: int | None = Field(3000, ge=1, le=10_000_000, description="train at least this "
+                                  "many optimizer steps: on a small data set the batch shrinks "
+                                  "(to 8 steps an epoch, not below 16 images) and every epoch "
+                                  "(PBT epoch, distillation stage) is repeated to reach them; "
+                                  "none: the configured batch and epochs exactly")
+    min_steps_full_below: int | None = Field(4096, ge=1, le=10_000_000, description="min_steps "
+                                             "holds in full up to this many training images and "
+                                             "shrinks in proportion above (8,192 images: half); "
+                                             "none: in full whatever the size")
+    max_epochs: int = Field(400, ge=1, le=100_000, description="never more passes over the "
+                            "training images than this, however small the data set")
+
+
+class OptimSection(StepSection, BudgetSection):
+    """How long it learns: epochs, the budget that fits them to the data, and early stopping."""
+
+    epochs: int = Field(8, ge=1, le=1000, description="rounds of training: passes over the "
+                        "training images, each repeated on a small data set (see min_steps); "
+                        "validation is checked after every round")
+    patience: int | None = Field(4, ge=1, description="stop after this many rounds in a row "
+                                 "below the best validation accuracy; the latest round within "
+                                 "one standard error of the best is kept; none: run every "
+                                 "round")
+
+
+class RunSection(StrictConfig):
+    """Where and how a run executes and what it is called."""
+
+    # more command-line names of a boolean field (pydantic reserves `register` itself)
+    FLAG_ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {"registry": ("--register",)}
+
+    seed: int = Field(0, ge=0, description="seed of weights, shuffling and augmentation")
+    device: Literal["auto", "cpu", "cuda", "mps"] = Field("auto", description="where to train")
+    threads: int | None = Field(None, ge=1, le=512, description="CPU threads for PyTorch; none: "
+                                "PyTorch's default")
+    model_name: str | None = Field(None, min_length=1, max_length=100, description="registered "
+                                   "model name in MLflow; none: the flow's name")
+    progress: bool = Field(True, description="show progress bars")
+    ddp_procs: int = Field(1, ge=1, le=1024, description="data-parallel processes per "
+                           "training task, launched by torchrun (gloo on CPUs, nccl and one "
+                           "GPU each on CUDA); 1: train in the task's own process")
+    baseline_gate: bool = Field(True, description="never make a model champion that does not "
+                                "beat the raw-pixel baselines (k-NN, linear) on validation; "
+                                "they are logged either way")
+    registry: bool = Field(True, description="register the final model in MLflow's registry and "
+                           "decide its alias; --no-register (and the smoke profile): the model "
+                           "is tested and logged on its run, the registry is never touched")
+    max_latency_ms: float | None = Field(None, gt=0.0, le=1e6, description="promotion gate: "
+                                         "never make a model champion whose served pyfunc takes "
+                                         "longer than this per image (batch 1, median, this "
+                                         "machine); none: no budget")
+
+    @field_validator("model_name")
+    @classmethod
+    def _valid_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", value):
+            raise ValueError(f"model name {value!r} may hold only letters, digits, '_', '.', '-'")
+        return value
+
+    def registered_name(self, flow_name: str) -> str:
+        """The MLflow registered-model name: `model_name`, or the flow's name."""
+        return self.model_name or flow_name
+
+
+class ClassifierConfig(ModelSection, OptimSection, RunSection):
+    """What one classifier's training needs (a part of every flow config that trains one)."""
+
+
+def classifier_config(config: BaseModel) -> ClassifierConfig:
+    """The classifier part of a flow config."""
+    return ClassifierConfig(**config.model_dump(include=set(ClassifierConfig.model_fields)))
+
+
+class ProfiledConfig(StrictConfig):
+    """A config whose unspecified fields come from a named profile."""
+
+    PROFILES: ClassVar[dict[str, dict[str, Any]]] = {"quick": {}}
+    profile: Profile = Field("quick", description="preset sizes: smoke (seconds, for tests), "
+                             "quick (minutes on a laptop), full (real results, GPU-sized)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_profile(cls, values: Any) -> Any:
+        if not isinstance(values, dict):
+            return values
+        profile = values.get("profile", "quick")
+        if profile not in cls.PROFILES:
+            return values  # the field's own validation names the bad value
+        return {**cls.PROFILES[profile], **values}
+
+
+
+
+class RunnerSection(StrictConfig):
+    """Where a flow's tasks run: in this process, or on a Dask cluster (prefect-dask)."""
+
+    runner: Literal["process", "dask"] = Field("process", description="process: tasks run in "
+                                               "turn in this process; dask: on a Dask cluster")
+    dask_workers: int = Field(2, ge=1, le=512, description="worker processes of the local Dask "
+                              "cluster (with --runner dask and no --dask-address); where "
+                              "GPUs exist, one worker per GPU instead")
+    dask_address: str | None = Field(None, min_length=1, description="address of a running Dask "
+                                     "scheduler (tcp://host:8786); none: start a local cluster")
+
+
+def comma_list(value: Any) -> Any:
+    """A list from the command line's "a,b,c" (other values unchanged)."""
+    if isinstance(value, str):
+        return [part for part in re.split(r"[,\s]+", value.strip("()[] ")) if part]
+    return value
