@@ -47,7 +47,7 @@ from tasks.distill import (
 )
 from tasks.training import eval_batches, make_optimizer, new_model, restore
 from training.device import place_model, resolve_device
-from training.distillation import (
+from training.distill.losses import (
     FeatureLoss,
     distillation_step,
     layer_shape,

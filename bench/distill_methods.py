@@ -1,7 +1,7 @@
 """The distillation methods on the pure training code alone (no Prefect, MLflow or DVC).
 
 For machines that have an accelerator but not the pipeline's packages (the GPU check): the
-`distill` flow's method, called from `training/` directly (`training.distill_stages`: the
+`distill` flow's method, called from `training/` directly (`training.distill.stages`: the
 stages' recency queues replayed from the seed, the teacher's features for the bank, one stage
 of training on the cosine schedule spanning all stages), with bf16 autocast and channels_last
 where the device gains from them. Per seed it trains the teacher in S stages, filling one bank
@@ -44,8 +44,8 @@ from training.datasets import (  # noqa: E402
     split_positions,
 )
 from training.device import place_model, resolve_device  # noqa: E402
-from training.distill_stages import Role, draw_stage_ids, layer_features, train_stage  # noqa: E402
-from training.distillation import (  # noqa: E402
+from training.distill.feature_bank import FeatureBank  # noqa: E402
+from training.distill.losses import (  # noqa: E402
     FeatureAdapter,
     FeatureLoss,
     bank_targets,
@@ -53,7 +53,7 @@ from training.distillation import (  # noqa: E402
     layer_shape,
     teacher_targets,
 )
-from training.feature_bank import FeatureBank  # noqa: E402
+from training.distill.stages import Role, draw_stage_ids, layer_features, train_stage  # noqa: E402
 from training.features import FeatureHooks  # noqa: E402
 from training.loops import Step, classification_step, evaluate  # noqa: E402
 from training.recipe import sgd  # noqa: E402

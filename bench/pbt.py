@@ -56,7 +56,7 @@ from tasks.pbt import (
     train_member,
 )
 from tasks.training import fit_to_data, run_key, test_and_export
-from training.pbt import best_member, initial_hyperparameters
+from training.pbt.scheduler import best_member, initial_hyperparameters
 
 METHODS = ("a: default", "b: random search", "c: PBT")
 

@@ -39,8 +39,8 @@ from tasks.configs.sections import classifier_config  # noqa: E402
 from tasks.configs.train import TrainConfig  # noqa: E402
 from tasks.data import load_dataset, prepare_dataset, source_version  # noqa: E402
 from tasks.training import eval_batches, trained_model  # noqa: E402
-from training.pruning import parameter_count  # noqa: E402
-from training.sparsity import activation_stats  # noqa: E402
+from training.sparsify.pruning import parameter_count  # noqa: E402
+from training.sparsify.term import activation_stats  # noqa: E402
 
 STEPS = ("teacher", "distill", "pbt", "sparsify")
 LATENCY_IMAGES = 300

@@ -57,7 +57,7 @@ def _exit_on_data_error(call):
     server that does not answer, or a population that failed whole, with one such line and
     exit code 1 (tracebacks are kept for bugs, dropped from the log for these)."""
     from training.datasets import DataError
-    from training.pbt import PopulationFailed
+    from training.pbt.scheduler import PopulationFailed
 
     _quiet_tracebacks((DataError, PopulationFailed))
     try:

@@ -1,15 +1,15 @@
 """The `pbt` flow: population-based training with weight copy and hyperparameter exploration.
 
-N members warm up with the same hyperparameters; then, stage by stage, each trains one round
-with its own hyperparameters, all are scored on the validation split, the weights the best
-member was ranked on (its weight average where that scored better than its last weights,
+N members warm up with the same hyperparameters; then, stage by stage, each trains one round with
+its own hyperparameters, all are scored on the validation split, the weights the best member was
+ranked on (its weight average where that scored better than its last weights,
 `tasks.pbt.exploit_weights`) become every member's starting point, the best keeps its
-hyperparameters and the others draw new ones around the best's (`training/pbt.py`). Members of
-a stage are tasks submitted together: in turn in-process, in parallel on a Dask cluster
-(`--runner dask`). A member that still fails after its retry is recorded and left out of the
-stage. The final model is the last stage's best member, or a greedy soup of the last stage's
-members when averaging them does not lose validation accuracy (`training/soup.py`): tested,
-registered and promoted as in `train`.
+hyperparameters and the others draw new ones around the best's (`training/pbt/scheduler.py`).
+Members of a stage are tasks submitted together: in turn in-process, in parallel on a Dask cluster
+(`--runner dask`). A member that still fails after its retry is recorded and left out of the stage.
+The final model is the last stage's best member, or a greedy soup of the last stage's members when
+averaging them does not lose validation accuracy (`training/pbt/soup.py`): tested, registered and
+promoted as in `train`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from tasks.pbt import (
 )
 from tasks.training import run_key
 from training.budget import Budget
-from training.pbt import PopulationFailed
+from training.pbt.scheduler import PopulationFailed
 
 FLOW_NAME = "pbt"
 
@@ -67,7 +67,7 @@ class PopulationResult(BaseModel):
     stages: int
     lineage: list[dict[str, Any]]
     lineage_log: ArtifactRef
-    val_images: int  # what the scores were measured on (their ties, `training.pbt`)
+    val_images: int  # what the scores were measured on (their ties, `training.pbt.scheduler`)
 
 
 class PBTSummary(BaseModel):

@@ -11,7 +11,7 @@
    copy and hyperparameter exploration, then the greedy soup.
 4. `sparsify`'s rounds on PBT's best: fine-tuning with the activation-sparsity term, then the
    activation thresholds (`--zero-threshold-tolerance`).
-5. The fallback cascade (`training.fallback`): the sparse student answers the images it is
+5. The fallback cascade (`training.cascade.fallback`): the sparse student answers the images it is
    confident about, the teacher the rest, the threshold fitted on validation with the measured
    time of each network as the cost.
 6. Registration and promotion of the cascade as one pyfunc, as in every flow.

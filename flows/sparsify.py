@@ -1,7 +1,7 @@
 """The `sparsify` flow: a classifier trained with its task loss plus an activation-sparsity term.
 
 loss = CE + sum over the chosen layers of lambda_l x S(map_l), where S is the mean of a
-transform T of the layer's activations that is smallest at 0 (`training/sparsity.py`), and a
+transform T of the layer's activations that is smallest at 0 (`training/sparsify/term.py`), and a
 smaller map gets a larger lambda_l. The rounds are the `train` flow's (same budget, early
 stopping, checkpoints); after them the kept network's activations are measured on the
 validation split (exact zeros, near zeros, dead channels, bytes stored sparse: `val_...`),

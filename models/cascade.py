@@ -106,7 +106,7 @@ class SuperModule(nn.Module):
     first) and a predictor that picks one per image from the incoming feature map.
 
     `fixed` (a buffer, so checkpoints carry it) is -1 while the predictor chooses; a
-    sub-network's index when one was chosen for good (`training.cascade.fixed_choice`).
+    sub-network's index when one was chosen for good (`training.cascade.learning.fixed_choice`).
     """
 
     def __init__(self, subnets: list[nn.Module], in_channels: int) -> None:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from models.dense import build_task_model
 from serving.inputs import input_images
-from training.detection import as_rgb
+from training.canvas.detection import as_rgb
 from training.preprocess import images_to_batch
 
 MIN_SCORE = 0.05
@@ -84,11 +84,11 @@ class CanvasModel(mlflow.pyfunc.PythonModel):
 def served_scores(task: str, predictions: pd.DataFrame, layouts: Any, classes: list[str],
                   tolerance: int) -> dict[str, float]:
     """The task's scores of a pyfunc's `predictions` for canvases `layouts`
-    (`training.layouts.Layouts` of `classes`): `map_50` and `map`, or `boundary_f` (its
+    (`training.canvas.layouts.Layouts` of `classes`): `map_50` and `map`, or `boundary_f` (its
     precision and recall) and `mask_iou`."""
-    from training.contours import boundary_counts, f_measure, mask_iou
-    from training.detection import mean_average_precision
-    from training.layouts import boundaries
+    from training.canvas.contours import boundary_counts, f_measure, mask_iou
+    from training.canvas.detection import mean_average_precision
+    from training.canvas.layouts import boundaries
 
     if task == "detection":
         index = {name: i for i, name in enumerate(classes)}

@@ -3,7 +3,7 @@
 Two `torch.export` programs travel with it, the sparse student (`program`) and the teacher
 (`fallback`), with the calibrated threshold in its meta JSON. Inputs as the classifier's
 (`serving.inputs`). The student answers every image; only those whose confidence
-is at most the threshold run through the teacher (`training.fallback.fallback_infer`). The
+is at most the threshold run through the teacher (`training.cascade.fallback.fallback_infer`). The
 output has one row per image: `label`, `confidence` and `exit` (1: the student, 2: the
 teacher). `embed` (`python -m flows features`) gives the student's embeddings.
 """
@@ -15,7 +15,7 @@ import torch
 
 from serving.classifier import ImageClassifierModel
 from serving.inputs import CHUNK, input_images
-from training.fallback import fallback_infer
+from training.cascade.fallback import fallback_infer
 from training.preprocess import images_to_batch
 
 

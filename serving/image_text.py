@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from models.image_text import ImageTextNet, build_image_text, encode_texts
 from serving.classifier import ImageClassifierModel
 from serving.inputs import InputError, input_images
-from training.image_text import MAX_LOGIT_SCALE, class_text_weights, zero_shot_logits
+from training.image_text.losses import MAX_LOGIT_SCALE, class_text_weights, zero_shot_logits
 from training.preprocess import images_to_batch
 
 ZERO_SHOT_PARAM = "classes"  # the class descriptions to choose among, when given

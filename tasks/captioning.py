@@ -1,7 +1,7 @@
-"""Descriptions by a trained captioner (`training.captioner`): the `image_text` flow's third
-source, for training images that neither the captions table nor the pool describes, and, in
-a few-label run of the project's own texts, for the unlabelled images (which carry only their
-measured phrases: their class's descriptions would hand them their label).
+"""Descriptions by a trained captioner (`training.image_text.captioner`): the `image_text` flow's
+third source, for training images that neither the captions table nor the pool describes, and, in a
+few-label run of the project's own texts, for the unlabelled images (which carry only their measured
+phrases: their class's descriptions would hand them their label).
 
 The captioner trains on the described training images, less a held-out tenth on which its
 captions are scored by BLEU (sacrebleu, every description of an image a reference) beside a
@@ -28,8 +28,8 @@ from tasks.configs.image_text import ImageTextConfig, seen_training_positions
 from tasks.data import DatasetRef, load_dataset
 from tasks.training import run_key, setup_device
 from training.batches import Normalize
-from training.captioner import Captioner, Vocabulary, caption_loss
 from training.device import place_model
+from training.image_text.captioner import Captioner, Vocabulary, caption_loss
 
 CAPTION_LENGTH = 24  # words per caption, BOS and EOS included
 HELD_OUT = 0.1  # the share of described images the captioner is scored on

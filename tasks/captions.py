@@ -17,7 +17,7 @@ import torch
 from tasks.configs.sections import FASHION_MNIST
 from tasks.wordnet import WordNet
 from training.datasets import DataError, image_folder_listing
-from training.descriptions import (
+from training.image_text.descriptions import (
     PHRASE_WEIGHT,
     class_descriptions,
     image_measures,

@@ -1,6 +1,6 @@
 """The `cascade` flow's training tasks: difficulty sets, the latency table, module rounds,
 predictor fitting and the exit heads' refit (calibration, test and registration:
-`tasks.cascade_evaluation`). Each loads its inputs by reference, calls `training.cascade` /
+`tasks.cascade_evaluation`). Each loads its inputs by reference, calls `training.cascade.learning` /
 `training.latency`, writes and versions its output, and returns the reference with its
 metrics; each is cached on its inputs, so a killed run resumes.
 """
@@ -29,7 +29,7 @@ from tasks.training import EpochResult, eval_batches, run_key, setup_device
 from training.baselines import fit_linear, flatten_pixels
 from training.batches import Batches, Normalize
 from training.budget import Budget, fit_budget
-from training.cascade import (
+from training.cascade.learning import (
     StageModel,
     curriculum,
     difficulty,
@@ -276,7 +276,7 @@ def fit_predictor(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
 def refit_exits(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
                 checkpoint: ArtifactRef) -> EpochResult:
     """Every exit head but the last refitted to the last exit on the first training set (the
-    images the modules trained on; `training.cascade.distill_exits`), the rest of the
+    images the modules trained on; `training.cascade.learning.distill_exits`), the rest of the
     network unchanged. Metrics: each exit's validation accuracy before
     (`exit{k}_val_accuracy_before_refit`) and after (`exit{k}_val_accuracy`), and the
     refit's last loss."""

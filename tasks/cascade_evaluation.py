@@ -32,7 +32,7 @@ from tasks.configs.cascade import CascadeConfig
 from tasks.data import DatasetRef, load_dataset
 from tasks.training import eval_batches, run_key, setup_device
 from training.batches import Normalize
-from training.cascade import ExitTable, ThresholdGrid, exit_table, oracles, threshold_grid
+from training.cascade.learning import ExitTable, ThresholdGrid, exit_table, oracles, threshold_grid
 from training.device import inference_batch
 from training.latency import full_network_cost, interleaved_ms_per_image, part_costs
 

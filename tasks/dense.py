@@ -36,13 +36,13 @@ from tasks.configs.sparsify import SparsifyConfig, SparsitySpec
 from tasks.data import DatasetRef, load_dataset
 from tasks.sparsify import ActivationReport, SparsityReport, measured_layers, measured_report
 from tasks.training import EpochResult, make_optimizer, setup_device
-from training.contours import contour_scores, contour_step
-from training.detection import as_rgb, detect, detection_step, mean_average_precision
+from training.canvas.contours import contour_scores, contour_step
+from training.canvas.detection import as_rgb, detect, detection_step, mean_average_precision
+from training.canvas.layouts import LayoutBatches, Layouts, LayoutSpec, make_layouts
 from training.device import place_model
-from training.layouts import LayoutBatches, Layouts, LayoutSpec, make_layouts
 from training.loops import cosine_lr, train_epoch
 from training.recipe import optimizer_to
-from training.sparsity import (
+from training.sparsify.term import (
     activation_stats,
     layer_lambdas,
     layer_shapes,
@@ -57,7 +57,7 @@ EVAL_BATCH = 32
 
 
 class LayoutsRef(BaseModel):
-    """The versioned canvases of a run (`training.layouts`), with what they were made of."""
+    """The versioned canvases of a run (`training.canvas.layouts`), with what they were made of."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -110,7 +110,7 @@ def new_network(config: SparsifyConfig, layouts: LayoutsRef) -> nn.Module:
 
 def dense_sparsity_spec(config: SparsifyConfig, layouts: LayoutsRef) -> SparsitySpec:
     """The sparsity term for the network on a canvas: each layer's lambda by its map's area
-    (`training.sparsity.layer_lambdas`)."""
+    (`training.sparsify.term.layer_lambdas`)."""
     model = new_network(config, layouts).eval()
     example = torch.zeros(1, 1, layouts.canvas, layouts.canvas)
     if config.task == "detection":

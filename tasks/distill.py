@@ -37,15 +37,15 @@ from training.batches import Batches, Normalize
 from training.budget import Budget
 from training.ddp_round import cpu_state
 from training.device import inference_batch, place_model
-from training.distill_stages import draw_stage_ids, layer_features, train_stage
-from training.distillation import (
+from training.distill.feature_bank import DTYPES, FeatureBank
+from training.distill.losses import (
     FeatureAdapter,
     FeatureLoss,
     bank_targets,
     distillation_step,
     layer_shape,
 )
-from training.feature_bank import DTYPES, FeatureBank
+from training.distill.stages import draw_stage_ids, layer_features, train_stage
 from training.features import FeatureHooks
 from training.loops import classification_step
 from training.recipe import optimizer_to
@@ -175,7 +175,7 @@ def run_stage(role: RoleConfig, dataset: DatasetRef, stage: int, model: nn.Modul
               optimizer: torch.optim.Optimizer, batches: Batches, step, device: torch.device,
               data: LoadedDataset, adapter: FeatureAdapter | None = None,
               distill: dict | None = None) -> dict[str, float]:
-    """`training.distill_stages.train_stage` with `role`'s settings: in this process, or with
+    """`training.distill.stages.train_stage` with `role`'s settings: in this process, or with
     `role.ddp_procs` > 1 data-parallel under torchrun (`tasks/adapters/torchrun.py`), on the same
     stream of batches; a student stage's job also carries its `adapter` and `distill` (layer, loss,
     bank), from which `training.ddp_round` builds the same step."""

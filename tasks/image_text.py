@@ -47,7 +47,7 @@ from tasks.training import run_key, setup_device
 from training.batches import Batches, Normalize
 from training.datasets import labelled_images, validation_images
 from training.device import inference_batch, place_model
-from training.image_text import (
+from training.image_text.losses import (
     MAX_LOGIT_SCALE,
     TextBank,
     choose_mixing,

@@ -33,9 +33,9 @@ from tasks.training import (
     train_passes,
 )
 from training.device import place_model
-from training.pbt import PBTScheduler, SearchSpace
+from training.pbt.scheduler import PBTScheduler, SearchSpace
+from training.pbt.soup import greedy_soup
 from training.recipe import choose_weights, start_average
-from training.soup import greedy_soup
 
 HYPERPARAMETERS = ("lr", "weight_decay", "momentum", "augment")
 
@@ -180,7 +180,7 @@ def write_lineage(population: str, records: list[dict[str, Any]]) -> ArtifactRef
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="soup")
 def soup_members(config: ClassifierConfig, dataset: DatasetRef, population: str,
                  results: list[MemberResult], first: int) -> MemberResult:
-    """The greedy soup (`training.soup`) of one stage's members, all trained on from the same
+    """The greedy soup (`training.pbt.soup`) of one stage's members, all trained on from the same
     checkpoint, starting from `results[first]` (the stage's best): a member result whose `kept`
     weights are the soup, named after that member, with `soup_ingredients` among its metrics.
     With one ingredient it is that member's weights, unchanged."""

@@ -1,5 +1,5 @@
 """The `pipeline` flow's own tasks: hand one step's weights to the next, fit the fallback
-cascade (the sparse student in front of the teacher, `training.fallback`), and register it.
+cascade (the sparse student in front of the teacher, `training.cascade.fallback`), and register it.
 Every other step is a task or subflow of its own flow (`flows/pipeline.py`)."""
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.sections import ClassifierConfig
 from tasks.data import DatasetRef, load_dataset
 from tasks.training import eval_batches, setup_device, split_batches, trained_model
+from training.cascade.fallback import calibrate_fallback, fallback_infer, fallback_table
 from training.device import place_model
-from training.fallback import calibrate_fallback, fallback_infer, fallback_table
 from training.latency import interleaved_ms_per_image
 from training.loops import predict
 
@@ -59,7 +59,7 @@ def fit_fallback(student: ClassifierConfig, teacher: ClassifierConfig, dataset: 
                  student_checkpoint: ArtifactRef, teacher_checkpoint: ArtifactRef,
                  tolerance: float, latency_images: int = 1000) -> Fallback:
     """Times the student and the teacher at batch 1 (passes interleaved), calibrates the
-    student's confidence threshold on the validation split (`training.fallback`), then
+    student's confidence threshold on the validation split (`training.cascade.fallback`), then
     measures the real cascade on the test split: accuracy, the share the student answers,
     and milliseconds per image at batch 1 beside the teacher's and the student's alone."""
     device = setup_device(student)

@@ -1,6 +1,6 @@
 """Descriptions by matching: a pool of image-text pairs "from the web", and the training
-images matched against it (`training.matching`); a match gives the pool item's texts to the
-training image.
+images matched against it (`training.image_text.matching`); a match gives the pool item's texts to
+the training image.
 
 The project's own pool (Fashion-MNIST): transformed copies (resized, shifted, flipped,
 recompressed) of a share of the training images, whose true matches are known, among as many
@@ -25,7 +25,7 @@ from tasks.captions import DescriptionError, own_captions, read_table
 from tasks.configs.sections import FASHION_MNIST
 from tasks.data import DatasetRef, LoadedDataset, fashion_mnist_root
 from training.datasets import IMAGE_EXTENSIONS, load_fashion_mnist
-from training.matching import (
+from training.image_text.matching import (
     NO_MATCH,
     match,
     precision_recall,

@@ -24,8 +24,8 @@ from tasks.data import DatasetRef, load_dataset
 from tasks.training import eval_batches, export_program, new_model, setup_device, trained_model
 from training.device import place_model
 from training.loops import evaluate
-from training.pruning import median_latency, parameter_count, prune_channels
-from training.sparsity import (
+from training.sparsify.pruning import median_latency, parameter_count, prune_channels
+from training.sparsify.term import (
     ActivationStats,
     activation_memory,
     activation_stats,
@@ -33,7 +33,7 @@ from training.sparsity import (
     layer_shapes,
     map_area,
 )
-from training.thresholds import (
+from training.sparsify.thresholds import (
     calibrate_thresholds,
     raise_thresholds,
     thresholds_in_place,
@@ -46,7 +46,7 @@ SPLIT_NAMES = {"val": "validation", "test": "test"}
 
 def sparsity_spec(config: SparsifyConfig, dataset: DatasetRef) -> SparsitySpec:
     """The config's sparsity term for its network on the data's images: each layer's lambda
-    (`training.sparsity.layer_lambdas`, by the map areas the network really produces)."""
+    (`training.sparsify.term.layer_lambdas`, by the map areas the network really produces)."""
     model = new_model(ClassifierConfig(**config.model_dump(
         include=set(ClassifierConfig.model_fields))), dataset)
     example = torch.zeros(1, dataset.channels, dataset.image_size, dataset.image_size)
@@ -133,7 +133,7 @@ def sparsity_report(config: ClassifierConfig, dataset: DatasetRef, checkpoint: A
                     spec: SparsitySpec) -> SparsityReport:
     """Scores the checkpoint on the validation split and measures its regularized layers:
     exact zeros, |x| < 1e-3, channels dead on 99% of the images, bytes per image stored dense,
-    as a bitmap plus values, and as CSR (`training.sparsity.activation_memory`)."""
+    as a bitmap plus values, and as CSR (`training.sparsify.term.activation_memory`)."""
     device = setup_device(config)
     model = place_model(trained_model(config, dataset, checkpoint), device)
     data = load_dataset(dataset)
@@ -150,7 +150,7 @@ def test_activations(config: ClassifierConfig, dataset: DatasetRef, checkpoint: 
     the test split, which chose neither the round, nor the thresholds, nor the dead channels:
     per layer the share of exact zeros `z = #{x == 0} / #values` over every test image's
     map, |x| < 1e-3, channels all zero on at least 99% of the test images, and the bytes
-    stored three ways (`training.sparsity.activation_memory`)."""
+    stored three ways (`training.sparsify.term.activation_memory`)."""
     device = setup_device(config)
     model = place_model(trained_model(config, dataset, checkpoint), device)
     test = eval_batches(load_dataset(dataset), dataset, "test", device)
@@ -159,9 +159,9 @@ def test_activations(config: ClassifierConfig, dataset: DatasetRef, checkpoint: 
 
 
 class Calibrated(BaseModel):
-    """Activation thresholds calibrated on a checkpoint (`training.thresholds`; per layer the
-    larger of the checkpoint's own and the new one) and its validation accuracy without the
-    new ones and with them."""
+    """Activation thresholds calibrated on a checkpoint (`training.sparsify.thresholds`; per layer
+    the larger of the checkpoint's own and the new one) and its validation accuracy without the new
+    ones and with them."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -186,7 +186,7 @@ def calibrate_zero_thresholds(config: ClassifierConfig, dataset: DatasetRef,
                               checkpoint: ArtifactRef, layers: tuple[str, ...],
                               tolerance: float, floor: float | None = None) -> Thresholded:
     """Per layer, the largest activation threshold that keeps validation accuracy within
-    `tolerance` of the checkpoint's (`training.thresholds.calibrate_thresholds`), written
+    `tolerance` of the checkpoint's (`training.sparsify.thresholds.calibrate_thresholds`), written
     with the weights as a new checkpoint versioned in DVC. A checkpoint that has thresholds
     (a `--threshold-cycles` round) is calibrated with them in place, each layer keeps the
     larger of its old and new threshold, and `floor` (the first calibration's unthresholded
@@ -217,10 +217,10 @@ def zero_target_thresholds(config: ClassifierConfig, dataset: DatasetRef,
 def zero_target_step(config: ClassifierConfig, dataset: DatasetRef, checkpoint: ArtifactRef,
                      layers: tuple[str, ...], target: float, step: float) -> Calibrated:
     """Per layer, the activation threshold that takes its share of exact zeros on the
-    validation split `step` of the way to `target` (1: all the way; the checkpoint's
-    thresholds in place, each layer keeps the larger; `training.thresholds.thresholds_toward`),
-    and the validation accuracy before and after. Nothing is written: a ramp's next round
-    trains with these thresholds and stores them in its own checkpoint."""
+    validation split `step` of the way to `target` (1: all the way; the checkpoint's thresholds in
+    place, each layer keeps the larger; `training.sparsify.thresholds.thresholds_toward`), and the
+    validation accuracy before and after. Nothing is written: a ramp's next round trains with these
+    thresholds and stores them in its own checkpoint."""
     return _toward_zero_target(config, dataset, checkpoint, layers, target, step)[1]
 
 
@@ -267,7 +267,7 @@ def measured_report(stats: ActivationStats, spec: SparsitySpec, score_name: str,
 def measured_layers(stats: ActivationStats, spec: SparsitySpec) -> dict[str, LayerReport]:
     """`spec`'s layers from their activation statistics: zeros, dead channels (all zero on at
     least `DEAD` of the images) and bytes stored three ways
-    (`training.sparsity.activation_memory`)."""
+    (`training.sparsify.term.activation_memory`)."""
     layers = {}
     for name in spec.lambdas:
         memory = activation_memory(stats.shapes[name], stats.zero_fraction[name])
@@ -328,7 +328,7 @@ class PruneResult(BaseModel):
 def prune_dead_channels(config: ClassifierConfig, dataset: DatasetRef, checkpoint: ArtifactRef,
                         report: SparsityReport, batch_sizes: tuple[int, ...] = (1, 256)
                         ) -> PruneResult:
-    """Removes the report's dead channels (`training.pruning`), re-validates the smaller
+    """Removes the report's dead channels (`training.sparsify.pruning`), re-validates the smaller
     network, times both on the CPU (median of interleaved forward passes at each batch size)
     and exports the pruned network as a program versioned in DVC."""
     model = trained_model(config, dataset, checkpoint).eval()

@@ -37,8 +37,8 @@ from training.device import inference_batch, place_model, resolve_device
 from training.features import WithEmbedding
 from training.loops import classification_step, evaluate
 from training.recipe import optimizer_to, set_momentum_and_decay, sgd, train_round
-from training.sparsity import sparsity_regularized
-from training.thresholds import install_thresholds, thresholds_in_place
+from training.sparsify.term import sparsity_regularized
+from training.sparsify.thresholds import install_thresholds, thresholds_in_place
 
 
 class EpochResult(BaseModel):
@@ -163,7 +163,7 @@ def train_passes(config: ClassifierConfig, dataset: DatasetRef, data: LoadedData
     """Trains `passes` of a classifier on the training split (`training.recipe.train_round`):
     in this process, or with `config.ddp_procs` > 1 data-parallel under torchrun
     (`tasks/adapters/torchrun.py`), with the same batches, schedule and weight average either way.
-    `sparsity` adds its activation-sparsity term to the loss (`training.sparsity`)."""
+    `sparsity` adds its activation-sparsity term to the loss (`training.sparsify.term`)."""
 
     def seed_of(epoch: int) -> int:  # each pass's shuffling and augmentation
         return config.seed * 1000 + epoch
@@ -259,7 +259,8 @@ def trained_model(config: ClassifierConfig, dataset: DatasetRef, checkpoint: Art
                   weights: str = "model") -> ImageClassifier:
     """The config's network with the checkpoint entry `weights` loaded, on the CPU. A
     checkpoint with activation `thresholds` (`sparsify`) gets them as forward hooks
-    (`training.thresholds`), so testing, measuring and the exported program all see them."""
+    (`training.sparsify.thresholds`), so testing, measuring and the exported program all see
+    them."""
     model = new_model(config, dataset)
     payload = load_checkpoint(ArtifactStore(), checkpoint)
     if weights not in payload:

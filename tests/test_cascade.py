@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from models.cascade import CascadeSpec, build_cascade, confidence_of
-from training.cascade import (
+from training.cascade.learning import (
     ExitTable,
     StageModel,
     calibrate_for_accuracy,

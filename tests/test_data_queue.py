@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from training.data_queue import RecencyQueue
+from training.distill.data_queue import RecencyQueue
 
 
 def test_draw_is_distinct_and_moves_drawn_ids_to_the_back():

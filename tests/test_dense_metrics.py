@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.contours import boundary_counts, dilate, disk, f_measure, mask_iou
-from training.detection import mean_average_precision
+from training.canvas.contours import boundary_counts, dilate, disk, f_measure, mask_iou
+from training.canvas.detection import mean_average_precision
 
 
 def test_disk_and_dilation():

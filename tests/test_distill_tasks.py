@@ -23,7 +23,7 @@ from tasks.distill import (
     teacher_stage,
 )
 from tasks.training import new_model, train_classifier_epoch
-from training.feature_bank import UNFILLED
+from training.distill.feature_bank import UNFILLED
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from models import build_model
-from training.distillation import (
+from training.distill.feature_bank import FeatureBank
+from training.distill.losses import (
     FeatureAdapter,
     FeatureLoss,
     bank_targets,
@@ -18,7 +19,6 @@ from training.distillation import (
     layer_shape,
     masked_feature_loss,
 )
-from training.feature_bank import FeatureBank
 from training.features import FeatureHooks
 
 

@@ -1,4 +1,4 @@
-"""The fallback cascade's pure parts (`training.fallback`) on hand-made logits."""
+"""The fallback cascade's pure parts (`training.cascade.fallback`) on hand-made logits."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from training.fallback import calibrate_fallback, fallback_infer, fallback_table
+from training.cascade.fallback import calibrate_fallback, fallback_infer, fallback_table
 
 
 def logits_for(probabilities: list[list[float]]) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.feature_bank import UNFILLED, FeatureBank
+from training.distill.feature_bank import UNFILLED, FeatureBank
 
 
 def test_entries_are_found_by_dataset_id_and_keep_the_state_that_wrote_them():

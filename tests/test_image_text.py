@@ -22,8 +22,8 @@ from tasks.captions import (
     wordnet_classes,
 )
 from tasks.wordnet import WordNet, parse_data_line
-from training.descriptions import image_measures, image_phrases, tertiles
-from training.image_text import (
+from training.image_text.descriptions import image_measures, image_phrases, tertiles
+from training.image_text.losses import (
     UNLABELLED,
     TextBank,
     choose_mixing,
@@ -272,7 +272,7 @@ def test_image_keys_follow_the_folder_order(fashion_folder):
 def test_a_shifted_resized_recompressed_copy_matches_and_a_flip_too():
     from PIL import Image
 
-    from training.matching import NO_MATCH, match, precision_recall, signatures
+    from training.image_text.matching import NO_MATCH, match, precision_recall, signatures
 
     original = Image.new("L", (28, 28))
     original.paste(200, (6, 4, 14, 24))  # a bar left of centre
@@ -294,7 +294,7 @@ def test_a_shifted_resized_recompressed_copy_matches_and_a_flip_too():
 
 
 def test_a_look_alike_within_the_margin_is_no_match():
-    from training.matching import NO_MATCH, match
+    from training.image_text.matching import NO_MATCH, match
 
     pool = torch.nn.functional.normalize(torch.tensor([[1.0, 0.0, 0.0], [1.0, 0.1, 0.0]]), dim=1)
     query = torch.tensor([[1.0, 0.0, 0.0]])
@@ -305,8 +305,8 @@ def test_a_look_alike_within_the_margin_is_no_match():
 
 
 def test_the_vocabulary_encodes_and_decodes_by_hand():
-    from training.captioner import BOS, EOS, UNK, Vocabulary
-    from training.captioner import PAD as CAPTION_PAD
+    from training.image_text.captioner import BOS, EOS, UNK, Vocabulary
+    from training.image_text.captioner import PAD as CAPTION_PAD
 
     vocabulary = Vocabulary(["a shoe, a boot", "a bag"])
     assert vocabulary.itos[4:] == ["a", ",", "bag", "boot", "shoe"]  # by count, then a-z
@@ -316,7 +316,7 @@ def test_the_vocabulary_encodes_and_decodes_by_hand():
 
 
 def test_the_caption_loss_weights_captions_and_skips_padding():
-    from training.captioner import caption_loss
+    from training.image_text.captioner import caption_loss
 
     ids = torch.tensor([[1, 4, 2, 0], [1, 5, 6, 2]])  # BOS a EOS PAD; BOS b c EOS
     logits = torch.zeros(2, 3, 7)
@@ -329,7 +329,7 @@ def test_the_caption_loss_weights_captions_and_skips_padding():
 
 
 def test_generation_stops_at_eos_and_pads_after_it():
-    from training.captioner import EOS, Captioner
+    from training.image_text.captioner import EOS, Captioner
 
     torch.manual_seed(0)
     model = Captioner(torch.nn.Flatten(), 4, 6, embed_dim=3, hidden=5)

@@ -122,7 +122,7 @@ def test_a_few_label_runs_own_pool_holds_none_of_its_images():
     from tasks.captions import wordnet_classes
     from tasks.data import load_dataset
     from tasks.pool import own_pool
-    from training.matching import NO_MATCH
+    from training.image_text.matching import NO_MATCH
 
     dataset = _prepared(smoke_image_text())
     data = load_dataset(dataset)
@@ -224,7 +224,7 @@ def test_the_mixed_head_is_chosen_on_validation_tested_and_registered(pooled):
     from tasks.adapters.versioning import ArtifactStore
     from tasks.data import load_dataset
     from tasks.image_text import TextSide, new_network
-    from training.image_text import mixed_head
+    from training.image_text.losses import mixed_head
 
     metrics = MlflowClient().get_run(pooled.run_id).data.metrics
     accuracies = {a: metrics[f"head_mixing_val_accuracy_{a}"]

@@ -71,3 +71,19 @@ def test_no_module_imports_itself_through_others():
                     seen.add(nxt)
                     stack.append((nxt, [*path, nxt]))
     assert circles == []
+
+
+TECHNIQUES = ("distill", "pbt", "sparsify", "cascade", "image_text", "canvas")
+
+
+def test_no_technique_package_imports_a_sibling():
+    graph = import_graph()
+    crossings = []
+    for name, imported in graph.items():
+        parts = name.split(".")
+        if parts[0] != "training" or len(parts) < 2 or parts[1] not in TECHNIQUES:
+            continue
+        crossings += [f"{name} -> {other}" for other in imported
+                      if other.split(".")[:1] == ["training"] and len(other.split(".")) > 1
+                      and other.split(".")[1] in TECHNIQUES and other.split(".")[1] != parts[1]]
+    assert crossings == []

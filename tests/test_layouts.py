@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tasks.data import fashion_mnist_root
-from training.contours import mask_iou
+from training.canvas.contours import mask_iou
+from training.canvas.layouts import MASK_LEVEL, LayoutBatches, LayoutSpec, boundaries, make_layouts
 from training.datasets import load_fashion_mnist
-from training.layouts import MASK_LEVEL, LayoutBatches, LayoutSpec, boundaries, make_layouts
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from training.pbt import (
+from training.pbt.scheduler import (
     PBTScheduler,
     SearchSpace,
     best_member,

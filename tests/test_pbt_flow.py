@@ -28,7 +28,7 @@ from tasks.pbt import (
     population_scheduler,
     train_member,
 )
-from training.pbt import replay
+from training.pbt.scheduler import replay
 
 NAME = "pbt-smoke"
 

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 import models
-from training.pruning import median_latency, parameter_count, producing_conv, prune_channels
+from training.sparsify.pruning import (
+    median_latency,
+    parameter_count,
+    producing_conv,
+    prune_channels,
+)
 
 
 def _lenet_with_dead_channels():

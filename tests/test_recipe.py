@@ -13,7 +13,7 @@ from torch import nn
 
 from models import build_model
 from training.loops import weight_average
-from training.pbt import PBTScheduler, SearchSpace, explore, initial_hyperparameters
+from training.pbt.scheduler import PBTScheduler, SearchSpace, explore, initial_hyperparameters
 from training.recipe import EarlyStopping, choose_weights, recompute_batchnorm
 
 

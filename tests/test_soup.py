@@ -1,10 +1,10 @@
-"""Greedy weight soups (`training.soup`), on hand-made networks where the answer is known."""
+"""Greedy weight soups (`training.pbt.soup`), on hand-made networks where the answer is known."""
 
 import pytest
 import torch
 from torch import nn
 
-from training.soup import average_states, greedy_soup
+from training.pbt.soup import average_states, greedy_soup
 
 
 def test_states_are_averaged_element_wise_and_counters_kept():

@@ -11,7 +11,7 @@ from torch import nn
 
 from training.features import FeatureHooks
 from training.loops import classification_step
-from training.sparsity import (
+from training.sparsify.term import (
     SparsityTransform,
     activation_memory,
     activation_stats,

@@ -1,4 +1,5 @@
-"""Calibrated activation thresholds (`training.thresholds`): the hook, its export, calibration."""
+"""Calibrated activation thresholds (`training.sparsify.thresholds`): the hook, its export,
+calibration."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import torch
 from torch import nn
 
 from training.loops import evaluate
-from training.sparsity import SparsityTransform, activation_stats, sparsity_regularized
-from training.thresholds import (
+from training.sparsify.term import SparsityTransform, activation_stats, sparsity_regularized
+from training.sparsify.thresholds import (
     QUANTILES,
     calibrate_thresholds,
     candidate_thresholds,

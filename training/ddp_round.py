@@ -5,12 +5,12 @@ The job file (written by the task that launches it, `tasks/adapters/torchrun.py`
 the round needs: the images and labels, the training positions, the normalisation, the network's
 name and state, the optimizer's state, the passes with their shuffling seeds (one per pass, or one
 stream of batches over all passes, as a distillation stage draws them), the schedule and the weight
-average. A `job["sparsity"]` adds the activation-sparsity term of `training.sparsity` to the step.
-A distillation job (`job["distill"]`) also holds the student's layer, its adapter and the feature
-bank: the step is then `training.distillation.distillation_step`. A cascade job (`job["cascade"]`)
-trains module k of a `models.cascade` network instead of a registered one: its state is the whole
-network's, its optimizer that of the module's `training.cascade.StageModel` parameters, its step
-`training.cascade.module_step`.
+average. A `job["sparsity"]` adds the activation-sparsity term of `training.sparsify.term` to the
+step. A distillation job (`job["distill"]`) also holds the student's layer, its adapter and the
+feature bank: the step is then `training.distill.losses.distillation_step`. A cascade job
+(`job["cascade"]`) trains module k of a `models.cascade` network instead of a registered one: its
+state is the whole network's, its optimizer that of the module's
+`training.cascade.learning.StageModel` parameters, its step `training.cascade.learning.module_step`.
 
 Every process builds the same network and batches and trains its share of each batch
 (`training.distributed`: gloo on CPUs, nccl on CUDA); DDP averages the gradients, so a step
@@ -33,11 +33,11 @@ from torch import nn
 from models import build_model
 from models.cascade import CascadeSpec, build_cascade
 from training.batches import Batches, Normalize
-from training.cascade import StageModel, module_step
+from training.cascade.learning import StageModel, module_step
 from training.device import place_model, resolve_device
-from training.distillation import FeatureAdapter, FeatureLoss, bank_targets, distillation_step
+from training.distill.feature_bank import FeatureBank
+from training.distill.losses import FeatureAdapter, FeatureLoss, bank_targets, distillation_step
 from training.distributed import Distributed, start, stop, wrap
-from training.feature_bank import FeatureBank
 from training.features import FeatureHooks
 from training.loops import Step, classification_step
 from training.recipe import (
@@ -47,7 +47,7 @@ from training.recipe import (
     start_average,
     train_round,
 )
-from training.sparsity import SparsityTransform, sparsity_regularized
+from training.sparsify.term import SparsityTransform, sparsity_regularized
 
 
 def run(job: dict[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from tasks.configs.train import TrainConfig
 class CascadeConfig(ProfiledConfig, DataSection, OptimSection, RunSection):
     """A cascade of modules with exits and super-network modules, trained module by module on
     training sets of rising difficulty, its predictors fitted on a second training set, its
-    exit thresholds calibrated on validation (`training/cascade.py`)."""
+    exit thresholds calibrated on validation (`training/cascade/learning.py`)."""
 
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
         "smoke": {**{k: v for k, v in TrainConfig.PROFILES["smoke"].items() if k != "model"},
@@ -76,7 +76,8 @@ class CascadeConfig(ProfiledConfig, DataSection, OptimSection, RunSection):
                                      "predictors: passes that refit every exit head but the "
                                      "last to the last exit's softened outputs and the labels, "
                                      "on the frozen network's maps of the first training set "
-                                     "(`training.cascade.distill_exits`); 0: keep the heads")
+                                     "(`training.cascade.learning.distill_exits`); 0: keep the "
+                                     "heads")
     exit_distill_weight: float = Field(0.5, ge=0.0, le=1.0, description="the share of the "
                                        "distillation term in the refit's loss (the rest: "
                                        "cross-entropy on the labels)")

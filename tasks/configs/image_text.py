@@ -24,7 +24,7 @@ TABLE_SUFFIXES = (".csv", ".parquet")
 class ImageTextConfig(ProfiledConfig, DataSection, ModelSection, OptimSection, RunSection):
     """An image network trained from images and their descriptions: a contrastive loss between
     image and text features plus the classifier's cross-entropy, the classifier initialized
-    from the text features of each class's descriptions (`training/image_text.py`)."""
+    from the text features of each class's descriptions (`training/image_text/losses.py`)."""
 
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
         "smoke": {**TrainConfig.PROFILES["smoke"], "text_encoder": "builtin",

@@ -18,7 +18,7 @@ from tasks.configs.train import TrainConfig
 
 
 class SparsitySpec(StrictConfig):
-    """The sparsity term of a training run, resolved for its network (`training.sparsity`):
+    """The sparsity term of a training run, resolved for its network (`training.sparsify.term`):
     each regularized layer's lambda, in order, and the transform with its parameters."""
 
     lambdas: dict[str, float]
@@ -30,15 +30,15 @@ class SparsitySpec(StrictConfig):
     thresholds: dict[str, float] = {}
 
     def build(self):
-        """The `training.sparsity.SparsityTransform` of this spec."""
-        from training.sparsity import SparsityTransform
+        """The `training.sparsify.term.SparsityTransform` of this spec."""
+        from training.sparsify.term import SparsityTransform
 
         return SparsityTransform(self.transform, n=self.power, m=self.abs_power, c=self.base)
 
 
 class SparsifyConfig(TrainConfig):
     """The `sparsify` flow: a classifier, detector or contour network trained with its task
-    loss plus a sparsity term on the activations of chosen layers (`training/sparsity.py`).
+    loss plus a sparsity term on the activations of chosen layers (`training/sparsify/term.py`).
     A task's defaults (`TASK_DEFAULTS`) sit below the profile's and the given values."""
 
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
@@ -58,7 +58,7 @@ class SparsifyConfig(TrainConfig):
     task: Literal["classification", "detection", "contour"] = Field(
         "classification", description="classification: the data's classes; detection (class "
         "and box) and contour (each object's boundary map): of the data's images pasted on "
-        "synthetic layouts (training/layouts.py)")
+        "synthetic layouts (training/canvas/layouts.py)")
     model: str | None = Field(None, description="the network whose activations are made "
                               "sparse; none: lenet, ssdlite320_mobilenet_v3_large (detection), "
                               "contour_unet (contour)")

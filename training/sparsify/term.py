@@ -20,7 +20,7 @@ measure, used for activations by Kurtz et al., ICML 2020), averaged over the bat
 (0, 1]: 1 when every value has the same magnitude, 1/n when one value carries the map, 0 for an
 all-zero map. It does not change when the map is scaled, so it does not shrink every value as
 `abs` does (which the next layer's weights or a BatchNorm can undo); it makes few values carry
-the map and the rest small, which calibrated thresholds (`training.thresholds`) then zero.
+the map and the rest small, which calibrated thresholds (`training.sparsify.thresholds`) then zero.
 
 At exactly 0, |x| has no derivative; the code uses the subgradient 0 (what `torch.abs` gives),
 so an activation that is already exactly zero (a ReLU's output below threshold) is left where
@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from training.features import FeatureHooks
 from training.loops import Step
-from training.thresholds import thresholds_in_place
+from training.sparsify.thresholds import thresholds_in_place
 
 TransformKind = Literal["abs", "power", "exp_abs", "exp_power", "abs_power", "hoyer"]
 TRANSFORMS: tuple[str, ...] = ("abs", "power", "exp_abs", "exp_power", "abs_power", "hoyer")
@@ -241,7 +241,7 @@ def sparsity_regularized(task_step: Step, model: nn.Module, lambdas: dict[str, f
                          transform: SparsityTransform,
                          thresholds: dict[str, float] | None = None) -> Iterator[Step]:
     """`sparsity_step` over hooks on `model`'s layers `lambdas`, for the `with` block (the hooks
-    are removed after it). `thresholds` (layer -> t, `training.thresholds`): those layers'
+    are removed after it). `thresholds` (layer -> t, `training.sparsify.thresholds`): those layers'
     values up to t are zeroed while the network trains (FATReLU fine-tuning), before the term
     reads them."""
     with thresholds_in_place(model, thresholds or {}), \

@@ -2,7 +2,7 @@
 one takes the rest (the `pipeline` flow's last step: the distilled, tuned, sparse student in
 front of its teacher).
 
-The exit rule and its calibration are the `cascade` flow's (`training.cascade`): the
+The exit rule and its calibration are the `cascade` flow's (`training.cascade.learning`): the
 student's confidence (max softmax) against one threshold, chosen on the validation split as
 the cheapest that loses at most `tolerance` of the images the teacher gets right
 (`ExitTable.losses_only`), with the measured time of each network as the cost; where that
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from models.cascade import confidence_of
-from training.cascade import ExitTable, threshold_grid
+from training.cascade.learning import ExitTable, threshold_grid
 
 
 def fallback_table(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor,

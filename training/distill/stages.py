@@ -13,8 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from training.batches import Batches
-from training.data_queue import RecencyQueue
 from training.device import autocast
+from training.distill.data_queue import RecencyQueue
 from training.features import FeatureHooks
 from training.loops import Step, evaluate
 from training.recipe import train_round
