@@ -26,7 +26,6 @@ from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.cascade import CascadeConfig
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
 from tasks.training import EpochResult, eval_batches, run_key, setup_device
-from training.baselines import fit_linear, flatten_pixels
 from training.batches import Batches, Normalize
 from training.budget import Budget, fit_budget
 from training.cascade.learning import (
@@ -37,6 +36,7 @@ from training.cascade.learning import (
     exit_accuracies,
     fixed_choice,
     module_step,
+    out_of_fold_logits,
     predictor_step,
     relative_costs,
     split_disjoint,
@@ -61,21 +61,6 @@ class CascadeSets(BaseModel):
     module_images: list[int]
     second_images: int
     mean_difficulty: list[float]
-
-
-def out_of_fold_logits(images: torch.Tensor, labels: torch.Tensor, seed: int,
-                       l2: float = 1e-3) -> torch.Tensor:
-    """A linear classifier's logits on the raw pixels of each image, fitted on the other half
-    of the images (two folds), so no image is scored by a model that saw it."""
-    x = flatten_pixels(images)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    halves = (order[: len(x) // 2], order[len(x) // 2:])
-    logits = torch.zeros(len(x), int(labels.max()) + 1)
-    for fit, score in (halves, halves[::-1]):
-        mean, std = x[fit].mean(0), x[fit].std(0).clamp_min(1e-3)
-        weight, bias = fit_linear((x[fit] - mean) / std, labels[fit], l2, logits.shape[1])
-        logits[score] = (x[score] - mean) / std @ weight + bias
-    return logits
 
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="difficulty-sets")

@@ -6,14 +6,11 @@ accuracy-latency sweep), and registration of the pyfunc that runs the real casca
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-from typing import Literal
 
 import torch
 from prefect import task
 from pydantic import BaseModel, ConfigDict
-from torch import Tensor
 
 from models.cascade import CascadeNet
 from tasks.adapters.caching import computation_key
@@ -32,11 +29,17 @@ from tasks.configs.cascade import CascadeConfig
 from tasks.data import DatasetRef, load_dataset
 from tasks.training import eval_batches, run_key, setup_device
 from training.batches import Normalize
-from training.cascade.learning import ExitTable, ThresholdGrid, exit_table, oracles, threshold_grid
+from training.cascade.calibration import (
+    CalibrationGoal,
+    Routing,
+    calibrate_cascade,
+    full_network,
+    routed_variant,
+)
+from training.cascade.learning import ExitTable, exit_table, oracles
 from training.device import inference_batch
 from training.latency import full_network_cost, interleaved_ms_per_image, part_costs
 
-Routing = Literal["fixed", "fitted", "most_expensive"]
 ROUTINGS: dict[str, str] = {  # what each routing of the super-network modules is, for people
     "fixed": "exits with fixed sub-networks (each routed module's most frequent choice on "
              "validation, no predictor run)",
@@ -68,7 +71,6 @@ class CascadeTest(BaseModel):
     sweep: list[dict[str, float]]
 
 
-SWEEP = (0.0, 0.002, 0.003, 0.004, 0.005, 0.01, 0.02, 0.05, 0.1)  # accuracy given up on validation
 
 
 def validation_table(config: CascadeConfig, dataset: DatasetRef, net: CascadeNet,
@@ -80,121 +82,29 @@ def validation_table(config: CascadeConfig, dataset: DatasetRef, net: CascadeNet
                       fixed)
 
 
-def full_network(net: CascadeNet) -> dict[int, int]:
-    """Every super-network module at its most expensive sub-network."""
-    return {k: net.most_expensive(k) for k in range(net.modules_count) if net.is_super(k)}
-
-
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="calibrate-thresholds")
 def calibrate_thresholds(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRef,
                          checkpoint: ArtifactRef) -> Calibration:
-    """The exit thresholds (given, or calibrated on validation for the full network's accuracy
-    minus `accuracy_tolerance`, or for `latency_budget`; unless `count_gains`, on the images
-    an early exit loses alone, `ExitTable.losses_only`), written into a new checkpoint beside
-    the thresholds of the references measured by the test: the plain confidence cascade
-    (every super-network module at its most expensive sub-network, calibrated alike), the
-    sweep of accuracy tolerances (`SWEEP`, the accuracy-latency curve) and, where fitted
-    predictors route, both routings the calibration chose between, each with its own
-    thresholds (`routing`: `fixed`, the most frequent choices fixed, and `fitted`, the
-    predictors), whichever of them won."""
+    """The exit thresholds and routing calibrated on validation for the config's goal
+    (`training.cascade.calibration.calibrate_cascade`), written into a new checkpoint beside
+    the thresholds of the references the test measures: the plain confidence cascade, the
+    sweep of accuracy tolerances (the accuracy-latency curve) and, where fitted predictors
+    route, both routings the calibration chose between, each with its own thresholds."""
     net = trained_cascade(config, dataset, checkpoint)
+    goal = CalibrationGoal(calibrate=config.calibrate,
+                           accuracy_tolerance=config.accuracy_tolerance,
+                           latency_budget=config.latency_budget,
+                           count_gains=config.count_gains, thresholds=config.thresholds)
     costs = part_costs(read_table(latency))
-
-    def scored(table: ExitTable) -> ThresholdGrid:
-        """The table's grid, on its net accuracy or (by default) its losses alone."""
-        return threshold_grid(table if config.count_gains else table.losses_only())
-
-    table = validation_table(config, dataset, net, costs)
-    full = full_network(net)
-    plain = validation_table(config, dataset, net, costs, fixed=full)
-    full_accuracy = plain.full_accuracy()
-    full_cost = full_network_cost(net, costs)
-    target = full_accuracy - config.accuracy_tolerance
-    budget = None if config.latency_budget is None else config.latency_budget * full_cost
-
-    def calibrate(grid: ThresholdGrid) -> Tensor:
-        if config.thresholds is not None:
-            return torch.tensor(config.thresholds)
-        if config.calibrate == "budget":
-            return grid.most_accurate(budget)
-        return grid.cheapest(target)
-
-    def rank(outcome: dict[str, float]) -> tuple[bool, float]:
-        """Lower is better: whether the goal is missed, then the cost (or the accuracy)."""
-        if config.calibrate == "budget":
-            return outcome["mean_cost"] > budget + 1e-12, -outcome["accuracy"]
-        return outcome["accuracy"] < target - 1e-9, outcome["mean_cost"]
-
-    grid = scored(table)  # scored once, queried for every calibration below
-    thresholds = calibrate(grid)
-    routed = [k for k in range(net.modules_count) if net.is_super(k)
-              and int(net.blocks[k].fixed) < 0]
-    predictors: dict[str, float] = {}
-    routing: dict[str, dict] = {}  # `fixed`, `fitted`: {"fixed": {k: s}, "thresholds": ...}
-    chosen: Routing | None = None
-    if routed and config.thresholds is None:
-        # A predictor must pay for its own time, and the super-network's choice must not
-        # make the cascade worse than the plain one: the same network with each routed
-        # module's most frequent choice fixed for good (no predictor run), and with its most
-        # expensive sub-network fixed (the plain cascade), are calibrated alike; the choice
-        # that meets the goal and is cheapest (at the accuracy target) or most accurate
-        # (within the budget) wins, the predictors only when strictly better. (A most
-        # frequent choice can lose more than the tolerance by itself: the target is the most
-        # expensive network's accuracy; then no exit at all would be "calibrated".)
-        majority = {k: int(table.paths[:, k].mode().values) for k in routed}
-        choices = {"most frequent": (majority, validation_table(
-                       config, dataset, net, costs, fixed=majority)),
-                   "most expensive": ({k: full[k] for k in routed}, plain),
-                   "predictors": (None, table)}
-        calibrated = {}
-        for choice, (fixed, candidate) in choices.items():
-            candidate_grid = grid if fixed is None else scored(candidate)
-            calibrated[choice] = (candidate_grid, calibrate(candidate_grid))
-        outcomes = {choice: choices[choice][1].outcome(calibrated[choice][1])
-                    for choice in choices}
-        best = min(choices, key=lambda choice: rank(outcomes[choice]))  # first among ties
-        chosen = {"most frequent": "fixed", "most expensive": "most_expensive",
-                  "predictors": "fitted"}[best]
-        theirs, fitted = outcomes["most frequent"], outcomes["predictors"]
-        predictors = {"predictors_kept": float(best == "predictors"),
-                      "most_expensive_fixed": float(best == "most expensive"),
-                      "val_accuracy_predictors_fixed": theirs["accuracy"],
-                      "val_cost_ratio_predictors_fixed": theirs["mean_cost"] / full_cost,
-                      "val_accuracy_predictors_fitted": fitted["accuracy"],
-                      "val_cost_ratio_predictors_fitted": fitted["mean_cost"] / full_cost}
-        routing = {"fixed": {"fixed": majority, "thresholds": calibrated["most frequent"][1]},
-                   "fitted": {"fixed": dict.fromkeys(routed, -1),
-                              "thresholds": calibrated["predictors"][1]}}
-        fixed, table = choices[best]
-        grid, thresholds = calibrated[best]
-        for k, choice in (fixed or {}).items():
-            net.blocks[k].fixed.fill_(choice)
-    net.thresholds.copy_(thresholds)
-    outcome = table.outcome(thresholds)
-    plain_thresholds = scored(plain).cheapest(target)
-    sweep = {str(t): grid.cheapest(full_accuracy - t) for t in SWEEP}
-    metrics = {"val_accuracy": outcome["accuracy"], "val_full_accuracy": full_accuracy,
-               "val_routed_accuracy": table.full_accuracy(),
-               "val_cost_ratio": outcome["mean_cost"] / full_cost,
-               "val_plain_cost_ratio": plain.outcome(plain_thresholds)["mean_cost"] / full_cost,
-               **{f"val_{k}": v for k, v in outcome.items() if k.startswith("exit_share")},
-               **{f"threshold_{k}": t for k, t in enumerate(thresholds.tolist())}, **predictors}
+    done = calibrate_cascade(
+        net, lambda fixed: validation_table(config, dataset, net, costs, fixed=fixed), costs,
+        goal)
     relpath = f"checkpoints/cascade/{run_key(config, dataset)}/calibrated.pt"
-    payload = {"model": net.state_dict(), "plain_thresholds": plain_thresholds,
-               "sweep": sweep, "routing": routing}
+    payload = {"model": net.state_dict(), "plain_thresholds": done.plain_thresholds,
+               "sweep": done.sweep, "routing": done.routing}
     return Calibration(checkpoint=save_checkpoint(ArtifactStore(), relpath, payload),
-                       thresholds=thresholds.tolist(), metrics=metrics, routing=chosen)
-
-
-def routed_variant(net: CascadeNet, chosen: dict) -> CascadeNet:
-    """`net` as one routing the calibration chose between (`fixed`: the most frequent
-    sub-networks fixed for good; `fitted`: the predictors route, fixed -1), with that
-    routing's own thresholds: a copy, `net` unchanged."""
-    variant = copy.deepcopy(net)
-    for k, choice in chosen["fixed"].items():
-        variant.blocks[k].fixed.fill_(choice)
-    variant.thresholds.copy_(chosen["thresholds"])
-    return variant.eval()
+                       thresholds=done.thresholds.tolist(), metrics=done.metrics,
+                       routing=done.chosen)
 
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="test-cascade")

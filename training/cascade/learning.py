@@ -1,9 +1,10 @@
 """How a cascade (`models.cascade`) learns and is calibrated, in pure torch.
 
 1. Difficulty: each training image gets a documented difficulty (`difficulty`: a reference
-   model's cross-entropy on it, or its softmax margin) and module k trains on the easiest
-   `fractions[k]` of the first training set (`curriculum`), so a module nearer the input never
-   gets a harder set than one after it. Modules train input side first (`StageModel`).
+   model's cross-entropy on it, or its softmax margin; `out_of_fold_logits`: a linear model's)
+   and module k trains on the easiest `fractions[k]` of the first training set (`curriculum`), so
+   a module nearer the input never gets a harder set than one after it. Modules train input side
+   first (`StageModel`).
 2. A super-network module trains all its sub-networks on the module's exit (their mean
    cross-entropy) and its predictor by a latency-aware loss (`routing_loss`): the expected
    cost, under the predictor's choice, of `error + weight x time`, where error is whether the
@@ -26,7 +27,7 @@
    by default counting only the images an early exit loses, `ExitTable.losses_only`):
    every combination of candidate thresholds is scored (`threshold_grid`), and the cheapest
    that keeps an accuracy (`calibrate_for_accuracy`) or the most accurate within a cost
-   (`calibrate_for_budget`) is taken.
+   (`calibrate_for_budget`) is taken; which routing wins: `training.cascade.calibration`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.cascade import CascadeNet, SuperModule, confidence_of
+from training.baselines import fit_linear, flatten_pixels
 from training.latency import path_costs
 from training.loops import Step
 from training.recipe import sgd, train_round
@@ -59,6 +61,21 @@ def difficulty(logits: Tensor, labels: Tensor, measure: str = "loss") -> Tensor:
         other = probs.scatter(1, labels[:, None], -1.0).max(1).values
         return other - true
     raise ValueError(f"difficulty measure must be one of {DIFFICULTY}, got {measure!r}")
+
+
+def out_of_fold_logits(images: torch.Tensor, labels: torch.Tensor, seed: int,
+                       l2: float = 1e-3) -> torch.Tensor:
+    """A linear classifier's logits on the raw pixels of each image, fitted on the other half
+    of the images (two folds), so no image is scored by a model that saw it."""
+    x = flatten_pixels(images)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    halves = (order[: len(x) // 2], order[len(x) // 2:])
+    logits = torch.zeros(len(x), int(labels.max()) + 1)
+    for fit, score in (halves, halves[::-1]):
+        mean, std = x[fit].mean(0), x[fit].std(0).clamp_min(1e-3)
+        weight, bias = fit_linear((x[fit] - mean) / std, labels[fit], l2, logits.shape[1])
+        logits[score] = (x[score] - mean) / std @ weight + bias
+    return logits
 
 
 def curriculum(scores: Tensor, fractions: tuple[float, ...]) -> list[Tensor]:

@@ -1,0 +1,159 @@
+"""How a cascade's exit thresholds and routing are chosen on validation, in pure torch.
+
+The thresholds are calibrated for an accuracy goal (the full network's validation accuracy
+minus a tolerance: the cheapest thresholds that keep it) or a latency budget (the most accurate
+thresholds within it), on the images an early exit loses alone unless gains count too
+(`ExitTable.losses_only`). Where fitted predictors route super-network modules, three routings
+are calibrated alike and compared: each routed module's most frequent choice fixed for good
+(no predictor run), its most expensive sub-network fixed (the plain cascade), and the
+predictors. The one that meets the goal and is cheapest (accuracy goal) or most accurate
+(budget) wins, the predictors only when strictly better: a predictor must pay for its own time,
+and the super-network's choice must not make the cascade worse than the plain one.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from models.cascade import CascadeNet
+from training.cascade.learning import ExitTable, ThresholdGrid, threshold_grid
+from training.latency import full_network_cost
+
+Routing = Literal["fixed", "fitted", "most_expensive"]
+SWEEP = (0.0, 0.002, 0.003, 0.004, 0.005, 0.01, 0.02, 0.05, 0.1)  # accuracy given up on validation
+CHOICES: dict[str, Routing] = {"most frequent": "fixed", "most expensive": "most_expensive",
+                               "predictors": "fitted"}
+
+
+@dataclass(frozen=True)
+class CalibrationGoal:
+    """What the thresholds are calibrated for: `accuracy` (the full network's validation accuracy
+    minus `accuracy_tolerance`) or `budget` (`latency_budget`, a share of the full network's
+    cost); `count_gains`: calibrate on every image, not on the losses alone; `thresholds`: given
+    thresholds, nothing calibrated."""
+
+    calibrate: Literal["accuracy", "budget"] = "accuracy"
+    accuracy_tolerance: float = 0.003
+    latency_budget: float | None = None
+    count_gains: bool = False
+    thresholds: tuple[float, ...] | None = None
+
+
+@dataclass
+class CalibratedCascade:
+    """The calibration's outcome: the thresholds in force, the plain cascade's thresholds, the
+    accuracy-latency sweep (`SWEEP`: tolerance -> thresholds), the routings compared (`fixed`,
+    `fitted`: their fixed choices and thresholds), which one won (None where nothing is routed
+    or thresholds were given) and the validation metrics."""
+
+    thresholds: Tensor
+    plain_thresholds: Tensor
+    sweep: dict[str, Tensor]
+    routing: dict[str, dict]
+    chosen: Routing | None
+    metrics: dict[str, float]
+
+
+def full_network(net: CascadeNet) -> dict[int, int]:
+    """Every super-network module at its most expensive sub-network."""
+    return {k: net.most_expensive(k) for k in range(net.modules_count) if net.is_super(k)}
+
+
+def routed_variant(net: CascadeNet, chosen: dict) -> CascadeNet:
+    """`net` as one routing the calibration chose between (`fixed`: the most frequent
+    sub-networks fixed for good; `fitted`: the predictors route, fixed -1), with that
+    routing's own thresholds: a copy, `net` unchanged."""
+    variant = copy.deepcopy(net)
+    for k, choice in chosen["fixed"].items():
+        variant.blocks[k].fixed.fill_(choice)
+    variant.thresholds.copy_(chosen["thresholds"])
+    return variant.eval()
+
+
+def calibrate_cascade(net: CascadeNet, table_for: Callable[[dict[int, int] | None], ExitTable],
+                      costs: dict[str, float], goal: CalibrationGoal) -> CalibratedCascade:
+    """Calibrates `net`'s thresholds (and, where predictors route, its routing) for `goal` on
+    the validation tables `table_for(fixed)` gives (`fixed`: sub-network choices fixed for
+    good, None: as `net` routes); `costs`: each part's cost (the latency table). `net` is left
+    with the winner's thresholds and fixed choices (module docstring)."""
+    full_cost = full_network_cost(net, costs)
+
+    def scored(table: ExitTable) -> ThresholdGrid:
+        """The table's grid, on its net accuracy or (by default) its losses alone."""
+        return threshold_grid(table if goal.count_gains else table.losses_only())
+
+    table = table_for(None)
+    full = full_network(net)
+    plain = table_for(full)
+    full_accuracy = plain.full_accuracy()
+    target = full_accuracy - goal.accuracy_tolerance
+    budget = None if goal.latency_budget is None else goal.latency_budget * full_cost
+
+    def calibrate(grid: ThresholdGrid) -> Tensor:
+        if goal.thresholds is not None:
+            return torch.tensor(goal.thresholds)
+        if goal.calibrate == "budget":
+            return grid.most_accurate(budget)
+        return grid.cheapest(target)
+
+    def rank(outcome: dict[str, float]) -> tuple[bool, float]:
+        """Lower is better: whether the goal is missed, then the cost (or the accuracy)."""
+        if goal.calibrate == "budget":
+            return outcome["mean_cost"] > budget + 1e-12, -outcome["accuracy"]
+        return outcome["accuracy"] < target - 1e-9, outcome["mean_cost"]
+
+    grid = scored(table)  # scored once, queried for every calibration below
+    thresholds = calibrate(grid)
+    routed = [k for k in range(net.modules_count) if net.is_super(k)
+              and int(net.blocks[k].fixed) < 0]
+    predictors: dict[str, float] = {}
+    routing: dict[str, dict] = {}  # `fixed`, `fitted`: {"fixed": {k: s}, "thresholds": ...}
+    chosen: Routing | None = None
+    if routed and goal.thresholds is None:
+        # (A most frequent choice can lose more than the tolerance by itself: the target is
+        # the most expensive network's accuracy; then no exit at all would be "calibrated".)
+        majority = {k: int(table.paths[:, k].mode().values) for k in routed}
+        choices = {"most frequent": (majority, table_for(majority)),
+                   "most expensive": ({k: full[k] for k in routed}, plain),
+                   "predictors": (None, table)}
+        calibrated = {}
+        for choice, (fixed, candidate) in choices.items():
+            candidate_grid = grid if fixed is None else scored(candidate)
+            calibrated[choice] = (candidate_grid, calibrate(candidate_grid))
+        outcomes = {choice: choices[choice][1].outcome(calibrated[choice][1])
+                    for choice in choices}
+        best = min(choices, key=lambda choice: rank(outcomes[choice]))  # first among ties
+        chosen = CHOICES[best]
+        theirs, fitted = outcomes["most frequent"], outcomes["predictors"]
+        predictors = {"predictors_kept": float(best == "predictors"),
+                      "most_expensive_fixed": float(best == "most expensive"),
+                      "val_accuracy_predictors_fixed": theirs["accuracy"],
+                      "val_cost_ratio_predictors_fixed": theirs["mean_cost"] / full_cost,
+                      "val_accuracy_predictors_fitted": fitted["accuracy"],
+                      "val_cost_ratio_predictors_fitted": fitted["mean_cost"] / full_cost}
+        routing = {"fixed": {"fixed": majority, "thresholds": calibrated["most frequent"][1]},
+                   "fitted": {"fixed": dict.fromkeys(routed, -1),
+                              "thresholds": calibrated["predictors"][1]}}
+        fixed, table = choices[best]
+        grid, thresholds = calibrated[best]
+        for k, choice in (fixed or {}).items():
+            net.blocks[k].fixed.fill_(choice)
+    net.thresholds.copy_(thresholds)
+    outcome = table.outcome(thresholds)
+    plain_thresholds = scored(plain).cheapest(target)
+    metrics = {"val_accuracy": outcome["accuracy"], "val_full_accuracy": full_accuracy,
+               "val_routed_accuracy": table.full_accuracy(),
+               "val_cost_ratio": outcome["mean_cost"] / full_cost,
+               "val_plain_cost_ratio": plain.outcome(plain_thresholds)["mean_cost"] / full_cost,
+               **{f"val_{k}": v for k, v in outcome.items() if k.startswith("exit_share")},
+               **{f"threshold_{k}": t for k, t in enumerate(thresholds.tolist())}, **predictors}
+    return CalibratedCascade(
+        thresholds=thresholds, plain_thresholds=plain_thresholds,
+        sweep={str(t): grid.cheapest(full_accuracy - t) for t in SWEEP}, routing=routing,
+        chosen=chosen, metrics=metrics)
