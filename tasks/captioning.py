@@ -29,11 +29,9 @@ from tasks.data import DatasetRef, load_dataset
 from tasks.training import run_key, setup_device
 from training.batches import Normalize
 from training.device import place_model
-from training.image_text.captioner import Captioner, Vocabulary, caption_loss
+from training.image_text.captioner import Captioner, Vocabulary, fit_captions, write_captions
 
-CAPTION_LENGTH = 24  # words per caption, BOS and EOS included
 HELD_OUT = 0.1  # the share of described images the captioner is scored on
-BATCH = 128
 
 
 class Captioned(BaseModel):
@@ -104,7 +102,8 @@ def caption_images(config: ImageTextConfig, dataset: DatasetRef,
                                        config.width)
     model = place_model(Captioner(encoder, features, len(vocabulary)), device)
     normalize = Normalize(dataset.mean, dataset.std)
-    fit_captions(model, data.images, fit, vocabulary, normalize, config.caption_steps,
+    fit_captions(model, data.images, fit["position"].tolist(), fit["text"].tolist(),
+                 fit["weight"].tolist(), vocabulary, normalize, config.caption_steps,
                  config.seed, device)
     references = table.groupby("position")["text"].apply(list)
     held_texts = write_captions(model, data.images, held, vocabulary, normalize, device)
@@ -123,44 +122,3 @@ def caption_images(config: ImageTextConfig, dataset: DatasetRef,
     return Captioned(captions=generated_ref, captioner=model_ref, generated=len(generated),
                      held_out=len(held), bleu=bleu(held_texts, held_refs),
                      constant_bleu=bleu([constant] * len(held), held_refs))
-
-
-def fit_captions(model: Captioner, images: Tensor, rows: pd.DataFrame, vocabulary: Vocabulary,
-                 normalize: Normalize, steps: int, seed: int, device: torch.device) -> None:
-    """`steps` Adam steps of teacher forcing on shuffled (image, description) rows, each
-    description's loss weighted by its weight; the learning rate decays to 0 (cosine)."""
-    positions = torch.tensor(rows["position"].tolist(), dtype=torch.long)
-    ids = torch.tensor([vocabulary.encode(t, CAPTION_LENGTH) for t in rows["text"]])
-    weights = torch.tensor(rows["weight"].tolist(), dtype=torch.float32)
-    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
-    generator = torch.Generator().manual_seed(seed + 37)
-    model.train()
-    order, cursor = torch.randperm(len(rows), generator=generator), 0
-    for _ in range(steps):
-        if cursor + BATCH > len(order):
-            order, cursor = torch.randperm(len(rows), generator=generator), 0
-        batch = order[cursor:cursor + BATCH]
-        cursor += BATCH
-        x = normalize(images[positions[batch]].to(device))
-        y = ids[batch].to(device)
-        loss = caption_loss(model(x, y), y, weights[batch].to(device))
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"the captioner's loss is {loss.item()}: lower "
-                                     "--caption-steps or check the descriptions")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
-        optimizer.step()
-        schedule.step()
-
-
-def write_captions(model: Captioner, images: Tensor, positions: Tensor, vocabulary: Vocabulary,
-                   normalize: Normalize, device: torch.device) -> list[str]:
-    """The captioner's greedy description of each image at `positions`."""
-    model.eval()
-    texts = []
-    for start in range(0, len(positions), 1024):
-        x = normalize(images[positions[start:start + 1024]].to(device))
-        texts += [vocabulary.decode(row) for row in model.generate(x, CAPTION_LENGTH).tolist()]
-    return texts

@@ -48,15 +48,10 @@ from training.batches import Batches, Normalize
 from training.datasets import labelled_images, validation_images
 from training.device import inference_batch, place_model
 from training.image_text.losses import (
-    MAX_LOGIT_SCALE,
     TextBank,
-    choose_mixing,
-    class_text_weights,
     image_text_step,
-    mixed_head,
-    zero_shot_logits,
 )
-from training.loops import evaluate
+from training.image_text.text_side import TextSide, mix_head, score_split, start_classifier
 from training.recipe import optimizer_to, sgd, train_round
 
 
@@ -175,43 +170,41 @@ def describe_images(config: ImageTextConfig, dataset: DatasetRef) -> Description
                         pool=pool_ref, matching=matching, captioned=captioned)
 
 
-class TextSide:
-    """What training and testing read of the descriptions: the text bank of every image, the
-    class descriptions' text rows, which images train with their label, and which
-    validation images the choices read."""
+def text_side(config: ImageTextConfig, dataset: DatasetRef, data: LoadedDataset,
+              described: Descriptions) -> TextSide:
+    """The run's `TextSide`, read from the described run's artifacts (the captions, the
+    captioner's, the class descriptions and the text features)."""
+    store = ArtifactStore()
+    captions = pd.read_parquet(store.fetch(described.captions))
+    if described.captioned is not None:
+        captions = pd.concat([captions, pd.read_parquet(
+            store.fetch(described.captioned.captions))], ignore_index=True)
+    classes = pd.read_parquet(store.fetch(described.classes))
+    payload = torch.load(store.fetch(described.texts), weights_only=True)
+    text_id = {text: i for i, text in enumerate(payload["texts"])}
+    features = payload["features"]
+    if not config.multi_description:  # the ablation: each image's heaviest text only
+        captions = captions.sort_values(["position", "weight"], ascending=[True, False],
+                                        kind="stable").drop_duplicates("position")
+    name_to_label = {name: i for i, name in enumerate(dataset.classes)}
+    train, labelled = training_images(config, dataset, data)
+    return TextSide(
+        features=features,
+        bank=TextBank.build(captions["position"].tolist(), captions["text"].map(text_id).tolist(),
+                            captions["weight"].tolist(), len(data.labels), features),
+        class_rows=torch.tensor(classes["text"].map(text_id).tolist()),
+        class_labels=torch.tensor(classes["class"].map(name_to_label).tolist()),
+        train=train, labelled=labelled,
+        validation=validation_images(data.labels, data.splits["val"], config.labels_per_class,
+                                     config.split_seed),
+        unseen=unseen_labels(config, dataset.classes))
 
-    def __init__(self, config: ImageTextConfig, dataset: DatasetRef, data: LoadedDataset,
-                 described: Descriptions) -> None:
-        store = ArtifactStore()
-        captions = pd.read_parquet(store.fetch(described.captions))
-        if described.captioned is not None:
-            captions = pd.concat([captions, pd.read_parquet(
-                store.fetch(described.captioned.captions))], ignore_index=True)
-        classes = pd.read_parquet(store.fetch(described.classes))
-        payload = torch.load(store.fetch(described.texts), weights_only=True)
-        text_id = {text: i for i, text in enumerate(payload["texts"])}
-        self.features = payload["features"]
-        unseen = unseen_labels(config, dataset.classes)
-        if not config.multi_description:  # the ablation: each image's heaviest text only
-            captions = captions.sort_values(["position", "weight"], ascending=[True, False],
-                                            kind="stable").drop_duplicates("position")
-        self.bank = TextBank.build(captions["position"].tolist(),
-                                   captions["text"].map(text_id).tolist(),
-                                   captions["weight"].tolist(), len(data.labels), self.features)
-        self.class_rows = torch.tensor(classes["text"].map(text_id).tolist())
-        name_to_label = {name: i for i, name in enumerate(dataset.classes)}
-        self.class_labels = torch.tensor(classes["class"].map(name_to_label).tolist())
-        self.train, self.labelled = training_images(config, dataset, data)
-        self.validation = validation_images(data.labels, data.splits["val"],
-                                            config.labels_per_class, config.split_seed)
-        self.unseen = unseen
 
-    def class_weights(self, model: ImageTextNet, device: torch.device) -> Tensor:
-        """Each class's text direction in the shared space, times the similarity scale."""
-        features = model.text_features(self.features[self.class_rows].to(device))
-        scale = float(model.logit_scale.detach().clamp(max=MAX_LOGIT_SCALE).exp())
-        return class_text_weights(features, self.class_labels.to(device),
-                                  model.head.out_features, scale)
+def position_batches(data: LoadedDataset, dataset: DatasetRef, positions: Tensor,
+                     device: torch.device) -> Batches:
+    """Scoring batches of the images at `positions`."""
+    return Batches(data.images, data.labels, positions, inference_batch(device),
+                   Normalize(dataset.mean, dataset.std), device=device)
 
 
 def training_images(config: ImageTextConfig, dataset: DatasetRef, data: LoadedDataset
@@ -264,7 +257,7 @@ def train_image_text_round(config: ImageTextConfig, dataset: DatasetRef,
     device = setup_device(config)
     store = ArtifactStore()
     data = load_dataset(dataset)
-    side = TextSide(config, dataset, data, described)
+    side = text_side(config, dataset, data, described)
     model = new_network(config, dataset, described)
     optimizer = sgd(model.parameters(), config.lr, config.momentum, config.weight_decay)
     before = load_checkpoint(store, previous) if previous is not None else {}
@@ -274,7 +267,7 @@ def train_image_text_round(config: ImageTextConfig, dataset: DatasetRef,
     model = place_model(model, device)
     optimizer_to(optimizer, device)
     if phase == "joint" and before.get("phase") != "joint":
-        start_classifier(model, side, config, device)
+        start_classifier(model, side, config.text_init, config.seed, device)
     bank = side.bank.to(device)
     step = image_text_step(bank, side.labelled.to(device),
                            config.contrastive_weight, config.ce_weight if phase == "joint"
@@ -293,7 +286,8 @@ def train_image_text_round(config: ImageTextConfig, dataset: DatasetRef,
                           (0, rounds * repeats), config.warmup_epochs * repeats,
                           config.grad_clip)
     seconds = time.perf_counter() - started
-    scores = score_split(model, side, data, dataset, side.validation, device)
+    scores = score_split(model, side, position_batches(data, dataset, side.validation, device),
+                         device)
     metrics |= {"val_accuracy": scores["zero_shot_accuracy" if phase == "align"
                                        else "accuracy"],
                 "val_zero_shot_accuracy": scores["zero_shot_accuracy"],
@@ -304,48 +298,6 @@ def train_image_text_round(config: ImageTextConfig, dataset: DatasetRef,
     relpath = f"checkpoints/image_text/{run_key(config, dataset)}/{phase}-{epoch + 1:03d}.pt"
     return RoundResult(epoch=epoch, checkpoint=save_checkpoint(store, relpath, payload),
                        metrics=metrics)
-
-
-def start_classifier(model: ImageTextNet, side: TextSide, config: ImageTextConfig,
-                     device: torch.device) -> None:
-    """The classifier's weights from the class descriptions (`text_init`) or random
-    directions of the same norm (the ablation, seeded)."""
-    with torch.no_grad():
-        weights = side.class_weights(model, device)
-        if not config.text_init:
-            generator = torch.Generator().manual_seed(config.seed + 11)
-            random = torch.randn(weights.shape, generator=generator).to(device)
-            weights = torch.nn.functional.normalize(random, dim=1) * weights.norm(dim=1,
-                                                                                  keepdim=True)
-        model.head.weight.copy_(weights)
-
-
-@torch.no_grad()
-def score_split(model: ImageTextNet, side: TextSide, data: LoadedDataset, dataset: DatasetRef,
-                positions: Tensor, device: torch.device) -> dict[str, float]:
-    """The classifier's accuracy and loss on the images at `positions` (a split, or the
-    validation images the choices read), its zero-shot accuracy from the class descriptions,
-    and both on the unseen classes' images alone (when there are any)."""
-    model.eval()
-    batches = Batches(data.images, data.labels, positions, inference_batch(device),
-                      Normalize(dataset.mean, dataset.std), device=device)
-    result = evaluate(model, batches, device)
-    weights = side.class_weights(model, device)
-    labels, head, zero_shot = [], [], []
-    for _ids, x, y in batches:
-        features = model.image_features(x)
-        labels.append(y)
-        head.append(model.head(features).argmax(1))
-        zero_shot.append(zero_shot_logits(features, weights).argmax(1))
-    y, head_pred, zero_pred = torch.cat(labels), torch.cat(head), torch.cat(zero_shot)
-    scores = {"accuracy": result["accuracy"], "loss": result["loss"],
-              "zero_shot_accuracy": float((zero_pred == y).float().mean())}
-    unseen = torch.isin(y, side.unseen.to(y.device))
-    if bool(unseen.any()):
-        scores |= {"unseen_zero_shot_accuracy": float((zero_pred == y)[unseen].float().mean()),
-                   "unseen_accuracy": float((head_pred == y)[unseen].float().mean()),
-                   "seen_accuracy": float((head_pred == y)[~unseen].float().mean())}
-    return scores
 
 
 class MixedHead(BaseModel):
@@ -372,23 +324,13 @@ def mix_heads(config: ImageTextConfig, dataset: DatasetRef, described: Descripti
     device = setup_device(config)
     store = ArtifactStore()
     data = load_dataset(dataset)
-    side = TextSide(config, dataset, data, described)
+    side = text_side(config, dataset, data, described)
     payload = load_checkpoint(store, checkpoint)
     model = new_network(config, dataset, described)
     model.load_state_dict(payload["model"])
     model = place_model(model, device).eval()
-    batches = Batches(data.images, data.labels, side.validation, inference_batch(device),
-                      Normalize(dataset.mean, dataset.std), device=device)
-    with torch.no_grad():
-        features, labels = [], []
-        for _ids, x, y in batches:
-            features.append(model.image_features(x))
-            labels.append(y)
-        zero_shot = side.class_weights(model, device)
-        trained = model.head.weight.detach().clone()
-        alpha, accuracies = choose_mixing(torch.cat(features), torch.cat(labels), trained,
-                                          zero_shot)
-        model.head.weight.copy_(mixed_head(trained, zero_shot, alpha))
+    alpha, accuracies = mix_head(model, side, position_batches(data, dataset, side.validation,
+                                                               device), device)
     payload = payload | {"model": {k: v.cpu() for k, v in model.state_dict().items()},
                          "head_mixing": alpha}
     relpath = f"checkpoints/image_text/{run_key(config, dataset)}/mixed-head.pt"

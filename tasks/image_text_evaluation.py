@@ -22,9 +22,10 @@ from tasks.adapters.registration import (
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.image_text import ImageTextConfig
 from tasks.data import DatasetRef, load_dataset
-from tasks.image_text import Descriptions, TextSide, new_network, score_split
+from tasks.image_text import Descriptions, new_network, position_batches, text_side
 from tasks.training import setup_device
 from training.device import place_model
+from training.image_text.text_side import score_split
 
 # `classes` is a parameter of the served model (`serving.image_text`): MLflow passes
 # parameters only to models whose signature declares them (inputs and outputs are left free).
@@ -39,10 +40,10 @@ def test_image_text(config: ImageTextConfig, dataset: DatasetRef, described: Des
     report, never a choice), as `test_*` metrics."""
     device = setup_device(config)
     data = load_dataset(dataset)
-    side = TextSide(config, dataset, data, described)
+    side = text_side(config, dataset, data, described)
     model = trained_network(config, dataset, described, checkpoint)
-    scores = score_split(place_model(model, device), side, data, dataset, data.splits["test"],
-                         device)
+    scores = score_split(place_model(model, device), side,
+                         position_batches(data, dataset, data.splits["test"], device), device)
     return {f"test_{k}": v for k, v in scores.items()}
 
 

@@ -65,20 +65,20 @@ def test_the_classifier_starts_from_the_class_descriptions(run):
     from tasks.adapters.checkpoints import load_checkpoint
     from tasks.adapters.versioning import ArtifactStore
     from tasks.data import load_dataset
-    from tasks.image_text import TextSide, new_network, start_classifier
+    from tasks.image_text import new_network, text_side
+    from training.image_text.text_side import start_classifier
 
     config = smoke_image_text()
     dataset = _prepared(config)
-    side = TextSide(config, dataset, load_dataset(dataset), run.descriptions)
+    side = text_side(config, dataset, load_dataset(dataset), run.descriptions)
     model = new_network(config, dataset, run.descriptions)
     model.load_state_dict(load_checkpoint(ArtifactStore(), run.aligned)["model"])
-    start_classifier(model, side, config, torch.device("cpu"))
+    start_classifier(model, side, config.text_init, config.seed, torch.device("cpu"))
     text_weights = side.class_weights(model, torch.device("cpu"))
     assert torch.allclose(model.head.weight, text_weights, atol=1e-5)
     scale = float(model.logit_scale.detach().exp())
     assert text_weights.norm(dim=1).tolist() == pytest.approx([scale] * 10, rel=1e-4)
-    start_classifier(model, side, config.model_copy(update={"text_init": False}),
-                     torch.device("cpu"))
+    start_classifier(model, side, False, config.seed, torch.device("cpu"))
     assert torch.allclose(model.head.weight.norm(dim=1), text_weights.norm(dim=1))
     cosines = torch.nn.functional.cosine_similarity(model.head.weight, text_weights, dim=1)
     assert cosines.abs().max() < 0.99
@@ -223,7 +223,7 @@ def test_the_mixed_head_is_chosen_on_validation_tested_and_registered(pooled):
     the registered pyfunc scores as the test did."""
     from tasks.adapters.versioning import ArtifactStore
     from tasks.data import load_dataset
-    from tasks.image_text import TextSide, new_network
+    from tasks.image_text import new_network, text_side
     from training.image_text.losses import mixed_head
 
     metrics = MlflowClient().get_run(pooled.run_id).data.metrics
@@ -242,7 +242,7 @@ def test_the_mixed_head_is_chosen_on_validation_tested_and_registered(pooled):
                               labels_per_class=None, caption_steps=150, epochs=1)
     kept = checkpoint(f"checkpoint.epoch-{final['epoch'] - config.align_epochs + 1:03d}")
     dataset = _prepared(config)
-    side = TextSide(config, dataset, load_dataset(dataset), pooled.descriptions)
+    side = text_side(config, dataset, load_dataset(dataset), pooled.descriptions)
     model = new_network(config, dataset, pooled.descriptions)
     model.load_state_dict(kept["model"])
     zero_shot = side.class_weights(model, torch.device("cpu"))

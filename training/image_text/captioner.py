@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from training.batches import Normalize
+
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 PAD, BOS, EOS, UNK = range(4)
 
@@ -112,3 +114,51 @@ def caption_loss(logits: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
     mask = (targets != PAD).float()
     per_caption = (per_word * mask).sum(1) / mask.sum(1).clamp(min=1)
     return (per_caption * weights).sum() / weights.sum().clamp(min=1e-12)
+
+
+CAPTION_LENGTH = 24  # words per caption, BOS and EOS included
+BATCH = 128
+
+
+def fit_captions(model: Captioner, images: Tensor, positions: Sequence[int],
+                 texts: Sequence[str], weights: Sequence[float], vocabulary: Vocabulary,
+                 normalize: Normalize, steps: int, seed: int, device: torch.device) -> None:
+    """`steps` Adam steps of teacher forcing on shuffled (image, description) rows (the image
+    at `positions[i]` of `images`, `texts[i]`), each description's loss weighted by
+    `weights[i]`; the learning rate decays to 0 (cosine)."""
+    count = len(texts)
+    positions = torch.tensor(list(positions), dtype=torch.long)
+    ids = torch.tensor([vocabulary.encode(t, CAPTION_LENGTH) for t in texts])
+    weights = torch.tensor(list(weights), dtype=torch.float32)
+    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+    generator = torch.Generator().manual_seed(seed + 37)
+    model.train()
+    order, cursor = torch.randperm(count, generator=generator), 0
+    for _ in range(steps):
+        if cursor + BATCH > len(order):
+            order, cursor = torch.randperm(count, generator=generator), 0
+        batch = order[cursor:cursor + BATCH]
+        cursor += BATCH
+        x = normalize(images[positions[batch]].to(device))
+        y = ids[batch].to(device)
+        loss = caption_loss(model(x, y), y, weights[batch].to(device))
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"the captioner's loss is {loss.item()}: lower "
+                                     "--caption-steps or check the descriptions")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+        optimizer.step()
+        schedule.step()
+
+
+def write_captions(model: Captioner, images: Tensor, positions: Tensor, vocabulary: Vocabulary,
+                   normalize: Normalize, device: torch.device) -> list[str]:
+    """The captioner's greedy description of each image at `positions`."""
+    model.eval()
+    texts = []
+    for start in range(0, len(positions), 1024):
+        x = normalize(images[positions[start:start + 1024]].to(device))
+        texts += [vocabulary.decode(row) for row in model.generate(x, CAPTION_LENGTH).tolist()]
+    return texts
