@@ -27,7 +27,7 @@ from flows.skeleton import (
     run_tags,
     train_epochs,
 )
-from flows.sparsify_dense import FLOW_NAME, DenseSummary, sparsify_dense
+from flows.sparsify_canvas import FLOW_NAME, CanvasSummary, sparsify_canvas
 from tasks.adapters import tracking
 from tasks.adapters.versioning import ArtifactRef
 from tasks.configs.sections import ClassifierConfig
@@ -227,18 +227,18 @@ def initial_weights(config: SparsifyConfig, classifier: ClassifierConfig, prepar
 @flow(name=FLOW_NAME, description="Train a classifier, a detector or a contour network with "
       "an activation-sparsity term on chosen layers; measure its zeros, register it and promote "
       "it if it beats the champion (and, classifiers, the raw-pixel baselines).")
-def sparsify(config: SparsifyConfig) -> SparsifySummary | DenseSummary:
+def sparsify(config: SparsifyConfig) -> SparsifySummary | CanvasSummary:
     """Trains the config's network with the sparsity term; registers it as
-    `config.model_name`. `--task detection|contour`: `flows.sparsify_dense`."""
+    `config.model_name`. `--task detection|contour`: `flows.sparsify_canvas`."""
     name = config.registered_name(FLOW_NAME if config.task == "classification"
                                   else f"{FLOW_NAME}-{config.task}")
     config = config.model_copy(update={"model": config.network_name()})
     run_name = f"{FLOW_NAME}-{config.model}-{config.transform}-seed{config.seed}"
-    dense = config.task != "classification"
+    canvas = config.task != "classification"
     with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)
-                              | ({"task": config.task} if dense else {})) as run_id:
-        if dense:
-            return sparsify_dense(config, name, run_id)
+                              | ({"task": config.task} if canvas else {})) as run_id:
+        if canvas:
+            return sparsify_canvas(config, name, run_id)
         prepared = prepare(config, run_id)
         config = prepared.apply(config)
         classifier, budget = budgeted_classifier(config, prepared, run_id, config.epochs)

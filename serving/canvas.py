@@ -9,7 +9,7 @@ image's own pixels:
   `params` entry);
 - contour: one row per image with `boundary` (H x W uint8, 1 on the predicted object
   boundaries) and `mask` (H x W uint8, 1 on the objects).
-The network is rebuilt from its name (`models.dense`) and its stored weights.
+The network is rebuilt from its name (`models.canvas`) and its stored weights.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from models.dense import build_task_model
+from models.canvas import build_task_model
 from serving.inputs import input_images
 from training.canvas.detection import as_rgb
 from training.preprocess import images_to_batch

@@ -267,7 +267,7 @@ def test_a_zero_target_ramp_raises_the_thresholds_inside_the_run(sparse):
 
 
 @pytest.fixture(scope="module", params=["detection", "contour"])
-def dense(request):
+def canvas(request):
     """A detector and a contour network, each 2 rounds on 48 small canvases; the contour
     network also without the term (a sweep point)."""
     from flows.sparsify import sparsify
@@ -278,8 +278,8 @@ def dense(request):
     return config, sparsify(config)
 
 
-def test_dense_tasks_train_measure_and_register_through_their_pyfunc(dense):
-    config, summary = dense
+def test_canvas_tasks_train_measure_and_register_through_their_pyfunc(canvas):
+    config, summary = canvas
     client = MlflowClient()
     run = client.get_run(summary.run_id)
     metrics, tags = run.data.metrics, run.data.tags
@@ -319,7 +319,7 @@ def test_dense_tasks_train_measure_and_register_through_their_pyfunc(dense):
         assert {"loss_bbox_regression", "loss_classification", "test_map"} <= set(metrics)
 
 
-def test_registered_dense_models_take_raw_images(dense):
+def test_registered_canvas_models_take_raw_images(canvas):
     import io
 
     import mlflow
@@ -327,7 +327,7 @@ def test_registered_dense_models_take_raw_images(dense):
     import pandas as pd
     from PIL import Image
 
-    config, summary = dense
+    config, summary = canvas
     model = mlflow.pyfunc.load_model(f"models:/{summary.registration.name}@champion")
     canvas = np.zeros((80, 100), dtype=np.uint8)
     canvas[20:50, 30:60] = 200

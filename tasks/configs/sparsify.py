@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 import models
-from models.dense import SPARSE_LAYERS, TASK_MODELS, build_task_model
+from models.canvas import SPARSE_LAYERS, TASK_MODELS, build_task_model
 from models.detection import SSDLITE
 from tasks.configs.sections import (
     MODEL_URI,

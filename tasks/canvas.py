@@ -18,7 +18,7 @@ from prefect import task
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from models.dense import build_task_model
+from models.canvas import build_task_model
 from serving.canvas import served_scores
 from tasks.adapters import tracking
 from tasks.adapters.caching import computation_key, result_fields
@@ -108,7 +108,7 @@ def new_network(config: SparsifyConfig, layouts: LayoutsRef) -> nn.Module:
                             layouts.canvas, config.width)
 
 
-def dense_sparsity_spec(config: SparsifyConfig, layouts: LayoutsRef) -> SparsitySpec:
+def canvas_sparsity_spec(config: SparsifyConfig, layouts: LayoutsRef) -> SparsitySpec:
     """The sparsity term for the network on a canvas: each layer's lambda by its map's area
     (`training.sparsify.term.layer_lambdas`)."""
     model = new_network(config, layouts).eval()
@@ -148,7 +148,7 @@ def _round_name() -> str:
 
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name=_round_name)
-def train_dense_round(config: SparsifyConfig, layouts: LayoutsRef, epoch: int,
+def train_canvas_round(config: SparsifyConfig, layouts: LayoutsRef, epoch: int,
                       previous: ArtifactRef | None, sparsity: SparsitySpec | None
                       ) -> EpochResult:
     """Round `epoch` (0-based) of `config.epochs` from `previous`: one shuffled, flipped pass
@@ -196,7 +196,7 @@ def _activations(config: SparsifyConfig, model: nn.Module, layouts: Layouts, lay
 
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="sparsity-report")
-def dense_sparsity_report(config: SparsifyConfig, layouts: LayoutsRef, checkpoint: ArtifactRef,
+def canvas_sparsity_report(config: SparsifyConfig, layouts: LayoutsRef, checkpoint: ArtifactRef,
                           spec: SparsitySpec) -> SparsityReport:
     """The checkpoint's regularized layers on the validation canvases (zeros, dead channels,
     bytes stored sparse), with its validation score."""
@@ -208,7 +208,7 @@ def dense_sparsity_report(config: SparsifyConfig, layouts: LayoutsRef, checkpoin
     return measured_report(stats, spec, name, score(config, model, val, device)[name])
 
 
-class DenseTest(BaseModel):
+class CanvasTest(BaseModel):
     """The kept network on the test canvases, which chose nothing: its scores
     (`test_map_50`, `test_boundary_f`, ...) and its regularized layers' activations."""
 
@@ -219,15 +219,15 @@ class DenseTest(BaseModel):
 
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="test-canvases")
-def test_dense(config: SparsifyConfig, layouts: LayoutsRef, checkpoint: ArtifactRef,
-               spec: SparsitySpec) -> DenseTest:
+def test_canvas(config: SparsifyConfig, layouts: LayoutsRef, checkpoint: ArtifactRef,
+               spec: SparsitySpec) -> CanvasTest:
     """The checkpoint's scores and its regularized layers' exact zeros (as `sparsify`'s
     classification reports them) on the test canvases."""
     device = setup_device(config)
     model = place_model(trained_network(config, layouts, checkpoint), device)
     test = load_layouts(layouts, "test")
     stats = _activations(config, model, test, list(spec.lambdas), device)
-    return DenseTest(scores={f"test_{k}": v for k, v in score(config, model, test,
+    return CanvasTest(scores={f"test_{k}": v for k, v in score(config, model, test,
                                                               device).items()},
                      activations=ActivationReport(split="test",
                                                   layers=measured_layers(stats, spec)))
@@ -235,7 +235,7 @@ def test_dense(config: SparsifyConfig, layouts: LayoutsRef, checkpoint: Artifact
 
 @task(task_run_name="register-and-promote", retries=2, retry_delay_seconds=10,
       retry_condition_fn=lambda _task, _run, state: transient(state))
-def register_dense(run_id: str, name: str, config: SparsifyConfig, layouts: LayoutsRef,
+def register_canvas(run_id: str, name: str, config: SparsifyConfig, layouts: LayoutsRef,
                    checkpoint: ArtifactRef) -> Registration:
     """Logs the network as a pyfunc (`serving.canvas`), scores it and the champion
     through their pyfuncs on the same test canvases (`test_map_50` or `test_boundary_f`),

@@ -20,25 +20,25 @@ from flows.skeleton import data_section, run_rounds
 from tasks.adapters import tracking
 from tasks.adapters.registration import Registration
 from tasks.adapters.reporting import publish_summary
-from tasks.configs.sparsify import SparsifyConfig, SparsitySpec
-from tasks.data import prepare_dataset, source_version
-from tasks.dense import (
+from tasks.canvas import (
     SCORE,
     LayoutsRef,
     build_layouts,
-    dense_sparsity_report,
-    dense_sparsity_spec,
-    register_dense,
-    test_dense,
-    train_dense_round,
+    canvas_sparsity_report,
+    canvas_sparsity_spec,
+    register_canvas,
+    test_canvas,
+    train_canvas_round,
 )
+from tasks.configs.sparsify import SparsifyConfig, SparsitySpec
+from tasks.data import prepare_dataset, source_version
 from tasks.sparsify import ActivationReport, SparsityReport, log_sweep, sparsity_figure
 from tasks.training import EpochResult
 
 FLOW_NAME = "sparsify"
 
 
-class DenseSummary(BaseModel):
+class CanvasSummary(BaseModel):
     """What a detection or contour run of `sparsify` gives back."""
 
     model_config = ConfigDict(frozen=True)
@@ -77,16 +77,16 @@ def train_sparse(config: SparsifyConfig, layouts: LayoutsRef, run_id: str
                  ) -> tuple[SparsitySpec, EpochResult, SparsityReport]:
     """The config's sparsity term, the rounds trained with it (the round kept) and the kept
     network's activations on the validation canvases, logged on `run_id`."""
-    spec = dense_sparsity_spec(config, layouts)
+    spec = canvas_sparsity_spec(config, layouts)
     tracking.log_metrics(run_id, {f"lambda_{k.replace('.', '_')}": v
                                   for k, v in spec.lambdas.items()})
     get_run_logger().info("sparsity term %s on %s", spec.build().describe(), ", ".join(
         f"{k} (lambda {v:.3g})" for k, v in spec.lambdas.items()))
     active = any(value > 0 for value in spec.lambdas.values())
-    best = run_rounds(config.epochs, lambda epoch, previous: train_dense_round(
+    best = run_rounds(config.epochs, lambda epoch, previous: train_canvas_round(
         config, layouts, epoch, previous, spec if active else None), run_id, config.patience,
         layouts.sizes["val"], f"val_{SCORE[config.task]}")
-    report = dense_sparsity_report(config, layouts, best.checkpoint, spec)
+    report = canvas_sparsity_report(config, layouts, best.checkpoint, spec)
     tracking.log_metrics(run_id, report.split_metrics())
     return spec, best, report
 
@@ -111,7 +111,7 @@ def sweep(config: SparsifyConfig, layouts: LayoutsRef, report: SparsityReport,
     return points
 
 
-def sparsify_dense(config: SparsifyConfig, name: str, run_id: str) -> DenseSummary:
+def sparsify_canvas(config: SparsifyConfig, name: str, run_id: str) -> CanvasSummary:
     """A detection or contour run inside the flow's MLflow run `run_id`; registers as
     `name`."""
     layouts = layouts_of(config, run_id)
@@ -121,13 +121,13 @@ def sparsify_dense(config: SparsifyConfig, name: str, run_id: str) -> DenseSumma
                                                 f"{spec.build().describe()}"),
                         "sparsity/layers.png")
     points = sweep(config, layouts, report, run_id)
-    tested = test_dense(config, layouts, best.checkpoint, spec)
+    tested = test_canvas(config, layouts, best.checkpoint, spec)
     test, test_report = tested.scores, tested.activations
     tracking.log_metrics(run_id, test | test_report.split_metrics()
                          | {f"val_{report.score_name}": report.val_score})
     tracking.log_dict(run_id, test_report.model_dump(), "sparsity/test_report.json")
     tracking.log_artifact_refs(run_id, {"checkpoint.final": best.checkpoint})
-    registration = register_dense(run_id, name, config, layouts, best.checkpoint)
+    registration = register_canvas(run_id, name, config, layouts, best.checkpoint)
     score = SCORE[config.task]
     publish_summary("sparsify-summary", f"sparsify ({config.task}): {config.network_name()}",
                     {f"test {score}": f"{test[f'test_{score}']:.4f}",
@@ -144,6 +144,6 @@ def sparsify_dense(config: SparsifyConfig, name: str, run_id: str) -> DenseSumma
                      "best round (validation)": f"{best.epoch + 1} ({report.val_score:.4f})",
                      "model": registration.describe(),
                      "decision": registration.decision, "MLflow run": run_id})
-    return DenseSummary(run_id=run_id, task=config.task, best_epoch=best.epoch + 1,
+    return CanvasSummary(run_id=run_id, task=config.task, best_epoch=best.epoch + 1,
                         val_score=report.val_score, test=test, spec=spec, report=report,
                         test_report=test_report, sweep=points, registration=registration)

@@ -1,4 +1,4 @@
-"""Networks of the dense tasks (`sparsify --task detection|contour`), by task and name."""
+"""Networks of the canvas tasks (`sparsify --task detection|contour`), by task and name."""
 
 from __future__ import annotations
 
