@@ -14,8 +14,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from tasks.adapters.wordnet import WordNet
 from tasks.configs.sections import FASHION_MNIST
-from tasks.wordnet import WordNet
 from training.datasets import DataError, image_folder_listing
 from training.image_text.descriptions import (
     PHRASE_WEIGHT,

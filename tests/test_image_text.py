@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from models.image_text import PAD, build_image_text, tokens
+from tasks.adapters.wordnet import WordNet, parse_data_line
 from tasks.captions import (
     DescriptionError,
     check_classes,
@@ -21,7 +22,6 @@ from tasks.captions import (
     read_table,
     wordnet_classes,
 )
-from tasks.wordnet import WordNet, parse_data_line
 from training.image_text.descriptions import image_measures, image_phrases, tertiles
 from training.image_text.losses import (
     UNLABELLED,
