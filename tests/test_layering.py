@@ -1,5 +1,6 @@
 """models/ and training/ stay free of Prefect, MLflow and DVC, and serving/ (what a registered
-model ships) of Prefect, DVC, tasks/ and flows/: arrows point down (DESIGN.md)."""
+model ships) of Prefect, DVC, tasks/ and flows/: arrows point down, nothing imports in a circle, no
+technique package imports a sibling (docs/architecture.md)."""
 
 import ast
 import subprocess
