@@ -58,19 +58,20 @@ def start_average(model: nn.Module, decay: float, state: dict | None) -> Average
 
 def train_round(model: nn.Module, optimizer: torch.optim.Optimizer,
                 batches_for: Callable[[int], Batches], step: Step, device: torch.device,
-                epochs: range, lr: float, schedule: tuple[int, int], warmup_epochs: float = 0.0,
+                passes: range, lr: float, schedule: tuple[int, int], warmup_epochs: float = 0.0,
                 grad_clip: float | None = None, progress: str | None = None,
                 averaged: AveragedModel | None = None) -> dict[str, float]:
-    """Trains the passes `epochs` (global epoch numbers) and returns the last pass's losses.
+    """One round: trains the passes over the data numbered `passes` (counted over the whole run)
+    and returns the last pass's losses.
 
-    The learning rate follows `cosine_lr(lr, ...)` from epoch `schedule[0]` (the peak, after
-    `warmup_epochs` of linear warm-up) to zero at epoch `schedule[1]`, so consecutive rounds of
-    one run share one schedule. `batches_for(epoch)` gives that pass's (shuffled, augmented)
-    batches; `averaged`, when given, is updated after every optimizer step.
+    The learning rate follows `cosine_lr(lr, ...)` from pass `schedule[0]` (the peak, after
+    `warmup_epochs` passes of linear warm-up) to zero at pass `schedule[1]`, so consecutive
+    rounds of one run share one schedule. `batches_for(epoch)` gives pass `epoch`'s (shuffled,
+    augmented) batches; `averaged`, when given, is updated after every optimizer step.
     """
     start_epoch, end_epoch = schedule
     metrics: dict[str, float] = {}
-    for epoch in epochs:
+    for epoch in passes:
         batches = batches_for(epoch)
         per_epoch = len(batches)
         start, total = start_epoch * per_epoch, (end_epoch - start_epoch) * per_epoch
