@@ -24,14 +24,18 @@ README = ROOT / "README.md"
 BLOCK = re.compile(r"<!-- table: (?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /table -->", re.S)
 
 
-def newest(name: str, results: Path = RESULTS) -> dict:
-    """The last record of benchmark `name` (the newest run)."""
+def records(name: str, results: Path = RESULTS) -> list[dict]:
+    """Every record of benchmark `name`, oldest first."""
     path = results / f"{name}.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no raw results for {name!r}: run `python -m bench.{name}` "
                                 f"(it appends to {path.relative_to(ROOT)})")
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    return json.loads(lines[-1])
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def newest(name: str, results: Path = RESULTS) -> dict:
+    """The last record of benchmark `name` (the newest run)."""
+    return records(name, results)[-1]
 
 
 def spread(mean: float, std: float) -> str:
@@ -212,17 +216,90 @@ def train_accuracy(record: dict) -> str:
     return "\n".join(lines) + f"\n\n{provenance(record)}\n"
 
 
+SPARSIFY_TASKS = {"classification": ("test_accuracy", "accuracy"),
+                  "detection": ("test_map_50", "mAP@0.5"),
+                  "contour": ("test_boundary_f", "boundary F")}
+
+
+def newest_per_task(name: str, results: Path = RESULTS) -> dict:
+    """`bench.sparsify`'s newest rows of each task (classification, detection and contour may
+    come from different runs), in task order, and the records they came from (`sources`)."""
+    rows, sources = [], []
+    for task in SPARSIFY_TASKS:
+        source = next((r for r in reversed(records(name, results))
+                       if any(row["task"] == task for row in r["results"])), None)
+        if source is None:
+            continue
+        rows += [row for row in source["results"] if row["task"] == task]
+        if source not in sources:
+            sources.append(source)
+    return {"results": rows, "sources": sources}
+
+
+def sparsify(record: dict) -> str:
+    """`bench.sparsify`'s rows (its newest run of each task, `newest_per_task`): per task and
+    variant, the score on the unread images (classifiers) and on the test split, the exact
+    zeros per regularized layer and over all maps, and the bytes of the maps stored as bitmap
+    plus values over dense, all on the test split (mean over the seeds); each task's layers
+    and lambdas, and each run's command, below."""
+    lines = ["| task | variant | report accuracy (unread) | test score | exact zeros per layer "
+             "(test) | all maps (test) | bitmap / dense (test) |", "| --- " * 7 + "|"]
+    layers, shown = [], None
+    for row in record["results"]:
+        key, score = SPARSIFY_TASKS[row["task"]]
+        report = row.get("report_accuracy")
+        zeros = row["test_zero_fraction"]
+        lines.append(
+            f"| {row['task'] if row['task'] != shown else ''} | {row['variant']} | "
+            f"{'-' if report is None else spread(*report)} | {score} {spread(*row[key])} | "
+            f"{' / '.join(f'{mean:.3f}' for mean, _ in zeros.values())} | "
+            f"{row['total_test_zero_fraction'][0]:.3f} | "
+            f"{row['test_memory_bitmap_ratio'][0]:.3f} |")
+        if row["task"] != shown:
+            lambdas = next((run["lambdas"] for r in record["results"] if r["task"] == row["task"]
+                            for run in r["runs"] if any(run["lambdas"].values())), {})
+            layers.append(f"{row['task']}: " + ", ".join(
+                f"`{name}`" + (f" {lambdas[name]:.3g}" if name in lambdas else "")
+                for name in zeros))
+        shown = row["task"]
+    runs = " ".join(provenance(source) for source in record["sources"])
+    return "\n".join(lines) + (
+        f"\n\nLayers in the zeros cells, with their lambdas (the term's weight per map): "
+        f"{'; '.join(layers)}. {runs}\n")
+
+
+def inference_batch(record: dict) -> str:
+    """`bench.inference_batch`'s networks: images per second of a scoring pass at the device's
+    batch and at the baseline batch (median over the rounds), and their paired ratio."""
+    batch, baseline = record["batch"], record["baseline_batch"]
+    lines = [f"| network | images / s at {batch} | at {baseline} | ratio | accuracy "
+             "difference |", "| --- " * 5 + "|"]
+    for name, figure in record["networks"].items():
+        lines.append(f"| `{name}` | {figure['images_per_second']:,.0f} | "
+                     f"{figure['baseline_images_per_second']:,.0f} | "
+                     f"{figure['speed_ratio']:.2f}x | {figure['accuracy_difference']:+.4f} |")
+    return "\n".join(lines) + (
+        f"\n\n{record['device']}, {record['threads']} threads, median paired ratio over the "
+        f"rounds; command: `{record['command']}` (commit {record['commit'][:7]}).\n")
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {"image_text": image_text, "cascade": cascade,
                                                "pipeline": pipeline, "pbt": pbt,
                                                "small_data": small_data,
-                                               "train_accuracy": train_accuracy}
+                                               "train_accuracy": train_accuracy,
+                                               "sparsify": sparsify,
+                                               "inference_batch": inference_batch}
+
+
+PICKERS: dict[str, Callable[[str, Path], dict]] = {"sparsify": newest_per_task}
 
 
 def render(name: str, results: Path = RESULTS) -> str:
-    """The README table of benchmark `name` from its newest record."""
+    """The README table of benchmark `name` from its newest record (`PICKERS`: or from the
+    records it names)."""
     if name not in RENDERERS:
         raise KeyError(f"no README table for {name!r}; known: {', '.join(RENDERERS)}")
-    return RENDERERS[name](newest(name, results))
+    return RENDERERS[name](PICKERS.get(name, newest)(name, results))
 
 
 def readme_tables(text: str) -> dict[str, str]:

@@ -23,3 +23,23 @@ def test_raw_records_carry_their_provenance(path):
         record = json.loads(line)
         assert len(record["commit"]) == 40 and record["command"].startswith("python -m bench.")
         assert record["benchmark"] == path.stem and "finished" in record
+
+
+def test_the_sparsify_table_takes_each_tasks_newest_run(tmp_path):
+    """Classification re-run alone: its rows come from the new run, detection's still from the
+    run that measured it, and both runs are named under the table."""
+    from bench.tables import newest_per_task
+
+    def row(task: str, variant: str, score: float) -> dict:
+        key = {"classification": "test_accuracy", "detection": "test_map_50"}[task]
+        return {"task": task, "variant": variant, key: [score, 0.0], "runs": []}
+
+    first = {"command": "python -m bench.sparsify", "results": [
+        row("classification", "none", 0.1), row("detection", "none", 0.2)]}
+    second = {"command": "python -m bench.sparsify --tasks classification", "results": [
+        row("classification", "none", 0.3)]}
+    (tmp_path / "sparsify.jsonl").write_text(f"{json.dumps(first)}\n{json.dumps(second)}\n")
+    picked = newest_per_task("sparsify", tmp_path)
+    assert [(r["task"], r.get("test_accuracy", r.get("test_map_50"))[0])
+            for r in picked["results"]] == [("classification", 0.3), ("detection", 0.2)]
+    assert [s["command"] for s in picked["sources"]] == [second["command"], first["command"]]
