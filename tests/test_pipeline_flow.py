@@ -125,3 +125,20 @@ def test_bad_input_is_one_error_line_before_any_work(flags, message, capsys):
     assert [line for line in err.splitlines() if line.startswith("error:")] == [
         "error: invalid configuration:"]
     assert message in err, err
+
+
+def test_later_steps_take_the_pipelines_sections_and_none_of_distills_own_fields():
+    """PBT and the sparsity fine-tuning train on the pipeline's data, optimizer, budget and run
+    fields as given, with the student's network; the teacher, stage and bank fields stay with
+    distillation."""
+    from tasks.configs.pipeline import SHARED_FIELDS
+
+    config = smoke_pipeline(batch_size=96, seed=5, train_limit=640, student_width=8,
+                            weight_decay=1e-4)
+    for step in (config.pbt_config(), config.sparsify_config()):
+        assert (step.batch_size, step.seed, step.train_limit, step.weight_decay) == \
+            (96, 5, 640, 1e-4)
+        assert (step.model, step.width) == (config.student_model, 8)
+    assert {"batch_size", "seed", "data", "runner"} <= SHARED_FIELDS
+    assert not {"teacher_model", "stages", "bank_mode", "student_queue", "profile"} & \
+        SHARED_FIELDS

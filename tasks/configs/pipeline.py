@@ -11,18 +11,16 @@ from pydantic import Field, field_validator, model_validator
 
 from tasks.configs.distill import DistillConfig
 from tasks.configs.pbt import PBTConfig
-from tasks.configs.sections import comma_list
+from tasks.configs.sections import StrictConfig, comma_list
 from tasks.configs.sparsify import SparsifyConfig
 
-# The distill flow's own fields: not passed on to the later steps, which take the pipeline's
-# other fields (data, optimizer step, budget, run, runner) as they are (`shared`).
-_SHARED_EXCLUDED = {
-    "teacher_model", "teacher_width", "student_model", "student_width", "stages",
-    "teacher_pretrain_epochs", "teacher_fraction", "student_fraction", "front_weight",
-    "back_weight", "student_queue", "teacher_layer", "student_layer", "feature_loss",
-    "feature_weight", "ce_weight", "temperature", "bank_mode", "bank_dtype", "bank_memmap",
-    "initial_bank", "profile",
-}
+# What the later steps take over from the pipeline as it is (`shared`): the fields of the
+# sections the distill config mixes in (data, optimizer step, budget, run, runner), never the
+# distill flow's own fields (teacher, student, stages, bank, ...) nor its profile.
+SHARED_FIELDS = frozenset().union(*(
+    section.model_fields for section in DistillConfig.__mro__
+    if isinstance(section, type) and issubclass(section, StrictConfig)
+    and section.__name__.endswith("Section")))
 
 
 class PipelineConfig(DistillConfig):
@@ -92,8 +90,8 @@ class PipelineConfig(DistillConfig):
 
     def shared(self, step: type) -> dict[str, Any]:
         """The fields the `step` config takes over as they are."""
-        return {name: getattr(self, name) for name in DistillConfig.model_fields
-                if name not in _SHARED_EXCLUDED and name in step.model_fields}
+        return {name: getattr(self, name) for name in sorted(SHARED_FIELDS)
+                if name in step.model_fields}
 
     def pbt_config(self) -> PBTConfig:
         """The PBT step's config: the student's network, the pipeline's population."""
