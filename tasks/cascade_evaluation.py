@@ -71,8 +71,6 @@ class CascadeTest(BaseModel):
     sweep: list[dict[str, float]]
 
 
-
-
 def validation_table(config: CascadeConfig, dataset: DatasetRef, net: CascadeNet,
                      costs: dict[str, float], split: str = "val",
                      fixed: dict[int, int] | None = None) -> ExitTable:

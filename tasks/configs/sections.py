@@ -19,7 +19,6 @@ FASHION_MNIST = "fashion-mnist"
 MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[\w.-]+)|/(?P<version>\d+))$")
 
 
-
 class StrictConfig(BaseModel):
     """Base of every config: unknown fields are errors, values are validated and frozen."""
 
@@ -230,8 +229,6 @@ class ProfiledConfig(StrictConfig):
         if profile not in cls.PROFILES:
             return values  # the field's own validation names the bad value
         return {**cls.PROFILES[profile], **values}
-
-
 
 
 class RunnerSection(StrictConfig):
