@@ -224,9 +224,9 @@ SPARSIFY_TASKS = {"classification": ("test_accuracy", "accuracy"),
 def newest_per_task(name: str, results: Path = RESULTS) -> dict:
     """`bench.sparsify`'s newest rows of each task (classification, detection and contour may
     come from different runs), in task order, and the records they came from (`sources`)."""
-    rows, sources = [], []
+    rows, sources, newest_first = [], [], records(name, results)[::-1]
     for task in SPARSIFY_TASKS:
-        source = next((r for r in reversed(records(name, results))
+        source = next((r for r in newest_first
                        if any(row["task"] == task for row in r["results"])), None)
         if source is None:
             continue

@@ -43,10 +43,10 @@ from tasks.captions import (
 from tasks.configs.image_text import ImageTextConfig, seen_training_positions, unseen_labels
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
 from tasks.pool import folder_pool, match_training_images, own_pool
-from tasks.training import run_key, setup_device
+from tasks.training import position_batches, run_key, setup_device
 from training.batches import Batches, Normalize
 from training.datasets import labelled_images, validation_images
-from training.device import inference_batch, place_model
+from training.device import place_model
 from training.image_text.losses import (
     TextBank,
     image_text_step,
@@ -198,13 +198,6 @@ def text_side(config: ImageTextConfig, dataset: DatasetRef, data: LoadedDataset,
         validation=validation_images(data.labels, data.splits["val"], config.labels_per_class,
                                      config.split_seed),
         unseen=unseen_labels(config, dataset.classes))
-
-
-def position_batches(data: LoadedDataset, dataset: DatasetRef, positions: Tensor,
-                     device: torch.device) -> Batches:
-    """Scoring batches of the images at `positions`."""
-    return Batches(data.images, data.labels, positions, inference_batch(device),
-                   Normalize(dataset.mean, dataset.std), device=device)
 
 
 def training_images(config: ImageTextConfig, dataset: DatasetRef, data: LoadedDataset

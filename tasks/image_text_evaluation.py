@@ -22,8 +22,8 @@ from tasks.adapters.registration import (
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.image_text import ImageTextConfig
 from tasks.data import DatasetRef, load_dataset
-from tasks.image_text import Descriptions, new_network, position_batches, text_side
-from tasks.training import setup_device
+from tasks.image_text import Descriptions, new_network, text_side
+from tasks.training import eval_batches, setup_device
 from training.device import place_model
 from training.image_text.text_side import score_split
 
@@ -43,7 +43,7 @@ def test_image_text(config: ImageTextConfig, dataset: DatasetRef, described: Des
     side = text_side(config, dataset, data, described)
     model = trained_network(config, dataset, described, checkpoint)
     scores = score_split(place_model(model, device), side,
-                         position_batches(data, dataset, data.splits["test"], device), device)
+                         eval_batches(data, dataset, "test", device), device)
     return {f"test_{k}": v for k, v in scores.items()}
 
 

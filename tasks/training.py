@@ -82,7 +82,15 @@ def eval_batches(data: LoadedDataset, dataset: DatasetRef, split: str,
                  device: torch.device) -> Batches:
     """One split in order, unaugmented, in batches of the device's `inference_batch`: for
     scoring and predicting without gradients."""
-    return split_batches(data, dataset, split, inference_batch(device), device)
+    return position_batches(data, dataset, data.splits[split], device)
+
+
+def position_batches(data: LoadedDataset, dataset: DatasetRef, positions: torch.Tensor,
+                     device: torch.device) -> Batches:
+    """`eval_batches` over the images at `positions` (a part of a split, such as the
+    validation images a few-label run's choices read)."""
+    return Batches(data.images, data.labels, positions, inference_batch(device),
+                   Normalize(dataset.mean, dataset.std), device=device)
 
 
 def restore(model: nn.Module, optimizer: torch.optim.Optimizer | None,
