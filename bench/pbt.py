@@ -13,7 +13,7 @@ Each method's final model is scored on Fashion-MNIST's official test images (som
 were chosen on them in earlier sessions) and on 10,000 report images no choice ever read
 (`bench.report_set`), side by side.
 
-(a) and (b) train through the flow's own member task (`train_member`: the same data, batches,
+(a) and (b) train through the flow's own member round (`MemberRound`: the same data, batches,
 augmentation, cosine schedule over E epochs, gradient clipping, divergence check and weight
 average, the budget fitted to the data) and are tested by the flow's `test_and_export`, on the
 weights PBT exports (the better of the last weights and the average on validation); a member
@@ -51,9 +51,10 @@ from tasks.data import DatasetRef
 from tasks.pbt import (
     HYPERPARAMETERS,
     SCORED_WEIGHTS,
+    MemberRound,
     member_config,
+    member_round,
     search_spaces,
-    train_member,
 )
 from tasks.training import fit_to_data, run_key, test_and_export
 from training.pbt.scheduler import best_member, initial_hyperparameters
@@ -82,9 +83,11 @@ def independent_members(config: PBTConfig, method: str) -> tuple[float | str, di
     results = []
     for member, values in enumerate(drawn):
         try:
-            results.append(train_member(member_config(base, member, values), dataset,
-                                        population, member, "search", 1, 0, epochs, (0, epochs),
-                                        None, config.average_decay))
+            results.append(member_round(MemberRound(
+                config=member_config(base, member, values), dataset=dataset,
+                population=population, member=member, phase="search", index=1,
+                first_epoch=0, epochs=epochs, cycle=(0, epochs),
+                average_decay=config.average_decay)))
         except Exception as error:  # a diverged member: reported, the others go on
             print(f"{method} seed {config.seed} member {member} failed: {error}", flush=True)
             results.append(None)
@@ -109,10 +112,11 @@ def timed_stages(config: PBTConfig, dataset: DatasetRef, rounds: int) -> list[fl
     seconds, previous = [], [None] * config.members
     for index in range(rounds):
         started = time.perf_counter()
-        futures = [train_member.submit(member_config(base, m, values), dataset, population, m,
-                                       "timing", index, index, 1, (0, rounds), previous[m],
-                                       config.average_decay)
-                   for m in range(config.members)]
+        futures = [member_round.submit(MemberRound(
+            config=member_config(base, m, values), dataset=dataset, population=population,
+            member=m, phase="timing", index=index, first_epoch=index, epochs=1,
+            cycle=(0, rounds), average_decay=config.average_decay), previous[m])
+            for m in range(config.members)]
         previous = [f.result().checkpoint for f in futures]
         seconds.append(time.perf_counter() - started)
     return seconds

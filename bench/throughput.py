@@ -32,12 +32,13 @@ from tasks.adapters import tracking
 from tasks.configs.sections import ClassifierConfig, classifier_config
 from tasks.configs.train import TrainConfig
 from tasks.data import DatasetRef, load_dataset, prepare_dataset, source_version
+from tasks.rounds import train_round
 from tasks.training import (
+    ClassifierRound,
     eval_batches,
     make_optimizer,
     new_model,
     split_batches,
-    train_classifier_epoch,
 )
 from training.device import autocast, place_model, resolve_device
 from training.loops import cosine_lr, evaluate
@@ -83,18 +84,19 @@ class BareLoop:
 
 
 class FlowSide:
-    """The `train` flow's per-epoch work: the epoch task plus tracking of its results."""
+    """The `train` flow's per-round work: the round task plus tracking of its results."""
 
     def __init__(self, config: ClassifierConfig, dataset: DatasetRef, run_id: str) -> None:
         self.config, self.dataset, self.run_id = config, dataset, run_id
-        self.task = train_classifier_epoch.with_options(refresh_cache=True)
+        self.task = train_round.with_options(refresh_cache=True)
         self.previous = None
         self.fixed_costs: list[float] = []
 
     def epoch(self, epoch: int) -> float:
-        """Runs one epoch task and logs it; returns training images per second."""
+        """Runs one round task and logs it; returns training images per second."""
         started = time.perf_counter()
-        result = self.task(self.config, self.dataset, epoch, self.previous, EXPERIMENT)
+        result = self.task(ClassifierRound(config=self.config, dataset=self.dataset,
+                                           epoch=epoch, run_name=EXPERIMENT), self.previous)
         tracking.log_metrics(self.run_id, result.metrics, step=epoch + 1)
         tracking.log_artifact_refs(self.run_id, {f"checkpoint.epoch-{epoch + 1:03d}":
                                                  result.checkpoint})

@@ -24,8 +24,7 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
 from flows.skeleton import (
-    Finished,
-    judge_baseline,
+    conclude,
     log_budget,
     prepare,
     publish,
@@ -37,6 +36,7 @@ from tasks.adapters.registration import Registration
 from tasks.adapters.versioning import md5_of
 from tasks.cascade import (
     CascadeSets,
+    ModuleRound,
     difficulty_sets,
     fit_predictor,
     measure_latency,
@@ -44,7 +44,6 @@ from tasks.cascade import (
     read_table,
     refit_exits,
     serving_device,
-    train_module_round,
 )
 from tasks.cascade_evaluation import (
     ROUTINGS,
@@ -129,8 +128,9 @@ def cascade(config: CascadeConfig) -> CascadeSummary:
         for k in modules:
             log_budget(run_id, module_budget(config, sets.module_images[k]), f"module{k}_")
             best = run_rounds(
-                config.epochs, lambda epoch, previous, k=k, start=checkpoint: train_module_round(
-                    config, dataset, sets, latency, k, epoch, previous, start),
+                config.epochs, lambda epoch, _previous, k=k, start=checkpoint: ModuleRound(
+                    config=config, dataset=dataset, sets=sets, latency=latency, k=k,
+                    epoch=epoch, start=start),
                 run_id, config.patience, dataset.sizes["val"], key=f"module{k}_val_accuracy",
                 name=f"checkpoint.module-{k}")
             checkpoint = best.checkpoint
@@ -165,15 +165,15 @@ def cascade(config: CascadeConfig) -> CascadeSummary:
         tracking.log_figure(run_id, sweep_figure(test.sweep, test.metrics["full_test_accuracy"],
                                                  f"cascade {config.widths} on {config.data}"),
                             "cascade/accuracy_latency.png")
-        baseline = judge_baseline(run_id, prepared, calibration.metrics["val_accuracy"])
-        refusal = baseline.refusal() if config.baseline_gate else None
-        registration = register_cascade(run_id, name, config, dataset, calibration.checkpoint,
-                                        refusal)
+        finished = conclude(
+            run_id, config, prepared, calibration.metrics["val_accuracy"],
+            TestResult(metrics=test.metrics, program=calibration.checkpoint),
+            lambda refusal: register_cascade(run_id, name, config, dataset,
+                                             calibration.checkpoint, refusal))
         summary = CascadeSummary(run_id=run_id, sets=sets, calibration=calibration, test=test,
-                                 baselines=prepared.baselines, registration=registration)
+                                 baselines=prepared.baselines,
+                                 registration=finished.registration)
     metrics = test.metrics
-    finished = Finished(test=TestResult(metrics=metrics, program=calibration.checkpoint),
-                        registration=registration, baseline=baseline)
     publish("cascade-summary", f"cascade: {config.widths} on {config.data}", run_id, finished, {
         "full network (no exits)": f"test {metrics['full_test_accuracy']:.4f}",
         "measured time per image": f"batch 1: {metrics['ms_per_image_b1']:.3f} ms, "

@@ -115,7 +115,7 @@ def run_pbt(config: PBTConfig) -> None:
     summary = _exit_on_data_error(lambda: pbt(config))
     population = summary.population
     print(f"\ntest accuracy {summary.test_accuracy:.4f}, {config.knn_k}-NN on its embeddings "
-          f"{summary.knn_accuracy:.4f} (best member {population.best.member} "
+          f"{summary.knn_accuracy:.4f} (best member {population.best_member} "
           f"after {population.stages} stages: " + ", ".join(
               f"{k}={v:.4g}" for k, v in population.hyperparameters.items()) + ")")
     _print_registration(summary)

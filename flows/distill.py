@@ -24,13 +24,13 @@ from tasks.data import DatasetRef
 from tasks.distill import (
     BankSnapshot,
     DistillPlan,
-    StageResult,
+    StudentRound,
+    TeacherRound,
     bank_snapshot,
     pretrain_config,
-    student_stage,
-    teacher_stage,
 )
-from tasks.training import fit_to_data, test_and_export, train_classifier_epoch
+from tasks.rounds import RoundResult, train_round
+from tasks.training import ClassifierRound, fit_to_data, test_and_export
 from training.budget import Budget
 
 FLOW_NAME = "distill"
@@ -41,9 +41,9 @@ class StageRecord(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    teacher: StageResult
+    teacher: RoundResult
     bank: BankSnapshot
-    student: StageResult
+    student: RoundResult
 
 
 class DistillSummary(BaseModel):
@@ -69,14 +69,18 @@ def _stage_loop(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef,
     submit = submitter(config)
     records: list[StageRecord] = []
 
-    def finish(running: tuple[StageResult, BankSnapshot, object]) -> StageResult:
+    def finish(running: tuple[RoundResult, BankSnapshot, object]) -> RoundResult:
         """Waits for a running student stage and records its stage."""
         teacher, bank, student_future = running
         records.append(StageRecord(teacher=teacher, bank=bank, student=student_future.result()))
         on_stage(records[-1])
         return records[-1].student
 
-    teacher_future = submit(teacher_stage, plan.teacher, dataset, 1, pretrained)
+    def teacher_round(stage: int, previous: ArtifactRef | None):
+        return submit(train_round, TeacherRound(config=plan.teacher, dataset=dataset,
+                                                stage=stage), previous)
+
+    teacher_future = teacher_round(1, pretrained)
     bank, student, running = None, None, None
     for stage in range(1, config.stages + 1):
         teacher = teacher_future.result()
@@ -85,12 +89,12 @@ def _stage_loop(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef,
         bank = submit(bank_snapshot, plan.teacher, plan.bank, dataset, stage, teacher.checkpoint,
                       bank.bank if bank else None, pretrained).result()
         if stage < config.stages:  # the teacher's next stage runs beside this student stage
-            teacher_future = submit(teacher_stage, plan.teacher, dataset, stage + 1,
-                                    teacher.checkpoint)
+            teacher_future = teacher_round(stage + 1, teacher.checkpoint)
         if running:
             student = finish(running)
-        running = (teacher, bank, submit(student_stage, plan.student, dataset, stage,
-                                         student.checkpoint if student else None, bank.bank))
+        running = (teacher, bank, submit(
+            train_round, StudentRound(config=plan.student, dataset=dataset, stage=stage,
+                                      bank=bank.bank), student.checkpoint if student else None))
     finish(running)
     return records
 
@@ -102,7 +106,7 @@ def distill_stages(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef
     logger = get_run_logger()
 
     def on_stage(record: StageRecord) -> None:
-        stage = record.teacher.stage
+        stage = record.teacher.round
         tracking.log_metrics(teacher_run_id, record.teacher.metrics, step=stage)
         tracking.log_metrics(student_run_id, record.student.metrics, step=stage)
         bank = record.bank
@@ -137,8 +141,9 @@ def pretrain_teacher(plan: DistillPlan, dataset: DatasetRef, teacher_run_id: str
         return previous
     config = pretrain_config(plan.teacher)
     for epoch in range(config.epochs):
-        result = train_classifier_epoch(config, dataset, epoch, previous, "distill-pretrain",
-                                        plan.teacher.repeats)
+        result = train_round(ClassifierRound(config=config, dataset=dataset, epoch=epoch,
+                                             run_name="distill-pretrain",
+                                             repeats=plan.teacher.repeats), previous)
         tracking.log_metrics(teacher_run_id, {f"pretrain_{k}": v
                                               for k, v in result.metrics.items()}, step=epoch + 1)
         previous = result.checkpoint

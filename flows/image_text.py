@@ -21,8 +21,7 @@ from prefect import flow
 from pydantic import BaseModel, ConfigDict
 
 from flows.skeleton import (
-    Finished,
-    judge_baseline,
+    conclude,
     log_budget,
     prepare,
     publish,
@@ -33,14 +32,9 @@ from tasks.adapters import tracking
 from tasks.adapters.registration import Registration
 from tasks.adapters.versioning import ArtifactRef
 from tasks.configs.image_text import ImageTextConfig
-from tasks.image_text import (
-    Descriptions,
-    RoundResult,
-    describe_images,
-    mix_heads,
-    train_image_text_round,
-)
+from tasks.image_text import Descriptions, ImageTextRound, describe_images, mix_heads
 from tasks.image_text_evaluation import register_image_text, test_image_text
+from tasks.rounds import train_round
 from tasks.training import TestResult
 from training.budget import fit_budget
 
@@ -105,23 +99,23 @@ def image_text(config: ImageTextConfig) -> ImageTextSummary:
                             config.min_steps_full_below)
         log_budget(run_id, budget)
         config = config.model_copy(update={"batch_size": budget.batch_size})
+        def plan(phase: str, epoch: int) -> ImageTextRound:
+            return ImageTextRound(config=config, dataset=dataset, described=described,
+                                  phase=phase, epoch=epoch, rounds=rounds,
+                                  repeats=budget.repeats)
+
         aligned = None
         for epoch in range(config.align_epochs):
-            result = train_image_text_round(config, dataset, described, "align", epoch, rounds,
-                                            aligned, budget.repeats)
+            result = train_round(plan("align", epoch), aligned)
             tracking.log_metrics(run_id, {f"align_{k}": v for k, v in result.metrics.items()},
                                  step=epoch + 1)
             tracking.log_artifact_refs(run_id, {f"checkpoint.align-{epoch + 1:03d}":
                                                 result.checkpoint})
             aligned = result.checkpoint
 
-        def joint_round(epoch: int, previous) -> RoundResult:
-            return train_image_text_round(config, dataset, described, "joint",
-                                          config.align_epochs + epoch, rounds,
-                                          previous or aligned, budget.repeats)
-
-        best = run_rounds(config.epochs, joint_round, run_id, config.patience,
-                          described.val_images)
+        best = run_rounds(config.epochs,
+                          lambda epoch, _previous: plan("joint", config.align_epochs + epoch),
+                          run_id, config.patience, described.val_images, previous=aligned)
         final, val_accuracy, alpha = best.checkpoint, best.metrics["val_accuracy"], None
         if config.head_mixing:
             mixed = mix_heads(config, dataset, described, best.checkpoint)
@@ -131,17 +125,15 @@ def image_text(config: ImageTextConfig) -> ImageTextSummary:
         metrics = test_image_text(config, dataset, described, final)
         tracking.log_metrics(run_id, metrics | {"val_accuracy": val_accuracy})
         tracking.log_artifact_refs(run_id, {"checkpoint.final": final})
-        baseline = judge_baseline(run_id, prepared, val_accuracy)
-        refusal = baseline.refusal() if config.baseline_gate else None
-        registration = register_image_text(run_id, name, config, dataset, described, final,
-                                           refusal)
+        finished = conclude(run_id, config, prepared, val_accuracy,
+                            TestResult(metrics=metrics, program=final),
+                            lambda refusal: register_image_text(run_id, name, config, dataset,
+                                                                described, final, refusal))
         summary = ImageTextSummary(run_id=run_id, descriptions=described, aligned=aligned,
-                                   best_epoch=best.epoch + 1, val_accuracy=val_accuracy,
+                                   best_epoch=best.round + 1, val_accuracy=val_accuracy,
                                    val_images=described.val_images, head_mixing_alpha=alpha,
                                    test_metrics=metrics, baselines=prepared.baselines,
-                                   registration=registration)
-    finished = Finished(test=TestResult(metrics=metrics, program=final),
-                        registration=registration, baseline=baseline)
+                                   registration=finished.registration)
     rows = {
         "zero-shot from the class descriptions": f"test {metrics['test_zero_shot_accuracy']:.4f}",
         "descriptions": f"{described.described_images} images, "

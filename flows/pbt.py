@@ -42,14 +42,15 @@ from tasks.pbt import (
     HYPERPARAMETERS,
     LAST_WEIGHTS,
     SCORED_WEIGHTS,
-    MemberResult,
+    MemberRound,
     exploit_weights,
     member_config,
+    member_round,
     population_scheduler,
     soup_members,
-    train_member,
     write_lineage,
 )
+from tasks.rounds import RoundResult
 from tasks.training import run_key
 from training.budget import Budget
 from training.pbt.scheduler import PopulationFailed
@@ -62,7 +63,8 @@ class PopulationResult(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    best: MemberResult
+    best: RoundResult
+    best_member: int  # whose round (or whose soup) `best` is
     hyperparameters: dict[str, float]
     stages: int
     lineage: list[dict[str, Any]]
@@ -136,11 +138,13 @@ def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str
     lineage: list[dict[str, Any]] = []
 
     def run_round(phase: str, index: int, first: int, passes: int, cycle: tuple[int, int],
-                  average_decay: float | None) -> list[MemberResult | None]:
-        futures = [submit(train_member, member_config(base, m, hyperparameters[m]), dataset,
-                          population, m, phase, index, first, passes, cycle,
-                          checkpoints[m], average_decay, weights[m]) for m in range(members)]
-        results: list[MemberResult | None] = []
+                  average_decay: float | None) -> list[RoundResult | None]:
+        futures = [submit(member_round, MemberRound(
+            config=member_config(base, m, hyperparameters[m]), dataset=dataset,
+            population=population, member=m, phase=phase, index=index, first_epoch=first,
+            epochs=passes, cycle=cycle, average_decay=average_decay, weights=weights[m]),
+            checkpoints[m]) for m in range(members)]
+        results: list[RoundResult | None] = []
         errors = []
         for m, future in enumerate(futures):
             record = {"phase": phase, "stage": index, "member": m, "parent": parents[m],
@@ -181,14 +185,14 @@ def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str
     scheduler = population_scheduler(config, members, burn_in_values, dataset.sizes["val"])
     hyperparameters = scheduler.hyperparameters  # every member starts from different values
     first, best_score, stale, stage = stages_from, -1.0, 0, 0
-    best_result, best_hyperparameters = None, hyperparameters[0]
+    best_result, best_member, best_hyperparameters = None, 0, hyperparameters[0]
     for stage in range(1, config.stages + 1):
         passes = config.round_epochs * repeats
         results = run_round("stage", stage, first, passes, cycle, config.average_decay)
         first += passes
         decision = scheduler.decide([r.metrics["val_accuracy"] if r else None
                                      for r in results])
-        best_result = results[decision.best]
+        best_result, best_member = results[decision.best], decision.best
         best_hyperparameters = hyperparameters[decision.best]
         score = decision.score
         logger.info("stage %d: best member %d (%s weights), validation %.4f (ties within "
@@ -211,20 +215,22 @@ def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str
         copied = [best_result.kept] * members
         hyperparameters = list(decision.hyperparameters)
     trained = [r for r in results if r is not None]
+    trained_members = [m for m, r in enumerate(results) if r is not None]
     if config.soup and stage > 1 and len(trained) > 1:  # stage 1's members share no start
-        soup = submit(soup_members, base, dataset, population, trained,
+        soup = submit(soup_members, base, dataset, population, trained, trained_members,
                       trained.index(best_result)).result()
         logger.info("soup of members %s: validation %.4f (the best alone %.4f)",
                     soup.metrics["soup_ingredients"], soup.metrics["val_accuracy"],
                     best_result.metrics["val_accuracy"])
-        lineage.append({"phase": "soup", "stage": stage, "member": best_result.member,
+        lineage.append({"phase": "soup", "stage": stage, "member": best_member,
                         "parent": None, "copied": None, "hyperparameters": best_hyperparameters,
                         "score": soup.metrics["val_accuracy"],
                         "ingredients": int(soup.metrics["soup_ingredients"])})
         lineage_log = write_lineage(population, lineage)
         if soup.metrics["soup_ingredients"] > 1:
             best_result = soup
-    return PopulationResult(best=best_result, hyperparameters=best_hyperparameters,
+    return PopulationResult(best=best_result, best_member=best_member,
+                            hyperparameters=best_hyperparameters,
                             stages=stage, lineage=lineage, lineage_log=lineage_log,
                             val_images=dataset.sizes["val"])
 
@@ -256,7 +262,7 @@ def run_population(config: PBTConfig, prepared: Prepared, run_id: str,
     tracking.log_figure(run_id, lineage_figure(lineage), "pbt/lineage.png")
     tracking.log_metrics(run_id, {"stages_run": population.stages} | {
         f"best_{k}": v for k, v in population.hyperparameters.items()})
-    return member_config(classifier, population.best.member,
+    return member_config(classifier, population.best_member,
                          population.hyperparameters), population, budget
 
 
@@ -286,7 +292,7 @@ def pbt(config: PBTConfig) -> PBTSummary:
             finished, {
                 f"test accuracy by {config.knn_k}-NN on embeddings":
                     f"{summary.knn_accuracy:.4f}",
-                "best member (validation)": f"{population.best.member} "
+                "best member (validation)": f"{population.best_member} "
                                             f"({population.best.metrics['val_accuracy']:.4f}, "
                                             f"{population.best.kept} weights)",
                 "hyperparameters": ", ".join(f"{k}={v:.4g}" for k, v in

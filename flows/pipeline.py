@@ -32,10 +32,9 @@ from pydantic import BaseModel, ConfigDict
 from flows.distill import distill_stages, fitted_plan
 from flows.pbt import run_population
 from flows.skeleton import (
-    Finished,
     Prepared,
     budgeted_classifier,
-    judge_baseline,
+    conclude,
     prepare,
     publish,
     run_tags,
@@ -226,17 +225,16 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
         tracking.log_metrics(run_id, {f"fallback_{k}": v for k, v in fallback.metrics.items()}
                              | {"test_accuracy": fallback.metrics["test_accuracy"],
                                 "val_accuracy": fallback.metrics["val_accuracy"]})
-        baseline = judge_baseline(run_id, prepared, fallback.metrics["val_accuracy"])  # 6.
-        registration = register_fallback(
-            run_id, name, dataset, sparse_test.program, teacher_test.program, fallback,
-            Policy.of(config), baseline.refusal() if config.baseline_gate else None,
-            {KEY_TAG: key})
-        finished = Finished(test=TestResult(metrics={
-            "test_accuracy": fallback.metrics["test_accuracy"]}, program=sparse_test.program),
-            registration=registration, baseline=baseline)
+        finished = conclude(  # 6.
+            run_id, config, prepared, fallback.metrics["val_accuracy"],
+            TestResult(metrics={"test_accuracy": fallback.metrics["test_accuracy"]},
+                       program=sparse_test.program),
+            lambda refusal: register_fallback(
+                run_id, name, dataset, sparse_test.program, teacher_test.program, fallback,
+                Policy.of(config), refusal, {KEY_TAG: key}))
         summary = PipelineSummary(run_id=run_id, steps=steps, fallback=fallback,
                                   test_accuracy=fallback.metrics["test_accuracy"],
-                                  registration=registration)
+                                  registration=finished.registration)
     publish("pipeline-summary", f"pipeline: {config.teacher_model} -> {config.student_model} "
             f"on {config.data}", run_id, finished, {
                 **{f"step {s.name}": f"test {s.test_accuracy:.4f}, validation "

@@ -24,13 +24,8 @@ from tasks.configs.image_text import unseen_labels
 from tasks.configs.sections import ClassifierConfig, DataSection, RunSection, classifier_config
 from tasks.configs.sparsify import SparsitySpec
 from tasks.data import DatasetRef, pixel_baselines, prepare_dataset, source_version
-from tasks.training import (
-    EpochResult,
-    TestResult,
-    fit_to_data,
-    test_and_export,
-    train_classifier_epoch,
-)
+from tasks.rounds import RoundPlan, RoundResult, train_round
+from tasks.training import ClassifierRound, TestResult, fit_to_data, test_and_export
 from training.baselines import best_baseline, mirror_safe
 from training.budget import Budget
 from training.recipe import EarlyStopping
@@ -145,20 +140,25 @@ def budgeted_classifier(config: BaseModel, prepared: Prepared, run_id: str, roun
         "batch_size": budget.batch_size, "epochs": rounds}), budget
 
 
-def run_rounds(rounds: int, train_round: Callable[[int, ArtifactRef | None], EpochResult],
-               run_id: str, patience: int | None, val_images: int,
-               key: str = "val_accuracy", name: str = "checkpoint", first_step: int = 0,
-               keep_from: int = 0) -> EpochResult:
-    """Runs `train_round(epoch, previous checkpoint)` for up to `rounds` rounds, logging each
-    round's metrics (at step `first_step` + the round's number) and checkpoint (as
-    `<name>.epoch-NNN`), with early stopping on the metric `key` after `patience` rounds below
-    the best; returns the round to keep (`training.recipe.EarlyStopping`). Rounds before
-    `keep_from` (0-based) are neither kept nor counted by the early stopping."""
+def run_rounds(rounds: int, plan_of: Callable[[int, ArtifactRef | None], RoundPlan],
+               run_id: str,
+               patience: int | None, val_images: int, key: str = "val_accuracy",
+               name: str = "checkpoint", first_step: int = 0, keep_from: int = 0,
+               previous: ArtifactRef | None = None,
+               train: Callable[[RoundPlan, ArtifactRef | None], RoundResult] = train_round
+               ) -> RoundResult:
+    """Runs the round task (`tasks.rounds.train_round`, or `train`) on
+    `plan_of(epoch, previous)` from the previous round's checkpoint (the first from
+    `previous`) for up to `rounds` rounds, logging each round's metrics (at step `first_step`
+    + the round's number) and checkpoint (as `<name>.epoch-NNN`), with early stopping on the
+    metric `key` after `patience` rounds below the best; returns the round to keep
+    (`training.recipe.EarlyStopping`). Rounds before `keep_from` (0-based) are neither kept
+    nor counted by the early stopping."""
     logger = get_run_logger()
     stopping = EarlyStopping(patience, val_images)
-    previous, best = None, None
+    best = None
     for epoch in range(rounds):
-        result = train_round(epoch, previous)
+        result = train(plan_of(epoch, previous), previous)
         tracking.log_metrics(run_id, result.metrics, step=first_step + epoch + 1)
         tracking.log_artifact_refs(run_id, {f"{name}.epoch-{epoch + 1:03d}":
                                             result.checkpoint})
@@ -179,14 +179,14 @@ def train_epochs(classifier: ClassifierConfig, prepared: Prepared, budget: Budge
                  run_id: str, patience: int | None, run_name: str = "train",
                  sparsity: SparsitySpec | None = None,
                  start: ArtifactRef | None = None, name: str = "checkpoint",
-                 first_step: int = 0) -> EpochResult:
+                 first_step: int = 0) -> RoundResult:
     """The classifier's rounds of `budget` (`run_rounds`: early stopping on validation
     accuracy, checkpoints logged as `<name>.epoch-NNN`, metrics from step `first_step` + 1);
     the round to keep. `sparsity` adds the `sparsify` flow's activation-sparsity term to the
     loss; `start`: weights to fine-tune instead of a fresh network."""
-    return run_rounds(classifier.epochs, lambda epoch, previous: train_classifier_epoch(
-        classifier, prepared.dataset, epoch, previous, run_name, budget.repeats, sparsity,
-        start),
+    return run_rounds(classifier.epochs, lambda epoch, _previous: ClassifierRound(
+        config=classifier, dataset=prepared.dataset, epoch=epoch, run_name=run_name,
+        repeats=budget.repeats, sparsity=sparsity, start=start),
         run_id, patience, prepared.dataset.sizes["val"], name=name, first_step=first_step)
 
 
@@ -213,10 +213,21 @@ def finish(run_id: str, name: str, config: RunSection, classifier: ClassifierCon
     test = test_and_export(classifier, prepared.dataset, checkpoint, weights)
     tracking.log_metrics(run_id, test.metrics | {"val_accuracy": val_accuracy})
     tracking.log_artifact_refs(run_id, {"program": test.program, "checkpoint.final": checkpoint})
+    return conclude(run_id, config, prepared, val_accuracy, test, lambda refusal: (
+        register_and_promote(run_id, name, prepared.dataset, test.program, Policy.of(config),
+                             refusal)))
+
+
+def conclude(run_id: str, config: RunSection, prepared: Prepared, val_accuracy: float,
+             test: TestResult, register: Callable[[str | None], Registration]) -> Finished:
+    """How every flow ends: the model's validation accuracy judged against the raw-pixel
+    baselines (`judge_baseline`), then `register(refusal)` with the gate's refusal when
+    `config.baseline_gate` is on and the model is below them (registered, never champion),
+    else None. `finish` is this for a classifier's exported program; a flow whose model is
+    not one (a cascade, an image-text network, the pipeline's fallback pair) tests it its own
+    way and registers its own pyfunc."""
     baseline = judge_baseline(run_id, prepared, val_accuracy)
-    registration = register_and_promote(run_id, name, prepared.dataset, test.program,
-                                        Policy.of(config),
-                                        baseline if config.baseline_gate else None)
+    registration = register(baseline.refusal() if config.baseline_gate else None)
     return Finished(test=test, registration=registration, baseline=baseline)
 
 

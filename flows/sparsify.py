@@ -33,6 +33,7 @@ from tasks.adapters.versioning import ArtifactRef
 from tasks.configs.sections import ClassifierConfig
 from tasks.configs.sparsify import SparsifyConfig, SparsitySpec
 from tasks.initial_weights import fetch_initial_weights
+from tasks.rounds import RoundResult
 from tasks.sparsify import (
     ActivationReport,
     PruneResult,
@@ -48,7 +49,7 @@ from tasks.sparsify import (
     zero_target_step,
     zero_target_thresholds,
 )
-from tasks.training import EpochResult, train_classifier_epoch
+from tasks.training import ClassifierRound
 from training.budget import Budget
 
 
@@ -66,7 +67,7 @@ class SparsifySummary(ClassifierSummary):
 
 def train_sparse(config: SparsifyConfig, classifier: ClassifierConfig, prepared: Prepared,
                  budget: Budget, run_id: str, start: ArtifactRef | None = None
-                 ) -> tuple[SparsitySpec, EpochResult, SparsityReport]:
+                 ) -> tuple[SparsitySpec, RoundResult, SparsityReport]:
     """The config's sparsity term, the rounds trained with it (from `start`'s weights when
     given: fine-tuning), with `--zero-threshold-tolerance` or `--zero-target` the kept round's
     activation thresholds (raised by `--threshold-cycles` of training with them in place, or
@@ -95,7 +96,7 @@ def train_sparse(config: SparsifyConfig, classifier: ClassifierConfig, prepared:
 
 def ramped_training(config: SparsifyConfig, classifier: ClassifierConfig, prepared: Prepared,
                     budget: Budget, run_id: str, spec: SparsitySpec, start: ArtifactRef | None
-                    ) -> tuple[EpochResult, dict[str, float]]:
+                    ) -> tuple[RoundResult, dict[str, float]]:
     """`--zero-target-ramp FIRST,LAST`: the run's rounds with the thresholds raised inside it.
     Before round r (from 1) = FIRST..LAST a calibration on the last round's network (the
     checkpoint's thresholds in place) takes each layer 1 / (LAST + 1 - r) of the way to the
@@ -108,15 +109,16 @@ def ramped_training(config: SparsifyConfig, classifier: ClassifierConfig, prepar
     first, last = config.zero_target_ramp
     layers = tuple(spec.lambdas)
 
-    def ramped_round(epoch: int, previous: ArtifactRef | None) -> EpochResult:
+    def ramped_round(epoch: int, previous: ArtifactRef | None) -> ClassifierRound:
         held = spec
         if epoch + 1 >= first:  # this calibration closes 1 / (calibrations left) of the gap
             calibrated = zero_target_step(classifier, prepared.dataset, previous or start,
                                           layers, config.zero_target, 1.0 / max(last - epoch, 1))
             tracking.log_metrics(run_id, calibrated.metrics(), step=epoch)
             held = spec.model_copy(update={"thresholds": calibrated.thresholds})
-        return train_classifier_epoch(classifier, prepared.dataset, epoch, previous, FLOW_NAME,
-                                      budget.repeats, held, start)
+        return ClassifierRound(config=classifier, dataset=prepared.dataset, epoch=epoch,
+                               run_name=FLOW_NAME, repeats=budget.repeats, sparsity=held,
+                               start=start)
 
     best = run_rounds(classifier.epochs, ramped_round, run_id, config.patience,
                       prepared.dataset.sizes["val"], keep_from=last - 1)
@@ -129,7 +131,7 @@ def ramped_training(config: SparsifyConfig, classifier: ClassifierConfig, prepar
 
 def thresholded_training(config: SparsifyConfig, classifier: ClassifierConfig,
                          prepared: Prepared, budget: Budget, run_id: str, spec: SparsitySpec,
-                         best: EpochResult) -> tuple[EpochResult, dict[str, float]]:
+                         best: RoundResult) -> tuple[RoundResult, dict[str, float]]:
     """Activation thresholds on `best`'s network: calibrated to `--zero-threshold-tolerance`
     or set for `--zero-target` (in equal steps, one per calibration), raised over
     `--threshold-cycles` of training with them in place, then `--threshold-settle-epochs`
@@ -175,7 +177,7 @@ def thresholded_training(config: SparsifyConfig, classifier: ClassifierConfig,
 
 def threshold_cycle(config: SparsifyConfig, classifier: ClassifierConfig, prepared: Prepared,
                     budget: Budget, run_id: str, spec: SparsitySpec, thresholded: Thresholded,
-                    cycle: int, settle: bool = False) -> EpochResult:
+                    cycle: int, settle: bool = False) -> RoundResult:
     """Cycle `cycle` (0-based) of `--threshold-cycles`: `--threshold-cycle-epochs` rounds
     from the calibrated checkpoint with its thresholds in place while training (FATReLU
     fine-tuning, Kurtz et al. 2020: the network adapts to the zeros it is given) and the term,
@@ -264,7 +266,7 @@ def sparsify(config: SparsifyConfig) -> SparsifySummary | CanvasSummary:
         tracking.log_figure(run_id, sparsity_figure(
             test_report, f"{config.model}, {spec.build().describe()}"),
             "sparsity/test_layers.png")
-        summary = SparsifySummary(run_id=run_id, best_epoch=best.epoch + 1,
+        summary = SparsifySummary(run_id=run_id, best_epoch=best.round + 1,
                                   val_accuracy=best.metrics["val_accuracy"],
                                   test_accuracy=finished.test_accuracy,
                                   baselines=prepared.baselines, spec=spec, report=report,

@@ -22,18 +22,18 @@ from tasks.adapters.registration import Registration
 from tasks.adapters.reporting import publish_summary
 from tasks.canvas import (
     SCORE,
+    CanvasRound,
     LayoutsRef,
     build_layouts,
     canvas_sparsity_report,
     canvas_sparsity_spec,
     register_canvas,
     test_canvas,
-    train_canvas_round,
 )
 from tasks.configs.sparsify import SparsifyConfig, SparsitySpec
 from tasks.data import prepare_dataset, source_version
+from tasks.rounds import RoundResult
 from tasks.sparsify import ActivationReport, SparsityReport, log_sweep, sparsity_figure
-from tasks.training import EpochResult
 
 FLOW_NAME = "sparsify"
 
@@ -74,7 +74,7 @@ def layouts_of(config: SparsifyConfig, run_id: str) -> LayoutsRef:
 
 
 def train_sparse(config: SparsifyConfig, layouts: LayoutsRef, run_id: str
-                 ) -> tuple[SparsitySpec, EpochResult, SparsityReport]:
+                 ) -> tuple[SparsitySpec, RoundResult, SparsityReport]:
     """The config's sparsity term, the rounds trained with it (the round kept) and the kept
     network's activations on the validation canvases, logged on `run_id`."""
     spec = canvas_sparsity_spec(config, layouts)
@@ -83,8 +83,9 @@ def train_sparse(config: SparsifyConfig, layouts: LayoutsRef, run_id: str
     get_run_logger().info("sparsity term %s on %s", spec.build().describe(), ", ".join(
         f"{k} (lambda {v:.3g})" for k, v in spec.lambdas.items()))
     active = any(value > 0 for value in spec.lambdas.values())
-    best = run_rounds(config.epochs, lambda epoch, previous: train_canvas_round(
-        config, layouts, epoch, previous, spec if active else None), run_id, config.patience,
+    best = run_rounds(config.epochs, lambda epoch, _previous: CanvasRound(
+        config=config, layouts=layouts, epoch=epoch, sparsity=spec if active else None),
+        run_id, config.patience,
         layouts.sizes["val"], f"val_{SCORE[config.task]}")
     report = canvas_sparsity_report(config, layouts, best.checkpoint, spec)
     tracking.log_metrics(run_id, report.split_metrics())
@@ -141,9 +142,9 @@ def sparsify_canvas(config: SparsifyConfig, name: str, run_id: str) -> CanvasSum
                          f"{test_report.metrics()['memory_bitmap_ratio']:.3f} of dense",
                      "canvases": "synthetic layouts of real images: " + ", ".join(
                          f"{k} {v}" for k, v in layouts.sizes.items()),
-                     "best round (validation)": f"{best.epoch + 1} ({report.val_score:.4f})",
+                     "best round (validation)": f"{best.round + 1} ({report.val_score:.4f})",
                      "model": registration.describe(),
                      "decision": registration.decision, "MLflow run": run_id})
-    return CanvasSummary(run_id=run_id, task=config.task, best_epoch=best.epoch + 1,
+    return CanvasSummary(run_id=run_id, task=config.task, best_epoch=best.round + 1,
                         val_score=report.val_score, test=test, spec=spec, report=report,
                         test_report=test_report, sweep=points, registration=registration)

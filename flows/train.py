@@ -38,7 +38,7 @@ def train(config: TrainConfig) -> TrainSummary:
         best = train_epochs(classifier, prepared, budget, run_id, config.patience)
         finished = finish(run_id, name, config, classifier, prepared, best.checkpoint,
                           best.metrics["val_accuracy"])
-        summary = TrainSummary(run_id=run_id, best_epoch=best.epoch + 1,
+        summary = TrainSummary(run_id=run_id, best_epoch=best.round + 1,
                                val_accuracy=best.metrics["val_accuracy"],
                                test_accuracy=finished.test_accuracy,
                                baselines=prepared.baselines, repeats=budget.repeats,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from contextlib import nullcontext
 
 import torch
 from prefect import task
@@ -22,7 +21,7 @@ from models.canvas import build_task_model
 from serving.canvas import served_scores
 from tasks.adapters import tracking
 from tasks.adapters.caching import computation_key, result_fields
-from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint, torch_save
+from tasks.adapters.checkpoints import load_checkpoint, torch_save
 from tasks.adapters.registration import (
     Policy,
     Registration,
@@ -34,24 +33,24 @@ from tasks.adapters.registration import (
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.sparsify import SparsifyConfig, SparsitySpec
 from tasks.data import DatasetRef, load_dataset
+from tasks.rounds import Closed, Opened, RoundPlan, setup_device
 from tasks.sparsify import ActivationReport, SparsityReport, measured_layers, measured_report
-from tasks.training import EpochResult, make_optimizer, setup_device
-from training.canvas.contours import contour_scores, contour_step
-from training.canvas.detection import as_rgb, detect, detection_step, mean_average_precision
+from tasks.training import make_optimizer
+from training.canvas.contours import contour_scores
+from training.canvas.detection import as_rgb, detect, mean_average_precision
 from training.canvas.layouts import LayoutBatches, Layouts, LayoutSpec, make_layouts
+from training.canvas.rounds import TARGET, CanvasStep, LayoutPasses
 from training.device import place_model
-from training.loops import cosine_lr, train_epoch
 from training.recipe import optimizer_to
+from training.rounds import Round, Trainee
 from training.sparsify.term import (
     activation_stats,
     layer_lambdas,
     layer_shapes,
     map_area,
-    sparsity_regularized,
 )
 
 SPLITS = ("train", "val", "test")
-TARGET = {"detection": "boxes", "contour": "contours"}
 SCORE = {"detection": "map_50", "contour": "boundary_f"}
 EVAL_BATCH = 32
 
@@ -140,50 +139,58 @@ def score(config: SparsifyConfig, model: nn.Module, layouts: Layouts,
     return contour_scores(model, batches, device, config.boundary_tolerance)
 
 
-def _round_name() -> str:
-    from prefect.runtime import task_run
+class CanvasRound(RoundPlan):
+    """Round `epoch` (0-based) of `config.epochs`: one shuffled, flipped pass over the
+    training canvases on the cosine schedule of the whole run, with the sparsity term when
+    given; then the validation canvases are scored (`val_map_50` or `val_boundary_f`). It
+    trains in one process (`training.canvas.rounds`)."""
 
-    parameters = task_run.parameters
-    return f"{parameters['config'].task}-{parameters['epoch'] + 1}"
+    config: SparsifyConfig
+    layouts: LayoutsRef
+    epoch: int
+    sparsity: SparsitySpec | None = None
 
+    @property
+    def number(self) -> int:
+        return self.epoch
 
-@task(cache_key_fn=computation_key, persist_result=True, task_run_name=_round_name)
-def train_canvas_round(config: SparsifyConfig, layouts: LayoutsRef, epoch: int,
-                      previous: ArtifactRef | None, sparsity: SparsitySpec | None
-                      ) -> EpochResult:
-    """Round `epoch` (0-based) of `config.epochs` from `previous`: one shuffled, flipped pass
-    over the training canvases on the cosine schedule of the whole run, with the sparsity term
-    when given; then the validation canvases are scored (`val_map_50` or `val_boundary_f`)."""
-    device = setup_device(config)
-    model = new_network(config, layouts)
-    optimizer = make_optimizer(model, config)
-    if previous is not None:
-        state = load_checkpoint(ArtifactStore(), previous)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-    model = place_model(model, device)
-    optimizer_to(optimizer, device)
-    generator = torch.Generator().manual_seed(config.seed * 100_003 + epoch)
-    train = LayoutBatches(load_layouts(layouts, "train"), TARGET[config.task],
-                          config.batch_size, device, generator)
-    total = config.epochs * len(train)
-    warmup = round(config.warmup_epochs * len(train))
-    step = detection_step() if config.task == "detection" else contour_step()
-    with (sparsity_regularized(step, model, sparsity.lambdas, sparsity.build())
-          if sparsity is not None else nullcontext(step)) as step:
-        metrics = train_epoch(model, optimizer, train, step, device,
-                              lambda i: cosine_lr(config.lr, i, total, warmup),
-                              first_step=epoch * len(train), grad_clip=config.grad_clip,
-                              progress=f"{config.task} {epoch + 1}" if config.progress else None)
-    scores = score(config, model, load_layouts(layouts, "val"), device)
-    key = hashlib.md5(json.dumps([result_fields(config), layouts.artifact.md5,
-                                  sparsity.model_dump() if sparsity else None],
-                                 sort_keys=True).encode()).hexdigest()[:12]
-    checkpoint = save_checkpoint(ArtifactStore(), f"sparsify/{key}/round-{epoch + 1:03d}.pt",
-                                 {"model": {k: v.cpu() for k, v in model.state_dict().items()},
-                                  "optimizer": optimizer.state_dict(), "epoch": epoch})
-    return EpochResult(epoch=epoch, checkpoint=checkpoint,
-                       metrics=metrics | {f"val_{k}": v for k, v in scores.items()})
+    def task_name(self) -> str:
+        return f"{self.config.task}-{self.epoch + 1}"
+
+    def open(self, previous: ArtifactRef | None, device: torch.device) -> Opened:
+        config = self.config
+        model = new_network(config, self.layouts)
+        optimizer = make_optimizer(model, config)
+        if previous is not None:
+            state = load_checkpoint(ArtifactStore(), previous)
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+        model = place_model(model, device)
+        optimizer_to(optimizer, device)
+        round_ = Round(
+            network=None, step=CanvasStep(config.task),
+            batches=LayoutPasses(load_layouts(self.layouts, "train"), config.task,
+                                 config.batch_size, config.seed),
+            passes=(self.epoch,), schedule=(0, config.epochs), lr=config.lr,
+            momentum=config.momentum, weight_decay=config.weight_decay,
+            warmup_epochs=config.warmup_epochs, grad_clip=config.grad_clip,
+            sparsity=None if self.sparsity is None else self.sparsity.term(),
+            progress=config.task if config.progress else None)
+        return Opened(Trainee(model, optimizer), round_)
+
+    def close(self, opened: Opened, device: torch.device, metrics: dict[str, float],
+              seconds: float) -> Closed:
+        model = opened.trainee.model
+        scores = score(self.config, model, load_layouts(self.layouts, "val"), device)
+        payload = {"model": {k: v.cpu() for k, v in model.state_dict().items()},
+                   "optimizer": opened.trainee.optimizer.state_dict(), "epoch": self.epoch}
+        return Closed(metrics | {f"val_{k}": v for k, v in scores.items()}, payload)
+
+    def relpath(self) -> str:
+        key = hashlib.md5(json.dumps([result_fields(self.config), self.layouts.artifact.md5,
+                                      self.sparsity.model_dump() if self.sparsity else None],
+                                     sort_keys=True).encode()).hexdigest()[:12]
+        return f"sparsify/{key}/round-{self.epoch + 1:03d}.pt"
 
 
 def _activations(config: SparsifyConfig, model: nn.Module, layouts: Layouts, layers: list[str],

@@ -7,10 +7,8 @@ metrics; each is cached on its inputs, so a killed run resumes.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -21,21 +19,22 @@ from pydantic import BaseModel, ConfigDict
 from models.cascade import CascadeNet, build_cascade
 from tasks.adapters.caching import computation_key
 from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint
-from tasks.adapters.torchrun import round_job, train_round_data_parallel
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.cascade import CascadeConfig
-from tasks.data import DatasetRef, LoadedDataset, load_dataset
-from tasks.training import EpochResult, eval_batches, run_key, setup_device
+from tasks.data import DatasetRef, load_dataset
+from tasks.rounds import Closed, Opened, RoundPlan, RoundResult, setup_device
+from tasks.training import eval_batches, run_key
 from training.batches import Batches, Normalize
 from training.budget import Budget, fit_budget
 from training.cascade.learning import (
+    CascadeNetwork,
+    ModuleStep,
     StageModel,
     curriculum,
     difficulty,
     distill_exits,
     exit_accuracies,
     fixed_choice,
-    module_step,
     out_of_fold_logits,
     predictor_step,
     relative_costs,
@@ -50,6 +49,7 @@ from training.latency import (
 )
 from training.loops import evaluate
 from training.recipe import optimizer_to, sgd, train_round
+from training.rounds import SINGLE, ImageBatches, Round, Trainee
 
 
 class CascadeSets(BaseModel):
@@ -139,81 +139,83 @@ def module_budget(config: CascadeConfig, images: int) -> Budget:
                       config.max_epochs, None, config.min_steps_full_below)
 
 
-def _batches(config: CascadeConfig, dataset: DatasetRef, data: LoadedDataset,
-             rows: torch.Tensor, batch_size: int, device: torch.device, seed: int) -> Batches:
-    return Batches(data.images, data.labels, rows, batch_size, Normalize(dataset.mean,
-                   dataset.std), shuffle=True, seed=seed, augment=config.augment,
-                   drop_last=True, device=device, flip=config.flips())
-
-
-def _round_name() -> str:
-    params = task_run.parameters
-    return f"module-{params['k']}-round-{params['epoch'] + 1}"
-
-
-@task(cache_key_fn=computation_key, persist_result=True, task_run_name=_round_name)
-def train_module_round(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
-                       latency: ArtifactRef, k: int, epoch: int, previous: ArtifactRef | None,
-                       start: ArtifactRef | None) -> EpochResult:
+class ModuleRound(RoundPlan):
     """Round `epoch` of module k on its curriculum set (`--stage-training`: the modules before
-    it train along, or stay frozen), from `start` (the cascade as module k - 1 left it) or
-    `previous` (this module's last round); then module k's exit scored on validation
-    (`module{k}_val_accuracy`: its most expensive sub-network). With `config.ddp_procs` > 1
-    the round trains data-parallel under torchrun (`tasks/adapters/torchrun.py`) on the same
-    batches and schedule."""
-    device = setup_device(config)
-    store = ArtifactStore()
-    data = load_dataset(dataset)
-    rows = load_checkpoint(store, sets.artifact)["modules"][k]
-    budget = module_budget(config, len(rows))
-    net = new_cascade(config, dataset)
-    frozen = config.stage_training == "frozen"
-    stage = StageModel(net, k, frozen)
-    optimizer = sgd(stage.trainable_parameters(), config.lr, config.momentum,
-                    config.weight_decay)
-    source = previous or start
-    if source is not None:
-        payload = load_checkpoint(store, source)
-        net.load_state_dict(payload["model"])
-        if previous is not None:
-            optimizer.load_state_dict(payload["optimizer"])
-    net.to(device)
-    optimizer_to(optimizer, device)
-    relative = (relative_costs(net, part_costs(read_table(latency)), k) if net.is_super(k)
-                else None)
-    passes = range(epoch * budget.repeats, (epoch + 1) * budget.repeats)
-    seeds = [config.seed * 1000 + n + 100 * k for n in passes]  # each pass's shuffling
-    schedule, warmup = (0, budget.epochs), config.warmup_epochs * budget.repeats
-    started = time.perf_counter()
-    if config.ddp_procs == 1:
-        step = module_step(net, k, relative, config.latency_weight, config.label_smoothing,
-                           frozen)
-        losses = train_round(stage, optimizer, lambda n: _batches(
-            config, dataset, data, rows, budget.batch_size, device, seeds[n - passes[0]]),
-            step, device, passes, config.lr, schedule, warmup, config.grad_clip)
-    else:
-        job = round_job(config, dataset, data, net, optimizer, rows, passes, schedule, warmup,
-                        seeds=seeds, batch_size=budget.batch_size, cascade={
-                            "spec": dataclasses.asdict(config.spec()), "k": k,
-                            "frozen": frozen, "latency_weight": config.latency_weight,
-                            "relative_time": None if relative is None else relative.cpu()})
-        losses = train_round_data_parallel(config.ddp_procs, job, net, optimizer, None,
-                                           config.threads)
-    seconds = time.perf_counter() - started
-    val = evaluate(stage, eval_batches(data, dataset, "val", device), device)
-    metrics = {f"module{k}_{name}": value for name, value in losses.items()} | {
-        f"module{k}_val_accuracy": val["accuracy"], f"module{k}_train_seconds": seconds}
-    payload = {"model": net.state_dict(), "optimizer": optimizer.state_dict(), "module": k,
-               "epoch": epoch}
-    relpath = f"checkpoints/cascade/{run_key(config, dataset)}/module-{k}-round-{epoch + 1:03d}.pt"
-    return EpochResult(epoch=epoch, checkpoint=save_checkpoint(store, relpath, payload),
-                       metrics=metrics)
+    it train along, or stay frozen; `training.cascade.learning.ModuleStep`), from `start` (the
+    cascade as module k - 1 left it) or the previous round of this module; then module k's
+    exit scored on validation (`module{k}_val_accuracy`: its most expensive sub-network)."""
+
+    config: CascadeConfig
+    dataset: DatasetRef
+    sets: CascadeSets
+    latency: ArtifactRef
+    k: int
+    epoch: int
+    start: ArtifactRef | None = None
+
+    @property
+    def number(self) -> int:
+        return self.epoch
+
+    def task_name(self) -> str:
+        return f"module-{self.k}-round-{self.epoch + 1}"
+
+    def open(self, previous: ArtifactRef | None, device: torch.device) -> Opened:
+        config, k, store = self.config, self.k, ArtifactStore()
+        data = load_dataset(self.dataset)
+        rows = load_checkpoint(store, self.sets.artifact)["modules"][k]
+        budget = module_budget(config, len(rows))
+        net = new_cascade(config, self.dataset)
+        frozen = config.stage_training == "frozen"
+        optimizer = sgd(StageModel(net, k, frozen).trainable_parameters(), config.lr,
+                        config.momentum, config.weight_decay)
+        source = previous or self.start
+        if source is not None:
+            payload = load_checkpoint(store, source)
+            net.load_state_dict(payload["model"])
+            if previous is not None:
+                optimizer.load_state_dict(payload["optimizer"])
+        net.to(device)
+        optimizer_to(optimizer, device)
+        relative = (relative_costs(net, part_costs(read_table(self.latency)), k)
+                    if net.is_super(k) else None)
+        passes = range(self.epoch * budget.repeats, (self.epoch + 1) * budget.repeats)
+        seeds = tuple(config.seed * 1000 + n + 100 * k for n in passes)  # each pass's shuffle
+        step = ModuleStep(k, frozen, None if relative is None else relative.cpu(),
+                          config.latency_weight, config.label_smoothing, seeds[0])
+        round_ = Round(
+            network=CascadeNetwork(config.spec(), self.dataset.channels,
+                                   len(self.dataset.classes)),
+            step=step,
+            batches=ImageBatches(data.images, data.labels, rows, budget.batch_size,
+                                 tuple(self.dataset.mean), tuple(self.dataset.std),
+                                 config.augment, config.flips(), tuple(passes), seeds=seeds),
+            passes=tuple(passes), schedule=(0, budget.epochs), lr=config.lr,
+            momentum=config.momentum, weight_decay=config.weight_decay,
+            warmup_epochs=config.warmup_epochs * budget.repeats, grad_clip=config.grad_clip)
+        return Opened(Trainee(net, optimizer), round_, {"data": data, "frozen": frozen})
+
+    def close(self, opened: Opened, device: torch.device, metrics: dict[str, float],
+              seconds: float) -> Closed:
+        k, net = self.k, opened.trainee.model
+        stage = StageModel(net, k, opened.context["frozen"])
+        val = evaluate(stage, eval_batches(opened.context["data"], self.dataset, "val", device),
+                       device)
+        metrics = {f"module{k}_{name}": value for name, value in metrics.items()} | {
+            f"module{k}_val_accuracy": val["accuracy"], f"module{k}_train_seconds": seconds}
+        payload = {"model": net.state_dict(), "optimizer": opened.trainee.optimizer.state_dict(),
+                   "module": k, "epoch": self.epoch}
+        return Closed(metrics, payload)
+
+    def relpath(self) -> str:
+        return (f"checkpoints/cascade/{run_key(self.config, self.dataset)}/"
+                f"module-{self.k}-round-{self.epoch + 1:03d}.pt")
 
 
 @task(cache_key_fn=computation_key, persist_result=True,
       task_run_name=lambda: f"fit-predictor-{task_run.parameters['k']}")
 def fit_predictor(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
-                  latency: ArtifactRef, k: int, checkpoint: ArtifactRef) -> EpochResult:
+                  latency: ArtifactRef, k: int, checkpoint: ArtifactRef) -> RoundResult:
     """Super-network module k's predictor, fitted on the second training set by the
     latency-aware loss (`--predictor fitted`), or one sub-network chosen for good there
     (`--predictor fixed`). Metrics: `predictor{k}_share_{s}`, the share of validation images
@@ -238,10 +240,14 @@ def fit_predictor(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
         stage = StageModel(net, k, predictor_only=True)
         optimizer = sgd(stage.trainable_parameters(), config.lr, config.momentum, 0.0)
         batch = min(config.batch_size, max(16, len(second) // 8))
-        losses = train_round(stage, optimizer, lambda n: _batches(
-            config, dataset, data, second, batch, device, config.seed * 1000 + 7 * n + 1),
-            predictor_step(net, k, relative, config.latency_weight), device,
-            range(config.predictor_epochs), config.lr, (0, config.predictor_epochs))
+        passes = range(config.predictor_epochs)
+        batches = ImageBatches(data.images, data.labels, second, batch, tuple(dataset.mean),
+                               tuple(dataset.std), config.augment, config.flips(),
+                               tuple(passes), seeds=tuple(config.seed * 1000 + 7 * n + 1
+                                                          for n in passes))
+        losses = train_round(stage, optimizer, batches.for_passes(device, SINGLE),
+                             predictor_step(net, k, relative, config.latency_weight), device,
+                             passes, config.lr, (0, config.predictor_epochs))
         metrics |= {f"predictor{k}_{name}": value for name, value in losses.items()}
     net.eval()
     routed = []
@@ -253,13 +259,13 @@ def fit_predictor(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
         (shares / shares.sum()).tolist())}
     relpath = f"checkpoints/cascade/{run_key(config, dataset)}/module-{k}-predictor.pt"
     payload = {"model": net.state_dict(), "module": k}
-    return EpochResult(epoch=0, checkpoint=save_checkpoint(store, relpath, payload),
+    return RoundResult(round=0, checkpoint=save_checkpoint(store, relpath, payload),
                        metrics=metrics)
 
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="distill-exits")
 def refit_exits(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
-                checkpoint: ArtifactRef) -> EpochResult:
+                checkpoint: ArtifactRef) -> RoundResult:
     """Every exit head but the last refitted to the last exit on the first training set (the
     images the modules trained on; `training.cascade.learning.distill_exits`), the rest of the
     network unchanged. Metrics: each exit's validation accuracy before
@@ -284,6 +290,6 @@ def refit_exits(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
     metrics |= {f"exit{k}_val_accuracy_before_refit": v for k, v in enumerate(before)} | {
         f"exit{k}_val_accuracy": v for k, v in enumerate(after)}
     relpath = f"checkpoints/cascade/{run_key(config, dataset)}/exits-refit.pt"
-    return EpochResult(epoch=0, checkpoint=save_checkpoint(store, relpath,
+    return RoundResult(round=0, checkpoint=save_checkpoint(store, relpath,
                                                            {"model": net.state_dict()}),
                        metrics=metrics)

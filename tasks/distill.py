@@ -1,4 +1,5 @@
-"""Distillation tasks: a teacher stage, a feature-bank snapshot, a student stage.
+"""Distillation tasks: a teacher stage (`TeacherRound`), a feature-bank snapshot, a student
+stage (`StudentRound`); the stages train through `tasks.rounds.train_round`.
 
 Each task loads its inputs by reference, does one coarse unit of work, writes its output
 atomically into the artifact store (versioned with DVC) and returns the reference and metrics.
@@ -18,12 +19,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
 from tasks.adapters.caching import computation_key
-from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint, torch_save
-from tasks.adapters.torchrun import round_job, train_round_data_parallel
+from tasks.adapters.checkpoints import load_checkpoint, torch_save
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.distill import DistillConfig
 from tasks.configs.sections import ClassifierConfig, StrictConfig
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
+from tasks.rounds import Closed, Opened, RoundPlan, setup_device
 from tasks.training import (
     eval_batches,
     make_optimizer,
@@ -31,24 +32,24 @@ from tasks.training import (
     restore,
     resume,
     run_key,
-    setup_device,
 )
 from training.batches import Batches, Normalize
 from training.budget import Budget
-from training.ddp_round import cpu_state
 from training.device import inference_batch, place_model
 from training.distill.feature_bank import DTYPES, FeatureBank
-from training.distill.losses import (
-    FeatureAdapter,
-    FeatureLoss,
-    bank_targets,
-    distillation_step,
-    layer_shape,
-)
-from training.distill.stages import draw_stage_ids, layer_features, train_stage
-from training.features import FeatureHooks
-from training.loops import classification_step
+from training.distill.losses import DistillStep, FeatureAdapter, layer_shape
+from training.distill.stages import draw_stage_ids, layer_features, stage_passes
+from training.loops import evaluate
 from training.recipe import optimizer_to
+from training.rounds import (
+    ClassifierNetwork,
+    ClassifyStep,
+    ImageBatches,
+    NetworkSpec,
+    Round,
+    StepSpec,
+    Trainee,
+)
 
 Role = Literal["teacher", "student"]
 
@@ -131,17 +132,6 @@ class DistillPlan(BaseModel):
         return cls(teacher=teacher, bank=bank, student=student)
 
 
-class StageResult(BaseModel):
-    """A teacher or student stage: the checkpoint of the network it produced, and metrics."""
-
-    model_config = ConfigDict(frozen=True)
-
-    role: Role
-    stage: int
-    checkpoint: ArtifactRef
-    metrics: dict[str, float]
-
-
 class BankSnapshot(BaseModel):
     """A feature-bank snapshot: its artifact and what it holds."""
 
@@ -162,37 +152,36 @@ def stage_ids(role: RoleConfig, train_ids: Tensor, stage: int) -> Tensor:
                           role.front_weight, role.back_weight, role.queue)
 
 
-def stage_batches(role: RoleConfig, dataset: DatasetRef, data: LoadedDataset, ids: Tensor,
-                  stage: int, device: torch.device) -> Batches:
-    """Shuffled, augmented batches over a stage's images (a short last batch is dropped)."""
-    return Batches(data.images, data.labels, ids, role.batch_size,
-                   Normalize(dataset.mean, dataset.std), shuffle=True,
-                   seed=role.seed * 1000 + stage, augment=role.augment, drop_last=True,
-                   device=device, flip=role.flips())
+def stage_round(role: RoleConfig, dataset: DatasetRef, data: LoadedDataset, ids: Tensor,
+                stage: int, step: StepSpec, network: NetworkSpec) -> Round:
+    """Stage `stage` (1-based) of `role`: `role.repeats` passes over one stream of shuffled,
+    augmented batches of the stage's images, on the cosine schedule spanning all stages
+    (`training.distill.stages.stage_passes`)."""
+    passes, schedule = stage_passes(stage, role.epochs, role.repeats)
+    return Round(
+        network=network, step=step,
+        batches=ImageBatches(data.images, data.labels, ids, role.batch_size, tuple(dataset.mean),
+                             tuple(dataset.std), role.augment, role.flips(), tuple(passes),
+                             stream_seed=role.seed * 1000 + stage),
+        passes=tuple(passes), schedule=schedule, lr=role.lr, momentum=role.momentum,
+        weight_decay=role.weight_decay, warmup_epochs=role.warmup_epochs * role.repeats,
+        grad_clip=role.grad_clip,
+        progress=f"{role.role} stage {stage}/{role.epochs}" if role.progress else None)
 
 
-def run_stage(role: RoleConfig, dataset: DatasetRef, stage: int, model: nn.Module,
-              optimizer: torch.optim.Optimizer, batches: Batches, step, device: torch.device,
-              data: LoadedDataset, adapter: FeatureAdapter | None = None,
-              distill: dict | None = None) -> dict[str, float]:
-    """`training.distill.stages.train_stage` with `role`'s settings: in this process, or with
-    `role.ddp_procs` > 1 data-parallel under torchrun (`tasks/adapters/torchrun.py`), on the same
-    stream of batches; a student stage's job also carries its `adapter` and `distill` (layer, loss,
-    bank), from which `training.ddp_round` builds the same step."""
+def classifier_network(config: ClassifierConfig, dataset: DatasetRef) -> ClassifierNetwork:
+    return ClassifierNetwork(config.model, dataset.channels, len(dataset.classes), config.width)
 
-    def data_parallel(passes: range, schedule: tuple[int, int], warmup: float) -> dict:
-        job = round_job(role, dataset, data, model, optimizer, batches.indices, passes,
-                        schedule, warmup, seed=batches.seed, distill=distill and distill | {
-                            "adapter_shapes": (adapter.student_shape, adapter.teacher_shape),
-                            "adapter": cpu_state(adapter)})
-        return train_round_data_parallel(role.ddp_procs, job, model, optimizer, None,
-                                         role.threads, adapter=adapter)
 
-    return train_stage(model, optimizer, batches,
-                       eval_batches(data, dataset, "val", device), step, device, stage,
-                       role.epochs, role.repeats, role.lr, role.warmup_epochs, role.grad_clip,
-                       f"{role.role} stage {stage}/{role.epochs}" if role.progress else None,
-                       trainer=data_parallel if role.ddp_procs > 1 else None)
+def stage_scores(round_: Round, model: nn.Module, dataset: DatasetRef, data: LoadedDataset,
+                 device: torch.device) -> dict[str, float]:
+    """A stage's validation score and how many images it trained on."""
+    scored = evaluate(model, eval_batches(data, dataset, "val", device), device)
+    batches = round_.batches
+    images = len(round_.passes) * (len(batches.positions) // batches.batch_size) \
+        * batches.batch_size
+    return {"val_accuracy": scored["accuracy"], "val_loss": scored["loss"],
+            "images": float(images)}
 
 
 def pretrain_config(teacher: RoleConfig) -> ClassifierConfig:
@@ -206,23 +195,43 @@ def _stage_name(prefix: str):
     return lambda: f"{prefix}-{task_run.parameters['stage']}"
 
 
-@task(cache_key_fn=computation_key, persist_result=True, task_run_name=_stage_name("teacher"))
-def teacher_stage(teacher: RoleConfig, dataset: DatasetRef, stage: int,
-                  previous: ArtifactRef | None) -> StageResult:
-    """The teacher at state `stage` trains on its N queued images with CE: state `stage + 1`."""
-    device = setup_device(teacher)
-    store = ArtifactStore()
-    data = load_dataset(dataset)
-    model, optimizer = resume(teacher, dataset, store, previous, device)
-    ids = stage_ids(teacher, data.splits["train"], stage)
-    batches = stage_batches(teacher, dataset, data, ids, stage, device)
-    metrics = run_stage(teacher, dataset, stage, model, optimizer, batches,
-                        classification_step(teacher.label_smoothing), device, data)
-    payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-               "stage": stage, "ids": ids, "metrics": metrics}
-    relpath = f"checkpoints/distill/{run_key(teacher, dataset)}/teacher-{stage:03d}.pt"
-    return StageResult(role="teacher", stage=stage, checkpoint=save_checkpoint(
-        store, relpath, payload), metrics=metrics)
+class TeacherRound(RoundPlan):
+    """The teacher at state `stage` trains on its N queued images with CE: state
+    `stage + 1`."""
+
+    config: RoleConfig
+    dataset: DatasetRef
+    stage: int
+
+    @property
+    def number(self) -> int:
+        return self.stage
+
+    def task_name(self) -> str:
+        return f"teacher-{self.stage}"
+
+    def open(self, previous: ArtifactRef | None, device: torch.device) -> Opened:
+        teacher, data = self.config, load_dataset(self.dataset)
+        model, optimizer = resume(teacher, self.dataset, ArtifactStore(), previous, device)
+        ids = stage_ids(teacher, data.splits["train"], self.stage)
+        round_ = stage_round(teacher, self.dataset, data, ids, self.stage,
+                             ClassifyStep(teacher.label_smoothing),
+                             classifier_network(teacher, self.dataset))
+        return Opened(Trainee(model, optimizer), round_, {"data": data, "ids": ids})
+
+    def close(self, opened: Opened, device: torch.device, metrics: dict[str, float],
+              seconds: float) -> Closed:
+        trainee = opened.trainee
+        metrics = metrics | stage_scores(opened.round, trainee.model, self.dataset,
+                                         opened.context["data"], device)
+        payload = {"model": trainee.model.state_dict(),
+                   "optimizer": trainee.optimizer.state_dict(), "stage": self.stage,
+                   "ids": opened.context["ids"], "metrics": metrics}
+        return Closed(metrics, payload)
+
+    def relpath(self) -> str:
+        return (f"checkpoints/distill/{run_key(self.config, self.dataset)}/"
+                f"teacher-{self.stage:03d}.pt")
 
 
 def teacher_features(model: nn.Module, layer: str, dataset: DatasetRef, data: LoadedDataset,
@@ -313,45 +322,58 @@ def student_network(student: StudentConfig, dataset: DatasetRef, feature_shape: 
     return place_model(model, device), adapter.to(device)
 
 
-@task(cache_key_fn=computation_key, persist_result=True, task_run_name=_stage_name("student"))
-def student_stage(student: StudentConfig, dataset: DatasetRef, stage: int,
-                  previous: ArtifactRef | None, bank: ArtifactRef) -> StageResult:
+class StudentRound(RoundPlan):
     """The student at state `stage` learns from its P queued images with CE plus the feature
-    loss against bank `stage`: state `stage + 1`."""
-    device = setup_device(student)
-    store = ArtifactStore()
-    data = load_dataset(dataset)
-    features = load_bank(store, bank, student.bank_memmap)
-    if not student.bank_memmap:
-        features = features.to(device)
-    model, adapter = student_network(student, dataset, features.feature_shape, device)
-    optimizer = make_optimizer(nn.ModuleList([model, adapter]), student)
-    if previous is not None:
-        checkpoint = load_checkpoint(store, previous)
-        restore(model, optimizer, checkpoint, student)
-        adapter.load_state_dict(checkpoint["adapter"])
-        optimizer_to(optimizer, device)
-    ids = stage_ids(student, data.splits["train"], stage)
-    batches = stage_batches(student, dataset, data, ids, stage, device)
-    adapter.train()
-    with FeatureHooks(model, [student.layer]) as hooks:
-        step = distillation_step(hooks, student.layer, adapter, bank_targets(features, device),
-                                 FeatureLoss(student.feature_loss, student.temperature),
-                                 student.ce_weight, student.feature_weight,
-                                 student.label_smoothing)
-        metrics = run_stage(student, dataset, stage, model, optimizer, batches, step, device,
-                            data, adapter, distill={
-                                "layer": student.layer, "bank": features.state_dict(),
-                                "feature_loss": student.feature_loss,
-                                "temperature": student.temperature,
-                                "ce_weight": student.ce_weight,
-                                "feature_weight": student.feature_weight})
-    filled = features.lookup(ids)[1].float().mean().item()
-    metrics |= {"bank_filled_fraction_drawn": filled}
-    payload = {"model": model.state_dict(), "adapter": adapter.state_dict(),
-               "optimizer": optimizer.state_dict(), "stage": stage, "ids": ids,
-               "metrics": metrics}
-    bank_key = bank.path.split("/")[1]  # the student's result depends on the bank's content
-    relpath = f"checkpoints/distill/{run_key(student, dataset)}-{bank_key}/student-{stage:03d}.pt"
-    return StageResult(role="student", stage=stage, checkpoint=save_checkpoint(
-        store, relpath, payload), metrics=metrics)
+    loss against the feature bank `bank` (`training.distill.losses.DistillStep`): state
+    `stage + 1`."""
+
+    config: StudentConfig
+    dataset: DatasetRef
+    stage: int
+    bank: ArtifactRef
+
+    @property
+    def number(self) -> int:
+        return self.stage
+
+    def task_name(self) -> str:
+        return f"student-{self.stage}"
+
+    def open(self, previous: ArtifactRef | None, device: torch.device) -> Opened:
+        student, store, data = self.config, ArtifactStore(), load_dataset(self.dataset)
+        features = load_bank(store, self.bank, student.bank_memmap)
+        if not student.bank_memmap:
+            features = features.to(device)
+        model, adapter = student_network(student, self.dataset, features.feature_shape, device)
+        optimizer = make_optimizer(nn.ModuleList([model, adapter]), student)
+        if previous is not None:
+            checkpoint = load_checkpoint(store, previous)
+            restore(model, optimizer, checkpoint, student)
+            adapter.load_state_dict(checkpoint["adapter"])
+            optimizer_to(optimizer, device)
+        ids = stage_ids(student, data.splits["train"], self.stage)
+        step = DistillStep(student.layer, (adapter.student_shape, adapter.teacher_shape),
+                           features, student.feature_loss, student.temperature,
+                           student.ce_weight, student.feature_weight, student.label_smoothing)
+        round_ = stage_round(student, self.dataset, data, ids, self.stage, step,
+                             classifier_network(student, self.dataset))
+        return Opened(Trainee(model, optimizer, {"adapter": adapter}), round_,
+                      {"data": data, "ids": ids, "bank": features})
+
+    def close(self, opened: Opened, device: torch.device, metrics: dict[str, float],
+              seconds: float) -> Closed:
+        trainee, ids = opened.trainee, opened.context["ids"]
+        metrics = metrics | stage_scores(opened.round, trainee.model, self.dataset,
+                                         opened.context["data"], device)
+        filled = opened.context["bank"].lookup(ids)[1].float().mean().item()
+        metrics |= {"bank_filled_fraction_drawn": filled}
+        payload = {"model": trainee.model.state_dict(),
+                   "adapter": trainee.extras["adapter"].state_dict(),
+                   "optimizer": trainee.optimizer.state_dict(), "stage": self.stage,
+                   "ids": ids, "metrics": metrics}
+        return Closed(metrics, payload)
+
+    def relpath(self) -> str:
+        bank_key = self.bank.path.split("/")[1]  # the student's result depends on the bank's
+        return (f"checkpoints/distill/{run_key(self.config, self.dataset)}-{bank_key}/"
+                f"student-{self.stage:03d}.pt")

@@ -16,12 +16,9 @@ for the report only.
 
 from __future__ import annotations
 
-import time
-
 import pandas as pd
 import torch
 from prefect import task
-from prefect.runtime import task_run
 from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
@@ -43,16 +40,14 @@ from tasks.captions import (
 from tasks.configs.image_text import ImageTextConfig, seen_training_positions, unseen_labels
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
 from tasks.pool import folder_pool, match_training_images, own_pool
-from tasks.training import position_batches, run_key, setup_device
-from training.batches import Batches, Normalize
+from tasks.rounds import Closed, Opened, RoundPlan, setup_device
+from tasks.training import position_batches, run_key
 from training.datasets import labelled_images, validation_images
 from training.device import place_model
-from training.image_text.losses import (
-    TextBank,
-    image_text_step,
-)
+from training.image_text.losses import ImageTextStep, TextBank
 from training.image_text.text_side import TextSide, mix_head, score_split, start_classifier
-from training.recipe import optimizer_to, sgd, train_round
+from training.recipe import optimizer_to, sgd
+from training.rounds import ImageBatches, Round, Trainee
 
 
 class Descriptions(BaseModel):
@@ -222,75 +217,79 @@ def new_network(config: ImageTextConfig, dataset: DatasetRef,
                             config.buckets if config.text_encoder == "builtin" else None)
 
 
-class RoundResult(BaseModel):
-    """A round's checkpoint and metrics."""
-
-    model_config = ConfigDict(frozen=True)
-
-    epoch: int
-    checkpoint: ArtifactRef
-    metrics: dict[str, float]
-
-
-def _round_name() -> str:
-    return f"{task_run.parameters['phase']}-{task_run.parameters['epoch'] + 1}"
-
-
-@task(cache_key_fn=computation_key, persist_result=True, task_run_name=_round_name)
-def train_image_text_round(config: ImageTextConfig, dataset: DatasetRef,
-                           described: Descriptions, phase: str, epoch: int, rounds: int,
-                           previous: ArtifactRef | None, repeats: int) -> RoundResult:
+class ImageTextRound(RoundPlan):
     """Round `epoch` (0-based, counted over all `rounds` of the run) of `repeats` passes:
-    phase `align`, the contrastive sub-loss alone; phase `joint`, both sub-losses, its first
-    round starting the classifier from the class descriptions' text features (or from random
-    directions of the same norm, `--no-text-init`). Scores the validation split: the
-    classifier's accuracy (`val_accuracy`; zero-shot while aligning) and zero-shot accuracy
-    from the class descriptions (`val_zero_shot_accuracy`) on the validation images the
-    choices read (`validation_images`)."""
-    device = setup_device(config)
-    store = ArtifactStore()
-    data = load_dataset(dataset)
-    side = text_side(config, dataset, data, described)
-    model = new_network(config, dataset, described)
-    optimizer = sgd(model.parameters(), config.lr, config.momentum, config.weight_decay)
-    before = load_checkpoint(store, previous) if previous is not None else {}
-    if before:
-        model.load_state_dict(before["model"])
-        optimizer.load_state_dict(before["optimizer"])
-    model = place_model(model, device)
-    optimizer_to(optimizer, device)
-    if phase == "joint" and before.get("phase") != "joint":
-        start_classifier(model, side, config.text_init, config.seed, device)
-    bank = side.bank.to(device)
-    step = image_text_step(bank, side.labelled.to(device),
-                           config.contrastive_weight, config.ce_weight if phase == "joint"
-                           else 0.0, config.label_smoothing)
-    normalize = Normalize(dataset.mean, dataset.std)
+    phase `align`, the contrastive sub-loss alone; phase `joint`, both sub-losses
+    (`training.image_text.losses.ImageTextStep`), its first round starting the classifier from
+    the class descriptions' text features (or from random directions of the same norm,
+    `--no-text-init`). Scores the validation split: the classifier's accuracy
+    (`val_accuracy`; zero-shot while aligning) and zero-shot accuracy from the class
+    descriptions (`val_zero_shot_accuracy`) on the validation images the choices read
+    (`validation_images`)."""
 
-    def batches_for(pass_index: int) -> Batches:
-        return Batches(data.images, data.labels, side.train, config.batch_size, normalize,
-                       shuffle=True, seed=config.seed * 1000 + pass_index,
-                       augment=config.augment, drop_last=True, device=device,
-                       flip=config.flips())
+    config: ImageTextConfig
+    dataset: DatasetRef
+    described: Descriptions
+    phase: str
+    epoch: int
+    rounds: int
+    repeats: int
 
-    started = time.perf_counter()
-    passes = range(epoch * repeats, (epoch + 1) * repeats)
-    metrics = train_round(model, optimizer, batches_for, step, device, passes, config.lr,
-                          (0, rounds * repeats), config.warmup_epochs * repeats,
-                          config.grad_clip)
-    seconds = time.perf_counter() - started
-    scores = score_split(model, side, position_batches(data, dataset, side.validation, device),
-                         device)
-    metrics |= {"val_accuracy": scores["zero_shot_accuracy" if phase == "align"
-                                       else "accuracy"],
-                "val_zero_shot_accuracy": scores["zero_shot_accuracy"],
-                "logit_scale": float(model.logit_scale.detach().exp()), "train_seconds": seconds}
-    payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-               "phase": phase, "epoch": epoch,
-               "metrics": {k: v for k, v in metrics.items() if k != "train_seconds"}}
-    relpath = f"checkpoints/image_text/{run_key(config, dataset)}/{phase}-{epoch + 1:03d}.pt"
-    return RoundResult(epoch=epoch, checkpoint=save_checkpoint(store, relpath, payload),
-                       metrics=metrics)
+    @property
+    def number(self) -> int:
+        return self.epoch
+
+    def task_name(self) -> str:
+        return f"{self.phase}-{self.epoch + 1}"
+
+    def open(self, previous: ArtifactRef | None, device: torch.device) -> Opened:
+        config, dataset, store = self.config, self.dataset, ArtifactStore()
+        data = load_dataset(dataset)
+        side = text_side(config, dataset, data, self.described)
+        model = new_network(config, dataset, self.described)
+        optimizer = sgd(model.parameters(), config.lr, config.momentum, config.weight_decay)
+        before = load_checkpoint(store, previous) if previous is not None else {}
+        if before:
+            model.load_state_dict(before["model"])
+            optimizer.load_state_dict(before["optimizer"])
+        model = place_model(model, device)
+        optimizer_to(optimizer, device)
+        if self.phase == "joint" and before.get("phase") != "joint":
+            start_classifier(model, side, config.text_init, config.seed, device)
+        passes = range(self.epoch * self.repeats, (self.epoch + 1) * self.repeats)
+        step = ImageTextStep(side.bank, side.labelled, config.contrastive_weight,
+                             config.ce_weight if self.phase == "joint" else 0.0,
+                             config.label_smoothing)
+        round_ = Round(
+            network=None, step=step,  # one process (`ImageTextStep`)
+            batches=ImageBatches(data.images, data.labels, side.train, config.batch_size,
+                                 tuple(dataset.mean), tuple(dataset.std), config.augment,
+                                 config.flips(), tuple(passes),
+                                 seeds=tuple(config.seed * 1000 + n for n in passes)),
+            passes=tuple(passes), schedule=(0, self.rounds * self.repeats), lr=config.lr,
+            momentum=config.momentum, weight_decay=config.weight_decay,
+            warmup_epochs=config.warmup_epochs * self.repeats, grad_clip=config.grad_clip)
+        return Opened(Trainee(model, optimizer), round_, {"data": data, "side": side})
+
+    def close(self, opened: Opened, device: torch.device, metrics: dict[str, float],
+              seconds: float) -> Closed:
+        model, side = opened.trainee.model, opened.context["side"]
+        scores = score_split(model, side, position_batches(
+            opened.context["data"], self.dataset, side.validation, device), device)
+        metrics = metrics | {
+            "val_accuracy": scores["zero_shot_accuracy" if self.phase == "align"
+                                   else "accuracy"],
+            "val_zero_shot_accuracy": scores["zero_shot_accuracy"],
+            "logit_scale": float(model.logit_scale.detach().exp()), "train_seconds": seconds}
+        payload = {"model": model.state_dict(),
+                   "optimizer": opened.trainee.optimizer.state_dict(),
+                   "phase": self.phase, "epoch": self.epoch,
+                   "metrics": {k: v for k, v in metrics.items() if k != "train_seconds"}}
+        return Closed(metrics, payload)
+
+    def relpath(self) -> str:
+        return (f"checkpoints/image_text/{run_key(self.config, self.dataset)}/"
+                f"{self.phase}-{self.epoch + 1:03d}.pt")
 
 
 class MixedHead(BaseModel):

@@ -1,10 +1,12 @@
-"""Training tasks: one epoch of a classifier, and the final test evaluation and export.
+"""Training a classifier: its round (`ClassifierRound`, trained by `tasks.rounds.train_round`),
+the parts every classifier technique shares (the seeded network, resume, batches, budget), and
+the final test evaluation and export.
 
-Each epoch is one Prefect task that loads the previous checkpoint by reference, trains, scores
-the validation split, writes and versions a new checkpoint, and returns only the reference and
-the metrics. Tasks are cached on their inputs (config, data set, epoch, previous checkpoint)
-and the code's version, so re-running a flow after a crash skips the epochs already done and
-resumes from the last one.
+Each round loads the previous checkpoint by reference, trains, scores the validation split,
+writes and versions a new checkpoint, and returns only the reference and the metrics. Rounds
+are cached on their inputs (config, data set, round, previous checkpoint) and the code's
+version, so re-running a flow after a crash skips the rounds already done and resumes from the
+last one.
 """
 
 from __future__ import annotations
@@ -13,42 +15,29 @@ import hashlib
 import json
 import threading
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from prefect import task
-from prefect.runtime import task_run
 from pydantic import BaseModel, ConfigDict
 from torch import nn
-from torch.optim.swa_utils import AveragedModel
 
 from models import ImageClassifier, build_model
 from tasks.adapters.caching import computation_key, result_fields
-from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint
-from tasks.adapters.torchrun import round_job, train_round_data_parallel
+from tasks.adapters.checkpoints import load_checkpoint
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.sections import ClassifierConfig
 from tasks.configs.sparsify import SparsitySpec
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
+from tasks.rounds import Closed, Opened, RoundPlan, setup_device
 from training.batches import Batches, Normalize
 from training.budget import Budget, fit_budget
-from training.device import inference_batch, place_model, resolve_device
+from training.device import inference_batch, place_model
 from training.features import WithEmbedding
-from training.loops import classification_step, evaluate
-from training.recipe import optimizer_to, set_momentum_and_decay, sgd, train_round
-from training.sparsify.term import sparsity_regularized
+from training.loops import evaluate
+from training.recipe import optimizer_to, set_momentum_and_decay, sgd
+from training.rounds import ClassifierNetwork, ClassifyStep, ImageBatches, Round, Trainee
 from training.sparsify.thresholds import install_thresholds, thresholds_in_place
-
-
-class EpochResult(BaseModel):
-    """What an epoch task returns: the checkpoint written and the epoch's metrics."""
-
-    model_config = ConfigDict(frozen=True)
-
-    epoch: int
-    checkpoint: ArtifactRef
-    metrics: dict[str, float]
 
 
 def run_key(config: BaseModel, dataset: DatasetRef) -> str:
@@ -123,14 +112,6 @@ def resume(config: ClassifierConfig, dataset: DatasetRef, store: ArtifactStore,
     return model, optimizer
 
 
-def setup_device(config: ClassifierConfig) -> torch.device:
-    """Applies the config's thread count and resolves its device (every training task's
-    first line)."""
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    return resolve_device(config.device)
-
-
 def fit_to_data(config: BaseModel, dataset: DatasetRef, rounds: int,
                 images_per_round: int | None = None) -> Budget:
     """The budget of a run of `rounds` configured epochs (or stages) of `config` on
@@ -162,85 +143,97 @@ def _keep_warm(checkpoint: ArtifactRef, key: str, model: nn.Module,
         _WARM[(checkpoint.md5, key)] = (model, optimizer)
 
 
-def train_passes(config: ClassifierConfig, dataset: DatasetRef, data: LoadedDataset,
-                 model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 passes: range, schedule: tuple[int, int], warmup_epochs: float = 0.0,
-                 progress: str | None = None, averaged: AveragedModel | None = None,
-                 average_decay: float | None = None, sparsity: SparsitySpec | None = None
-                 ) -> dict[str, float]:
-    """Trains `passes` of a classifier on the training split (`training.recipe.train_round`):
-    in this process, or with `config.ddp_procs` > 1 data-parallel under torchrun
-    (`tasks/adapters/torchrun.py`), with the same batches, schedule and weight average either way.
-    `sparsity` adds its activation-sparsity term to the loss (`training.sparsify.term`)."""
-
-    def seed_of(epoch: int) -> int:  # each pass's shuffling and augmentation
-        return config.seed * 1000 + epoch
-
-    def batches_for(epoch: int) -> Batches:
-        return split_batches(data, dataset, "train", config.batch_size, device, shuffle=True,
-                             seed=seed_of(epoch), augment=config.augment, flip=config.flips())
-
-    if config.ddp_procs == 1:
-        step = classification_step(config.label_smoothing)
-        with nullcontext(step) if sparsity is None else sparsity_regularized(
-                step, model, sparsity.lambdas, sparsity.build(), sparsity.thresholds) as step:
-            return train_round(model, optimizer, batches_for, step, device, passes, config.lr,
-                               schedule, warmup_epochs, config.grad_clip, progress, averaged)
-    job = round_job(config, dataset, data, model, optimizer, data.splits["train"], passes,
-                    schedule, warmup_epochs, seeds=[seed_of(epoch) for epoch in passes],
-                    averaged=averaged, average_decay=average_decay,
-                    sparsity=None if sparsity is None else sparsity.model_dump())
-    return train_round_data_parallel(config.ddp_procs, job, model, optimizer, averaged,
-                                     config.threads)
+def classifier_round(config: ClassifierConfig, dataset: DatasetRef, data: LoadedDataset,
+                     passes: range, schedule: tuple[int, int], warmup_epochs: float = 0.0,
+                     progress: str | None = None, average_decay: float | None = None,
+                     sparsity: SparsitySpec | None = None) -> Round:
+    """`passes` of a classifier over the training split (`training.rounds.Round`): each pass
+    shuffled and augmented from its own seed, on the cosine schedule `schedule`; `sparsity`
+    adds its activation-sparsity term to the loss (`training.sparsify.term`), `average_decay`
+    a weight average."""
+    return Round(
+        network=ClassifierNetwork(config.model, dataset.channels, len(dataset.classes),
+                                  config.width),
+        step=ClassifyStep(config.label_smoothing),
+        batches=ImageBatches(data.images, data.labels, data.splits["train"], config.batch_size,
+                             tuple(dataset.mean), tuple(dataset.std), config.augment,
+                             config.flips(), tuple(passes),
+                             seeds=tuple(config.seed * 1000 + n for n in passes)),
+        passes=tuple(passes), schedule=schedule, lr=config.lr, momentum=config.momentum,
+        weight_decay=config.weight_decay, warmup_epochs=warmup_epochs,
+        grad_clip=config.grad_clip, average_decay=average_decay,
+        sparsity=None if sparsity is None else sparsity.term(), progress=progress)
 
 
-def _epoch_run_name() -> str:
-    return f"epoch-{task_run.parameters['epoch'] + 1}"  # 1-based, like checkpoints and steps
+class ClassifierRound(RoundPlan):
+    """Round `epoch` (0-based) of `config.epochs`: `repeats` passes over the training images
+    (`training.budget`; 1 on a large data set) on the cosine schedule of the whole run, then
+    the validation split scored. `sparsity`: the `sparsify` flow's activation-sparsity term,
+    added to the loss. `start`: the weights the first round starts from (fine-tuning,
+    `tasks.initial_weights`; its optimizer starts afresh), instead of the seed's
+    initialization. `run_name` names the checkpoints' folder."""
 
+    config: ClassifierConfig
+    dataset: DatasetRef
+    epoch: int
+    run_name: str = "train"
+    repeats: int = 1
+    sparsity: SparsitySpec | None = None
+    start: ArtifactRef | None = None
 
-@task(cache_key_fn=computation_key, persist_result=True, task_run_name=_epoch_run_name)
-def train_classifier_epoch(config: ClassifierConfig, dataset: DatasetRef, epoch: int,
-                           previous: ArtifactRef | None, run_name: str = "train",
-                           repeats: int = 1, sparsity: SparsitySpec | None = None,
-                           start: ArtifactRef | None = None) -> EpochResult:
-    """Trains round `epoch` (0-based) of `config.epochs` from `previous`: `repeats` passes
-    over the training images (`training.budget`; 1 on a large data set) on the cosine schedule
-    of the whole run, then scores the validation split. `sparsity`: the `sparsify` flow's
-    activation-sparsity term, added to the loss. `start`: the weights the first round starts
-    from (fine-tuning, `tasks.initial_weights`; its optimizer starts afresh), instead of the
-    seed's initialization."""
-    device = setup_device(config)
-    store = ArtifactStore()
-    data = load_dataset(dataset)
-    key = run_key(config, dataset) + (f"-x{repeats}" if repeats > 1 else "") + (
-        "" if sparsity is None else "-" + run_key(sparsity, dataset)) + (
-        "" if start is None else f"-from-{start.md5[:12]}")
-    model, optimizer = _take_warm(previous, key)
-    if model is None:
-        model, optimizer = resume(config, dataset, store, previous or start, device)
+    @property
+    def number(self) -> int:
+        return self.epoch
 
-    started = time.perf_counter()
-    passes = range(epoch * repeats, (epoch + 1) * repeats)
-    metrics = train_passes(config, dataset, data, model, optimizer, device, passes,
-                           (0, config.epochs * repeats), config.warmup_epochs * repeats,
-                           f"round {epoch + 1}/{config.epochs}" if config.progress else None,
-                           sparsity=sparsity)
-    seconds = time.perf_counter() - started
-    thresholds = {} if sparsity is None else sparsity.thresholds
-    with thresholds_in_place(model, thresholds):  # the network as it trained
-        val = evaluate(model, eval_batches(data, dataset, "val", device), device)
-    images = len(passes) * (dataset.sizes["train"] // config.batch_size) * config.batch_size
-    metrics |= {"val_accuracy": val["accuracy"], "val_loss": val["loss"],
-                "images_per_second": images / seconds, "train_seconds": seconds,
-                "val_seconds": time.perf_counter() - started - seconds}
-    timings = {"images_per_second", "train_seconds", "val_seconds"}  # not part of the state
-    payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
-               "metrics": {k: v for k, v in metrics.items() if k not in timings}} | (
-        {"thresholds": dict(thresholds)} if thresholds else {})
-    relpath = f"checkpoints/{run_name}/{key}/epoch-{epoch + 1:03d}.pt"
-    checkpoint = save_checkpoint(store, relpath, payload)
-    _keep_warm(checkpoint, key, model, optimizer)
-    return EpochResult(epoch=epoch, checkpoint=checkpoint, metrics=metrics)
+    def task_name(self) -> str:
+        return f"epoch-{self.epoch + 1}"  # 1-based, like checkpoints and steps
+
+    def key(self) -> str:
+        """Names the run's checkpoints: its config, data, passes per round, term, start."""
+        return run_key(self.config, self.dataset) + (
+            f"-x{self.repeats}" if self.repeats > 1 else "") + (
+            "" if self.sparsity is None else "-" + run_key(self.sparsity, self.dataset)) + (
+            "" if self.start is None else f"-from-{self.start.md5[:12]}")
+
+    def open(self, previous: ArtifactRef | None, device: torch.device) -> Opened:
+        config, repeats = self.config, self.repeats
+        data = load_dataset(self.dataset)
+        model, optimizer = _take_warm(previous, self.key())
+        if model is None:
+            model, optimizer = resume(config, self.dataset, ArtifactStore(),
+                                      previous or self.start, device)
+        passes = range(self.epoch * repeats, (self.epoch + 1) * repeats)
+        progress = f"round {self.epoch + 1}/{config.epochs}" if config.progress else None
+        round_ = classifier_round(config, self.dataset, data, passes,
+                                  (0, config.epochs * repeats), config.warmup_epochs * repeats,
+                                  progress, sparsity=self.sparsity)
+        return Opened(Trainee(model, optimizer), round_, {"data": data})
+
+    def close(self, opened: Opened, device: torch.device, metrics: dict[str, float],
+              seconds: float) -> Closed:
+        config, model = self.config, opened.trainee.model
+        started = time.perf_counter()
+        thresholds = {} if self.sparsity is None else self.sparsity.thresholds
+        with thresholds_in_place(model, thresholds):  # the network as it trained
+            val = evaluate(model, eval_batches(opened.context["data"], self.dataset, "val",
+                                               device), device)
+        images = len(opened.round.passes) * (
+            self.dataset.sizes["train"] // config.batch_size) * config.batch_size
+        metrics = metrics | {"val_accuracy": val["accuracy"], "val_loss": val["loss"],
+                             "images_per_second": images / seconds, "train_seconds": seconds,
+                             "val_seconds": time.perf_counter() - started}
+        timings = {"images_per_second", "train_seconds", "val_seconds"}  # not the state
+        payload = {"model": model.state_dict(),
+                   "optimizer": opened.trainee.optimizer.state_dict(), "epoch": self.epoch,
+                   "metrics": {k: v for k, v in metrics.items() if k not in timings}} | (
+            {"thresholds": dict(thresholds)} if thresholds else {})
+        return Closed(metrics, payload)
+
+    def relpath(self) -> str:
+        return f"checkpoints/{self.run_name}/{self.key()}/epoch-{self.epoch + 1:03d}.pt"
+
+    def kept(self, checkpoint: ArtifactRef, opened: Opened) -> None:
+        _keep_warm(checkpoint, self.key(), opened.trainee.model, opened.trainee.optimizer)
 
 
 def export_program(model: nn.Module, channels: int, size: int, path: Path) -> None:

@@ -54,7 +54,7 @@ def first_distill():
 
 def test_run_records_stages_banks_nested_runs_and_registers_the_student(first_distill):
     summary = first_distill
-    assert [r.teacher.stage for r in summary.stages] == [1, 2, 3]
+    assert [r.teacher.round for r in summary.stages] == [1, 2, 3]
     fills = [r.bank.fill_fraction for r in summary.stages]
     assert fills[0] == pytest.approx(0.8, abs=0.01) and fills == sorted(fills)
     assert summary.stages[-1].bank.state_histogram.get(3) == round(0.8 * 1024)

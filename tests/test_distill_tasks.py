@@ -14,16 +14,28 @@ from tasks.configs.distill import DistillConfig
 from tasks.data import load_dataset, prepare_dataset, source_version
 from tasks.distill import (
     DistillPlan,
+    StudentRound,
+    TeacherRound,
     bank_snapshot,
     load_bank,
     pretrain_config,
     stage_ids,
-    student_stage,
     teacher_features,
-    teacher_stage,
 )
-from tasks.training import new_model, train_classifier_epoch
+from tasks.rounds import train_round
+from tasks.training import ClassifierRound, new_model
 from training.distill.feature_bank import UNFILLED
+
+
+def teacher_stage(teacher, dataset, stage, previous):
+    """The round task on a teacher stage."""
+    return train_round.fn(TeacherRound(config=teacher, dataset=dataset, stage=stage), previous)
+
+
+def student_stage(student, dataset, stage, previous, bank):
+    """The round task on a student stage against `bank`."""
+    return train_round.fn(StudentRound(config=student, dataset=dataset, stage=stage,
+                                       bank=bank), previous)
 
 
 @pytest.fixture(scope="module")
@@ -49,22 +61,22 @@ def test_teacher_and_student_queues_are_seeded_separately_and_prefer_the_front(s
 def test_stages_fill_the_bank_with_state_ids_and_resume_with_the_configured_lr(setup):
     config, plan, dataset = setup
     store = ArtifactStore()
-    t1 = teacher_stage.fn(plan.teacher, dataset, 1, None)
+    t1 = teacher_stage(plan.teacher, dataset, 1, None)
     b1 = bank_snapshot.fn(plan.teacher, plan.bank, dataset, 1, t1.checkpoint, None)
     assert b1.state_histogram == {UNFILLED: 80, 1: 320} and b1.fill_fraction == 0.8
     assert b1.entries == 400 and b1.feature_values == 64  # resnet8's pooled feature
     assert b1.nbytes == 400 * 64 * 2 + 400 * 6
-    t2 = teacher_stage.fn(plan.teacher, dataset, 2, t1.checkpoint)
+    t2 = teacher_stage(plan.teacher, dataset, 2, t1.checkpoint)
     b2 = bank_snapshot.fn(plan.teacher, plan.bank, dataset, 2, t2.checkpoint, b1.bank)
     assert b2.bank.path == b1.bank.path and b2.bank.md5 != b1.bank.md5  # single mode: one file
     assert set(b2.state_histogram) <= {UNFILLED, 1, 2} and b2.state_histogram[2] == 320
     bank1 = load_bank(store, b1.bank)  # the older version comes back by hash
     assert bank1.state_histogram() == b1.state_histogram
     # the student of stage 2, resumed with a different configured learning rate
-    s1 = student_stage.fn(plan.student, dataset, 1, None, b1.bank)
+    s1 = student_stage(plan.student, dataset, 1, None, b1.bank)
     assert s1.metrics["bank_filled_fraction_drawn"] < 1.0
     faster = plan.student.model_copy(update={"lr": 0.3, "momentum": 0.5})
-    s2 = student_stage.fn(faster, dataset, 2, s1.checkpoint, b2.bank)
+    s2 = student_stage(faster, dataset, 2, s1.checkpoint, b2.bank)
     # 320 images in batches of 64: 5 steps a stage, 15 in all; stage 2 ends at step 9
     assert s2.metrics["lr"] == pytest.approx(0.3 * 0.5 * (1 + math.cos(math.pi * 9 / 15)))
     groups = torch.load(store.fetch(s2.checkpoint), weights_only=True)["optimizer"][
@@ -75,14 +87,14 @@ def test_stages_fill_the_bank_with_state_ids_and_resume_with_the_configured_lr(s
 
 def test_memory_mapped_and_per_state_banks_hold_the_same_entries(setup):
     config, plan, dataset = setup
-    t1 = teacher_stage.fn(plan.teacher, dataset, 1, None)
+    t1 = teacher_stage(plan.teacher, dataset, 1, None)
     in_memory = bank_snapshot.fn(plan.teacher, plan.bank, dataset, 1, t1.checkpoint, None)
     mapped_plan = DistillPlan.of(config.model_copy(update={"bank_memmap": True,
                                                           "bank_mode": "per-state"}))
     mapped = bank_snapshot.fn(mapped_plan.teacher, mapped_plan.bank, dataset, 1, t1.checkpoint,
                               None)
     assert mapped.bank.path.endswith("bank-001.pt") and mapped.bank.md5 == in_memory.bank.md5
-    t2 = teacher_stage.fn(plan.teacher, dataset, 2, t1.checkpoint)
+    t2 = teacher_stage(plan.teacher, dataset, 2, t1.checkpoint)
     again = bank_snapshot.fn(mapped_plan.teacher, mapped_plan.bank, dataset, 2, t2.checkpoint,
                              mapped.bank)
     assert again.bank.path.endswith("bank-002.pt")
@@ -93,7 +105,7 @@ def test_memory_mapped_and_per_state_banks_hold_the_same_entries(setup):
 def test_initial_bank_from_the_untrained_teacher_is_state_zero(setup):
     config, _, dataset = setup
     plan = DistillPlan.of(config.model_copy(update={"initial_bank": "teacher"}))
-    t1 = teacher_stage.fn(plan.teacher, dataset, 1, None)
+    t1 = teacher_stage(plan.teacher, dataset, 1, None)
     bank = bank_snapshot.fn(plan.teacher, plan.bank, dataset, 1, t1.checkpoint, None)
     assert bank.state_histogram == {0: 80, 1: 320} and bank.fill_fraction == 1.0
 
@@ -104,8 +116,9 @@ def test_a_warm_started_teacher_is_state_zero_of_the_bank_and_of_stage_one(setup
                                                     "teacher_pretrain_epochs": 1}))
     pretrain = pretrain_config(plan.teacher)
     assert pretrain.epochs == 1 and pretrain.model == plan.teacher.model
-    warm = train_classifier_epoch.fn(pretrain, dataset, 0, None, "distill-pretrain")
-    t1 = teacher_stage.fn(plan.teacher, dataset, 1, warm.checkpoint)
+    warm = train_round.fn(ClassifierRound(config=pretrain, dataset=dataset, epoch=0,
+                                          run_name="distill-pretrain"))
+    t1 = teacher_stage(plan.teacher, dataset, 1, warm.checkpoint)
     cold = bank_snapshot.fn(plan.teacher, plan.bank, dataset, 1, t1.checkpoint, None)
     bank = bank_snapshot.fn(plan.teacher, plan.bank, dataset, 1, t1.checkpoint, None,
                             warm.checkpoint)
@@ -122,5 +135,5 @@ def test_a_warm_started_teacher_is_state_zero_of_the_bank_and_of_stage_one(setup
     assert torch.allclose(entries.lookup(ids)[0], expected, atol=1e-2, rtol=1e-2)
     assert not torch.allclose(cold_entries.lookup(ids)[0], expected, atol=1e-2, rtol=1e-2)
     # stage 1 continued from the warm start: its loss starts where the warm-up's ended
-    t1_cold = teacher_stage.fn(plan.teacher, dataset, 1, None)
+    t1_cold = teacher_stage(plan.teacher, dataset, 1, None)
     assert t1.metrics["loss"] < t1_cold.metrics["loss"]

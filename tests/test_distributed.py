@@ -53,12 +53,13 @@ def _weights(ref, entry="model"):
 
 
 def test_the_train_task_on_two_processes_follows_one_with_the_same_global_batch():
-    from tasks.training import train_classifier_epoch
+    from tasks.rounds import train_round
+    from tasks.training import ClassifierRound
 
     classifier, dataset = _lenet_smoke()
-    one = train_classifier_epoch.fn(classifier, dataset, 0, None, "ddp-test", 2)
-    two = train_classifier_epoch.fn(classifier.model_copy(update={"ddp_procs": 2}), dataset, 0,
-                                    None, "ddp-test", 2)
+    one, two = (train_round.fn(ClassifierRound(
+        config=classifier.model_copy(update={"ddp_procs": procs}), dataset=dataset, epoch=0,
+        run_name="ddp-test", repeats=2)) for procs in (1, 2))
     assert two.checkpoint.path != one.checkpoint.path  # a setting of the result: its own key
     assert two.metrics["ddp_processes"] == 2 and "ddp_processes" not in one.metrics
     assert two.metrics["loss"] == pytest.approx(one.metrics["loss"], rel=1e-4)
@@ -69,12 +70,14 @@ def test_the_train_task_on_two_processes_follows_one_with_the_same_global_batch(
 
 
 def test_a_pbt_member_trains_data_parallel_with_its_weight_average():
-    from tasks.pbt import train_member
+    from tasks.pbt import MemberRound
+    from tasks.rounds import train_round
 
     classifier, dataset = _lenet_smoke()
-    runs = [train_member.fn(classifier.model_copy(update={"ddp_procs": procs}), dataset,
-                            f"ddp-{procs}", 0, "stage", 1, 0, 2, (0, 2), None, 0.9)
-            for procs in (1, 2)]
+    runs = [train_round.fn(MemberRound(
+        config=classifier.model_copy(update={"ddp_procs": procs}), dataset=dataset,
+        population=f"ddp-{procs}", member=0, phase="stage", index=1, first_epoch=0, epochs=2,
+        cycle=(0, 2), average_decay=0.9)) for procs in (1, 2)]
     assert runs[1].metrics["ddp_processes"] == 2
     assert runs[1].metrics["loss"] == pytest.approx(runs[0].metrics["loss"], rel=1e-4)
     single, double = (_weights(r.checkpoint, "averaged") for r in runs)
@@ -86,7 +89,8 @@ def test_distill_teacher_and_student_stages_train_data_parallel_like_one_process
     from flows.skeleton import data_section
     from tasks.configs.distill import DistillConfig
     from tasks.data import prepare_dataset, source_version
-    from tasks.distill import DistillPlan, bank_snapshot, student_stage, teacher_stage
+    from tasks.distill import DistillPlan, StudentRound, TeacherRound, bank_snapshot
+    from tasks.rounds import train_round
 
     # No BatchNorm in either network (on CPUs each process would normalise its own share), so
     # the teacher is a wider lenet (a copy of the role: the config wants a deeper teacher). The
@@ -98,14 +102,16 @@ def test_distill_teacher_and_student_stages_train_data_parallel_like_one_process
     plans = [DistillPlan.of(config.model_copy(update={"ddp_procs": procs})) for procs in (1, 2)]
     plans = [plan.model_copy(update={"teacher": plan.teacher.model_copy(update={
         "model": "lenet", "width": 16})}) for plan in plans]
-    teachers = [teacher_stage.fn(plan.teacher, dataset, 1, None) for plan in plans]
+    teachers = [train_round.fn(TeacherRound(config=plan.teacher, dataset=dataset, stage=1))
+                for plan in plans]
     assert teachers[1].metrics["ddp_processes"] == 2
     assert teachers[1].metrics["loss"] == pytest.approx(teachers[0].metrics["loss"], rel=1e-4)
     for name, tensor in _weights(teachers[0].checkpoint).items():
         assert _weights(teachers[1].checkpoint)[name].allclose(tensor, rtol=1e-3, atol=1e-5)
     bank = bank_snapshot.fn(plans[0].teacher, plans[0].bank, dataset, 1,
                             teachers[0].checkpoint, None)
-    students = [student_stage.fn(plan.student, dataset, 1, None, bank.bank) for plan in plans]
+    students = [train_round.fn(StudentRound(config=plan.student, dataset=dataset, stage=1,
+                                            bank=bank.bank)) for plan in plans]
     assert students[1].metrics["ddp_processes"] == 2
     for key in ("loss", "loss_ce", "loss_feat"):
         assert students[1].metrics[key] == pytest.approx(students[0].metrics[key], rel=1e-4)
@@ -119,15 +125,16 @@ def test_distill_teacher_and_student_stages_train_data_parallel_like_one_process
 
 def test_the_sparsity_term_and_thresholds_train_data_parallel_like_one_process():
     from tasks.configs.sparsify import SparsitySpec
-    from tasks.training import train_classifier_epoch
+    from tasks.rounds import train_round
+    from tasks.training import ClassifierRound
 
     classifier, dataset = _lenet_smoke()
     # with a threshold cycle's activation thresholds in place while training
     spec = SparsitySpec(lambdas={"block1": 0.3, "block2": 0.6}, transform="exp_abs", power=2,
                         abs_power=1, base=2.0, thresholds={"block1": 0.05})
-    runs = [train_classifier_epoch.fn(classifier.model_copy(update={"ddp_procs": procs}),
-                                      dataset, 0, None, "ddp-sparse", 1, spec)
-            for procs in (1, 2)]
+    runs = [train_round.fn(ClassifierRound(
+        config=classifier.model_copy(update={"ddp_procs": procs}), dataset=dataset, epoch=0,
+        run_name="ddp-sparse", sparsity=spec)) for procs in (1, 2)]
     assert runs[1].metrics["ddp_processes"] == 2
     for key in ("loss", "loss_ce", "loss_sparsity", "sparsity_block1", "sparsity_block2"):
         assert runs[1].metrics[key] == pytest.approx(runs[0].metrics[key], rel=1e-4), key
@@ -161,13 +168,14 @@ def tiny_cascade():
 def test_a_cascade_module_round_trains_data_parallel_like_one_process(k, tiny_cascade):
     import torch
 
-    from tasks.cascade import new_cascade, train_module_round
+    from tasks.cascade import ModuleRound, new_cascade
+    from tasks.rounds import train_round
     from tests.test_cascade_flow import smoke_cascade
 
     settings, dataset, sets, latency = tiny_cascade
     configs = [smoke_cascade(**settings, ddp_procs=procs) for procs in (1, 2)]  # accepted
-    runs = [train_module_round.fn(config, dataset, sets, latency, k, 0, None, None)
-            for config in configs]
+    runs = [train_round.fn(ModuleRound(config=config, dataset=dataset, sets=sets,
+                                       latency=latency, k=k, epoch=0)) for config in configs]
     one, two = ({key[len(f"module{k}_"):]: value for key, value in r.metrics.items()}
                 for r in runs)
     assert two["ddp_processes"] == 2 and "ddp_processes" not in one
@@ -191,9 +199,10 @@ def test_a_cascade_round_under_torchrun_in_one_process_is_the_in_process_round(
     optimizer state (both ways, over two rounds) give the same weights bit for bit."""
     import torch
 
-    import tasks.cascade
-    from tasks.adapters.torchrun import train_round_data_parallel
-    from tasks.cascade import train_module_round
+    import tasks.rounds
+    from tasks.adapters.torchrun import train_data_parallel
+    from tasks.cascade import ModuleRound
+    from tasks.rounds import train_round
     from tests.test_cascade_flow import smoke_cascade
 
     settings, dataset, sets, latency = tiny_cascade
@@ -201,14 +210,16 @@ def test_a_cascade_round_under_torchrun_in_one_process_is_the_in_process_round(
 
     def rounds(procs: int):
         config = smoke_cascade(**settings, ddp_procs=procs)
-        first = train_module_round.fn(config, dataset, sets, latency, 1, 0, None, None)
-        return train_module_round.fn(config, dataset, sets, latency, 1, 1, first.checkpoint,
-                                     None)
+
+        def plan(epoch: int) -> ModuleRound:
+            return ModuleRound(config=config, dataset=dataset, sets=sets, latency=latency, k=1,
+                               epoch=epoch)
+
+        return train_round.fn(plan(1), train_round.fn(plan(0)).checkpoint)
 
     one = rounds(1)
-    monkeypatch.setattr(tasks.cascade, "train_round_data_parallel",
-                        lambda _procs, *args, **kwargs: train_round_data_parallel(1, *args,
-                                                                                  **kwargs))
+    monkeypatch.setattr(tasks.rounds, "train_data_parallel",
+                        lambda _procs, *args, **kwargs: train_data_parallel(1, *args, **kwargs))
     torchrun = rounds(2)
     assert torchrun.metrics["module1_ddp_processes"] == 1
     assert torchrun.metrics["module1_loss"] == one.metrics["module1_loss"]
@@ -219,3 +230,4 @@ def test_a_cascade_round_under_torchrun_in_one_process_is_the_in_process_round(
     for index, state in optimizers[0]["state"].items():
         assert torch.equal(optimizers[1]["state"][index]["momentum_buffer"],
                            state["momentum_buffer"]), index
+

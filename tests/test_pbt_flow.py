@@ -23,14 +23,24 @@ from tasks.configs.sections import classifier_config
 from tasks.data import prepare_dataset, source_version
 from tasks.pbt import (
     HYPERPARAMETERS,
+    MemberRound,
     exploit_weights,
     member_config,
     population_scheduler,
-    train_member,
 )
+from tasks.rounds import train_round
 from training.pbt.scheduler import replay
 
 NAME = "pbt-smoke"
+
+
+def train_member(config, dataset, population, member, phase, index, first_epoch, epochs, cycle,
+                 previous, average_decay=None, weights="model"):
+    """The round task on one member's round."""
+    return train_round.fn(MemberRound(
+        config=config, dataset=dataset, population=population, member=member, phase=phase,
+        index=index, first_epoch=first_epoch, epochs=epochs, cycle=cycle,
+        average_decay=average_decay, weights=weights), previous)
 
 
 def pbt_smoke(**overrides) -> PBTConfig:
@@ -88,10 +98,10 @@ def test_the_best_is_its_weights_its_average_or_a_soup_and_is_exported(first_pbt
     assert payload["kept_source"] == best.kept
     soup = next(r for r in population.lineage if r["phase"] == "soup")
     stage_best = next(r for r in stage_rows(population.lineage)
-                      if r["stage"] == soup["stage"] and r["member"] == best.member)
-    assert soup["member"] == best.member  # the soup starts from the stage's best
+                      if r["stage"] == soup["stage"] and r["member"] == population.best_member)
+    assert soup["member"] == population.best_member  # the soup starts from the stage's best
     if soup["ingredients"] > 1:  # kept: never below the member it started from
-        assert best.kept == "soup" and payload["ingredients"][0] == best.member
+        assert best.kept == "soup" and payload["ingredients"][0] == population.best_member
         assert len(payload["ingredients"]) == soup["ingredients"]
         assert best.metrics["val_accuracy"] == soup["score"] >= stage_best["score"] - 1e-9
     else:
@@ -130,7 +140,7 @@ def burnt_in():
     data = data_section(config)
     dataset = prepare_dataset.fn(data, source_version(data))
     base = classifier_config(config)
-    burn_in = train_member.fn(base, dataset, "exploit", 0, "burn-in", 1, 0, 2, (0, 2), None)
+    burn_in = train_member(base, dataset, "exploit", 0, "burn-in", 1, 0, 2, (0, 2), None)
     return config, dataset, base, load_checkpoint(ArtifactStore(), burn_in.checkpoint)["model"]
 
 
@@ -158,7 +168,7 @@ def test_every_member_starts_the_next_stage_from_the_weights_the_best_was_ranked
     other = "model" if winner == "averaged" else "averaged"
     starts = [{"model": negated, "averaged": negated}, {winner: trained, other: negated}]
     still = {"lr": 1e-6, "weight_decay": 1e-5, "momentum": 0.9, "augment": 0.0}
-    stage1 = [train_member.fn(
+    stage1 = [train_member(
         member_config(base, m, still), dataset, population, m, "stage", 1, 2, 1, (2, 4),
         save_checkpoint(store, f"checkpoints/pbt/{population}/start-{m}.pt", start),
         config.average_decay) for m, start in enumerate(starts)]
@@ -170,7 +180,7 @@ def test_every_member_starts_the_next_stage_from_the_weights_the_best_was_ranked
 
     # stage 2 as the flow runs it, with no passes: each member's checkpoint holds the weights,
     # optimizer state and average it started from
-    stage2 = [train_member.fn(
+    stage2 = [train_member(
         member_config(base, m, decision.hyperparameters[m]), dataset, population, m, "stage", 2,
         3, 0, (2, 4), best.checkpoint, config.average_decay, exploit_weights(best))
         for m in range(2)]
@@ -264,7 +274,7 @@ def test_a_member_that_keeps_failing_is_recorded_and_the_stage_goes_on():
     rows = stage_rows(summary.population.lineage)
     failed = [r for r in rows if r["score"] is None]
     assert failed and all("NonFiniteLossError" in r["error"] for r in failed)
-    assert len(failed) < 4 and summary.population.best.member not in {r["member"]
+    assert len(failed) < 4 and summary.population.best_member not in {r["member"]
                                                                       for r in failed}
 
 
@@ -277,7 +287,7 @@ def test_a_population_that_fails_whole_ends_in_one_error_line(capsys, monkeypatc
             return {"loss": loss, "loss_ce": loss}
         return step
 
-    monkeypatch.setattr("tasks.training.classification_step", nan_step)
+    monkeypatch.setattr("training.rounds.classification_step", nan_step)
     with pytest.raises(SystemExit) as exit_info:
         main(COMMANDS, ["pbt", "--profile", "smoke", "--members", "2", "--stages", "1",
                         "--threads", "1", "--model-name", "pbt-all-failing"])

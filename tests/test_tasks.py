@@ -10,7 +10,8 @@ from tasks.adapters.versioning import ArtifactStore
 from tasks.configs.sections import classifier_config
 from tasks.configs.train import TrainConfig
 from tasks.data import load_dataset, prepare_dataset, source_version
-from tasks.training import run_key, train_classifier_epoch
+from tasks.rounds import train_round
+from tasks.training import ClassifierRound, run_key
 
 
 def test_prepare_dataset_splits_and_versions_the_subset():
@@ -45,13 +46,14 @@ def test_epoch_task_resumes_with_the_configured_learning_rate():
     data = data_section(config)
     dataset = prepare_dataset.fn(data, source_version(data))
     classifier = classifier_config(config)
-    first = train_classifier_epoch.fn(classifier, dataset, 0, None)
+    first = train_round.fn(ClassifierRound(config=classifier, dataset=dataset, epoch=0))
     assert first.checkpoint.path.endswith(f"{run_key(classifier, dataset)}/epoch-001.pt")
     # A checkpoint written with another learning rate: the resumed run must not inherit it.
     stored = torch.load(ArtifactStore().fetch(first.checkpoint), weights_only=True)
     assert stored["optimizer"]["param_groups"][0]["lr"] == first.metrics["lr"]
     faster = classifier.model_copy(update={"lr": 0.4})
-    second = train_classifier_epoch.fn(faster, dataset, 1, first.checkpoint)
+    second = train_round.fn(ClassifierRound(config=faster, dataset=dataset, epoch=1),
+                            first.checkpoint)
     # 256 images in batches of 64: 4 steps an epoch; the last step is step 7 of 8, and the
     # cosine schedule of the configured 0.4 gives 0.4 * (1 + cos(7/8 pi)) / 2 there.
     assert second.metrics["lr"] == pytest.approx(0.4 * 0.5 * (1 + math.cos(math.pi * 7 / 8)))
@@ -64,10 +66,11 @@ def test_warm_continuation_equals_a_cold_resume_from_the_checkpoint():
     data = data_section(config)
     dataset = prepare_dataset.fn(data, source_version(data))
     classifier = classifier_config(config)
-    first = train_classifier_epoch.fn(classifier, dataset, 0, None)
-    warm = train_classifier_epoch.fn(classifier, dataset, 1, first.checkpoint)  # live model
+    first = train_round.fn(ClassifierRound(config=classifier, dataset=dataset, epoch=0))
+    second = ClassifierRound(config=classifier, dataset=dataset, epoch=1)
+    warm = train_round.fn(second, first.checkpoint)  # live model
     training._WARM.clear()
-    cold = train_classifier_epoch.fn(classifier, dataset, 1, first.checkpoint)  # from disk
+    cold = train_round.fn(second, first.checkpoint)  # from disk
     store = ArtifactStore()
     warm_state = torch.load(store.fetch(warm.checkpoint), weights_only=True)
     cold_state = torch.load(store.fetch(cold.checkpoint), weights_only=True)
@@ -85,22 +88,22 @@ def test_rounds_before_keep_from_are_neither_kept_nor_counted_by_early_stopping(
     from flows.skeleton import run_rounds
     from tasks.adapters import tracking
     from tasks.adapters.versioning import ArtifactRef
-    from tasks.training import EpochResult
+    from tasks.rounds import RoundResult
 
     scores = [0.9, 0.8, 0.7, 0.6, 0.5]
     trained: list[int] = []
 
-    def train_round(epoch: int, _previous: ArtifactRef | None) -> EpochResult:
+    def scored_round(epoch: int, _previous: ArtifactRef | None) -> RoundResult:
         trained.append(epoch)
-        return EpochResult(epoch=epoch, metrics={"val_accuracy": scores[epoch]},
+        return RoundResult(round=epoch, metrics={"val_accuracy": scores[epoch]},
                            checkpoint=ArtifactRef(path=f"round-{epoch}.pt", md5=f"{epoch:032x}",
                                                   size=1))
 
     @flow
     def rounds(keep_from: int) -> int:
         with tracking.tracked_run("test-rounds", f"keep-from-{keep_from}") as run_id:
-            return run_rounds(len(scores), train_round, run_id, 1, 100000,
-                              keep_from=keep_from).epoch
+            return run_rounds(len(scores), lambda epoch, _previous: epoch, run_id, 1, 100000,
+                              keep_from=keep_from, train=scored_round).round
 
     assert rounds(0) == 0 and trained == [0, 1]
     trained.clear()

@@ -10,7 +10,7 @@ the round's result (`choose_weights`), so an average never makes a model worse. 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,9 +58,10 @@ def start_average(model: nn.Module, decay: float, state: dict | None) -> Average
 
 def train_round(model: nn.Module, optimizer: torch.optim.Optimizer,
                 batches_for: Callable[[int], Batches], step: Step, device: torch.device,
-                passes: range, lr: float, schedule: tuple[int, int], warmup_epochs: float = 0.0,
-                grad_clip: float | None = None, progress: str | None = None,
-                averaged: AveragedModel | None = None) -> dict[str, float]:
+                passes: Sequence[int], lr: float, schedule: tuple[int, int],
+                warmup_epochs: float = 0.0, grad_clip: float | None = None,
+                progress: str | None = None, averaged: AveragedModel | None = None
+                ) -> dict[str, float]:
     """One round: trains the passes over the data numbered `passes` (counted over the whole run)
     and returns the last pass's losses.
 

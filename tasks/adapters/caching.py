@@ -100,15 +100,31 @@ def code_version(module: str, root: Path = PROJECT_ROOT) -> str:
 
 
 def result_fields(value: Any) -> Any:
-    """A JSON-able view of an input without its run-only fields."""
+    """A JSON-able view of an input without its run-only fields (at any depth: a round's plan
+    holds its config)."""
     if isinstance(value, BaseModel):
-        return value.model_dump(mode="json", exclude=set(RUN_ONLY_FIELDS))
+        return _without_run_only(value.model_dump(mode="json"))
+    return value
+
+
+def _without_run_only(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _without_run_only(item) for key, item in value.items()
+                if key not in RUN_ONLY_FIELDS}
+    if isinstance(value, list):
+        return [_without_run_only(item) for item in value]
     return value
 
 
 def computation_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
-    """The cache key: task name, result-relevant inputs and the version of the code the
-    task's module runs (`code_version`)."""
+    """The cache key: task name, result-relevant inputs and the version of the code that
+    computes the result (`code_version`): the task's module and, for an input that is a
+    pydantic model, its class and its class's module (a round's plan says how its round
+    trains, `tasks.rounds`)."""
     inputs = {name: result_fields(value) for name, value in sorted(parameters.items())}
-    return hash_objects(context.task.name, inputs,
-                        code_version(context.task.fn.__module__)) or ""
+    modules = {context.task.fn.__module__} | {
+        type(value).__module__ for value in parameters.values() if isinstance(value, BaseModel)}
+    kinds = sorted(f"{type(v).__module__}.{type(v).__qualname__}"
+                   for v in parameters.values() if isinstance(v, BaseModel))
+    return hash_objects(context.task.name, inputs, kinds,
+                        [code_version(module) for module in sorted(modules)]) or ""

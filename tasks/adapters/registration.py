@@ -278,10 +278,11 @@ def decide(accuracy: float, champion_accuracy: float | None) -> tuple[str, str]:
 @task(task_run_name="register-and-promote", retries=2, retry_delay_seconds=10,
       retry_condition_fn=lambda _task, _run, state: transient(state))
 def register_and_promote(run_id: str, name: str, dataset: DatasetRef, program: ArtifactRef,
-                         policy: Policy, baseline: Baseline | None = None) -> Registration:
+                         policy: Policy, refusal: str | None = None) -> Registration:
     """Logs the pyfunc, scores it and the champion on the test split, registers, sets alias.
 
-    A model that does not beat `baseline` on validation is registered as a challenger."""
+    With a `refusal` (the baseline gate's, `Baseline.refusal`) it is registered as a
+    challenger only."""
     store = ArtifactStore()
     meta = {"classes": dataset.classes, "image_size": dataset.image_size,
             "channels": dataset.channels, "mean": dataset.mean, "std": dataset.std}
@@ -291,7 +292,7 @@ def register_and_promote(run_id: str, name: str, dataset: DatasetRef, program: A
         model_uri = log_served_model(run_id, "classifier", {
             "program": str(store.fetch(program)), "meta": str(meta_path)})
     return promote_on_test_images(run_id, name, model_uri, dataset, program.md5, policy,
-                                  baseline.refusal() if baseline is not None else None)
+                                  refusal)
 
 
 def promote_on_test_images(run_id: str, name: str, model_uri: str, dataset: DatasetRef,

@@ -157,9 +157,10 @@ class ImageTextConfig(ProfiledConfig, DataSection, ModelSection, OptimSection, R
         if self.source() == "pool" and self.pool is None and self.data != FASHION_MNIST:
             raise ValueError("the project's own pool is made from Fashion-MNIST: give --pool")
         if self.ddp_procs > 1:
-            raise ValueError(f"ddp_procs: the image_text flow trains in one process; "
-                             f"data-parallel rounds (--ddp-procs {self.ddp_procs}) are not built "
-                             f"for it: give 1")
+            raise ValueError(f"ddp_procs: the image_text flow trains in one process: its "
+                             f"contrastive loss takes the other images of each batch as "
+                             f"negatives, which a data-parallel share does not see "
+                             f"(--ddp-procs {self.ddp_procs}); give 1")
         return self
 
     @model_validator(mode="after")

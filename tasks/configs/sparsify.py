@@ -35,6 +35,12 @@ class SparsitySpec(StrictConfig):
 
         return SparsityTransform(self.transform, n=self.power, m=self.abs_power, c=self.base)
 
+    def term(self):
+        """The `training.sparsify.term.SparsityTerm` of this spec (a round's sparsity)."""
+        from training.sparsify.term import SparsityTerm
+
+        return SparsityTerm(dict(self.lambdas), self.build(), dict(self.thresholds))
+
 
 class SparsifyConfig(TrainConfig):
     """The `sparsify` flow: a classifier, detector or contour network trained with its task

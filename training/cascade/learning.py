@@ -33,17 +33,20 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.cascade import CascadeNet, SuperModule, confidence_of
+from models.cascade import CascadeNet, CascadeSpec, SuperModule, build_cascade, confidence_of
 from training.baselines import fit_linear, flatten_pixels
+from training.distributed import Distributed
 from training.latency import path_costs
 from training.loops import Step
 from training.recipe import sgd, train_round
+from training.rounds import whole_step
 
 Batches = Iterable[tuple[Tensor, Tensor, Tensor]]
 DIFFICULTY = ("loss", "margin")
@@ -222,6 +225,52 @@ def module_step(net: CascadeNet, k: int, relative_time: Tensor | None, latency_w
         return result if route is None else result | {"loss_route": route}
 
     return step
+
+
+@dataclass(frozen=True)
+class CascadeNetwork:
+    """A cascade network's spec (`training.rounds.NetworkSpec`)."""
+
+    spec: CascadeSpec
+    channels: int
+    classes: int
+
+    def build(self) -> CascadeNet:
+        return build_cascade(self.spec, self.channels, self.classes)
+
+
+@dataclass(frozen=True)
+class ModuleStep:
+    """The step spec (`training.rounds.StepSpec`) of module k's round: `module_step` on its
+    `StageModel`, whose parameters the optimizer holds. In a DDP job the network's other
+    parameters need no gradients, and each process draws its own random routes, seeded by
+    `route_seed` and its rank."""
+
+    k: int
+    frozen: bool
+    relative_time: Tensor | None
+    latency_weight: float
+    label_smoothing: float
+    route_seed: int
+
+    def extras(self) -> dict[str, nn.Module]:
+        return {}
+
+    def parameters(self, model: nn.Module, extras: dict[str, nn.Module]
+                   ) -> list[nn.Parameter]:
+        return StageModel(model, self.k, self.frozen).trainable_parameters()
+
+    def open(self, model: nn.Module, extras: dict[str, nn.Module], device: torch.device,
+             place: Distributed, stack: ExitStack) -> tuple[nn.Module, Step]:
+        stage = StageModel(model, self.k, self.frozen)
+        if place.world_size > 1:
+            trained = set(stage.trainable_parameters())
+            for parameter in model.parameters():
+                parameter.requires_grad_(parameter in trained)
+            torch.manual_seed(self.route_seed * 1000 + place.rank)
+        step = module_step(model, self.k, self.relative_time, self.latency_weight,
+                           self.label_smoothing, self.frozen)
+        return whole_step(stage, step, device, place)
 
 
 def predictor_step(net: CascadeNet, k: int, relative_time: Tensor, latency_weight: float

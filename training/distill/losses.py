@@ -17,14 +17,18 @@ them have targets.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from training.distributed import Distributed, wrap
 from training.features import FeatureHooks
 from training.loops import Step
+from training.rounds import ModelStep
 
 FeatureLossKind = Literal["l2", "cosine", "kl"]
 Targets = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
@@ -159,3 +163,34 @@ def teacher_targets(teacher: nn.Module, layer: str) -> Targets:
         return hooks[layer].float(), torch.ones(len(x), dtype=torch.bool, device=x.device)
 
     return targets
+
+
+@dataclass(frozen=True)
+class DistillStep(ModelStep):
+    """A student stage's step spec (`training.rounds.StepSpec`): `distillation_step` on the
+    student's `layer` through its adapter (trained beside the network, under `adapter`)
+    against the feature `bank` (a `FeatureBank`, read by dataset id)."""
+
+    layer: str
+    adapter_shapes: tuple[tuple[int, ...], tuple[int, ...]]  # the student's, the bank's
+    bank: object
+    feature_loss: FeatureLossKind
+    temperature: float
+    ce_weight: float
+    feature_weight: float
+    label_smoothing: float = 0.0
+
+    def extras(self) -> dict[str, nn.Module]:
+        return {"adapter": FeatureAdapter(*self.adapter_shapes)}
+
+    def open(self, model: nn.Module, extras: dict[str, nn.Module], device: torch.device,
+             place: Distributed, stack: ExitStack) -> tuple[nn.Module, Step]:
+        adapter = extras["adapter"].train()
+        if place.world_size > 1 and any(p.requires_grad for p in adapter.parameters()):
+            adapter = wrap(adapter, device, place)  # its gradients averaged like the network's
+        bank = self.bank if place.world_size == 1 else self.bank.to(device)
+        captured = stack.enter_context(FeatureHooks(model, [self.layer]))
+        return wrap(model, device, place), distillation_step(
+            captured, self.layer, adapter, bank_targets(bank, device),
+            FeatureLoss(self.feature_loss, self.temperature), self.ce_weight,
+            self.feature_weight, self.label_smoothing)

@@ -6,7 +6,6 @@ Shared by the `distill` flow's tasks and the benchmarks, so both run the same me
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -55,9 +54,6 @@ def layer_features(model: nn.Module, layer: str, batches: Batches,
     return torch.cat(out)
 
 
-Trainer = Callable[[range, tuple[int, int], float], dict[str, float]]
-
-
 def stage_passes(stage: int, stages: int, repeats: int) -> tuple[range, tuple[int, int]]:
     """The global pass numbers of stage `stage` (1-based) and the schedule spanning all stages."""
     return range((stage - 1) * repeats, stage * repeats), (0, stages * repeats)
@@ -66,20 +62,14 @@ def stage_passes(stage: int, stages: int, repeats: int) -> tuple[range, tuple[in
 def train_stage(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Batches,
                 val: Batches, step: Step, device: torch.device, stage: int, stages: int,
                 repeats: int, lr: float, warmup_epochs: float = 0.0,
-                grad_clip: float | None = None, progress: str | None = None,
-                trainer: Trainer | None = None) -> dict[str, float]:
+                grad_clip: float | None = None, progress: str | None = None
+                ) -> dict[str, float]:
     """Stage `stage` (1-based) of `stages`: `repeats` passes over the stage's batches on the
-    cosine schedule spanning all stages, then the validation score.
-
-    `trainer(passes, schedule, warmup_passes)`, when given, trains the passes instead of this
-    process (the `distill` tasks' data-parallel jobs); it must leave `model` trained.
-    """
+    cosine schedule spanning all stages, then the validation score (what the `distill` flow's
+    `tasks.distill.TeacherRound` and `StudentRound` do through `training.rounds`)."""
     passes, schedule = stage_passes(stage, stages, repeats)
-    if trainer is None:
-        metrics = train_round(model, optimizer, lambda _: batches, step, device, passes, lr,
-                              schedule, warmup_epochs * repeats, grad_clip, progress)
-    else:
-        metrics = trainer(passes, schedule, warmup_epochs * repeats)
+    metrics = train_round(model, optimizer, lambda _: batches, step, device, passes, lr,
+                          schedule, warmup_epochs * repeats, grad_clip, progress)
     scored = evaluate(model, val, device)
     return metrics | {"val_accuracy": scored["accuracy"], "val_loss": scored["loss"],
                       "images": float(len(passes) * len(batches) * batches.batch_size)}

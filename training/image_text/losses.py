@@ -20,11 +20,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from training.distributed import Distributed
+from training.loops import Step
+from training.rounds import ModelStep
 
 MAX_LOGIT_SCALE = math.log(100.0)  # CLIP clamps exp(logit_scale) to 100
 UNLABELLED = -1  # the label of an image whose class is not known
@@ -202,3 +207,25 @@ def image_text_step(bank: TextBank, labelled: Tensor, contrastive_weight: float,
         return losses
 
     return step
+
+
+@dataclass(frozen=True)
+class ImageTextStep(ModelStep):
+    """An image-text round's step spec (`training.rounds.StepSpec`): `image_text_step` over
+    the images' texts (`bank`) and which positions keep their label (`labelled`). In one
+    process only: the contrastive loss takes the other images of the batch as negatives, and
+    a DDP process would see only its share of them."""
+
+    bank: TextBank
+    labelled: Tensor
+    contrastive_weight: float
+    ce_weight: float
+    label_smoothing: float = 0.0
+
+    def open(self, model: nn.Module, extras: dict[str, nn.Module], device: torch.device,
+             place: Distributed, stack: ExitStack) -> tuple[nn.Module, Step]:
+        if place.world_size > 1:
+            raise ValueError("an image-text round trains in one process only")
+        return model, image_text_step(self.bank.to(device), self.labelled.to(device),
+                                      self.contrastive_weight, self.ce_weight,
+                                      self.label_smoothing)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -247,6 +247,22 @@ def sparsity_regularized(task_step: Step, model: nn.Module, lambdas: dict[str, f
     with thresholds_in_place(model, thresholds or {}), \
             FeatureHooks(model, list(lambdas)) as hooks:
         yield sparsity_step(task_step, hooks, lambdas, transform)
+
+
+@dataclass(frozen=True)
+class SparsityTerm:
+    """The sparsity term of a training round (`training.rounds.Round.sparsity`): each
+    regularized layer's lambda, the transform, and the activation thresholds in place while
+    the network trains (layer -> t; none by default)."""
+
+    lambdas: dict[str, float]
+    transform: SparsityTransform
+    thresholds: dict[str, float] = field(default_factory=dict)
+
+    def regularized(self, step: Step, model: nn.Module):
+        """`sparsity_regularized` of `step` on `model` with this term."""
+        return sparsity_regularized(step, model, self.lambdas, self.transform,
+                                    self.thresholds)
 
 
 def activation_memory(shape: Sequence[int], zero_fraction: float, value_bytes: int = 4
