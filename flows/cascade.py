@@ -57,6 +57,10 @@ from tasks.cascade_evaluation import (
 from tasks.configs.cascade import CascadeConfig
 from tasks.training import TestResult
 
+# What other flows and the benchmarks may import (tests/test_layering.py): the flow and its
+# summary.
+__all__ = ["FLOW_NAME", "CascadeSummary", "cascade"]
+
 FLOW_NAME = "cascade"
 
 

@@ -33,6 +33,12 @@ from tasks.rounds import RoundResult, train_round
 from tasks.training import ClassifierRound, fit_to_data, test_and_export
 from training.budget import Budget
 
+# What other flows and the benchmarks may import (tests/test_layering.py): the flow, its
+# summary and the steps the `pipeline` composes: the stages as a subflow (`distill_stages`)
+# on the plan fitted to the data (`fitted_plan`, `role_budgets`).
+__all__ = ["FLOW_NAME", "DistillSummary", "StageRecord", "distill", "distill_stages",
+           "fitted_plan", "role_budgets"]
+
 FLOW_NAME = "distill"
 
 

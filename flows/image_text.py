@@ -38,6 +38,10 @@ from tasks.rounds import train_round
 from tasks.training import TestResult
 from training.budget import fit_budget
 
+# What other flows and the benchmarks may import (tests/test_layering.py): the flow and its
+# summary.
+__all__ = ["FLOW_NAME", "ImageTextSummary", "image_text"]
+
 FLOW_NAME = "image_text"
 
 

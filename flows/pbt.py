@@ -55,6 +55,11 @@ from tasks.training import run_key
 from training.budget import Budget
 from training.pbt.scheduler import PopulationFailed
 
+# What other flows and the benchmarks may import (tests/test_layering.py): the flow, its
+# summary and the step the `pipeline` composes: the population from given weights
+# (`run_population`).
+__all__ = ["FLOW_NAME", "PBTSummary", "PopulationResult", "pbt", "run_population"]
+
 FLOW_NAME = "pbt"
 
 

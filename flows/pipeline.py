@@ -53,6 +53,10 @@ from tasks.pipeline import Fallback, fit_fallback, hand_over, register_fallback
 from tasks.sparsify import sparsity_spec, test_activations
 from tasks.training import TestResult, test_and_export
 
+# What other flows and the benchmarks may import (tests/test_layering.py): the flow and its
+# summary.
+__all__ = ["FLOW_NAME", "PipelineSummary", "StepResult", "pipeline"]
+
 FLOW_NAME = "pipeline"
 KEY_TAG = "pipeline.key"
 

@@ -141,8 +141,7 @@ def budgeted_classifier(config: BaseModel, prepared: Prepared, run_id: str, roun
 
 
 def run_rounds(rounds: int, plan_of: Callable[[int, ArtifactRef | None], RoundPlan],
-               run_id: str,
-               patience: int | None, val_images: int, key: str = "val_accuracy",
+               run_id: str, patience: int | None, val_images: int, key: str = "val_accuracy",
                name: str = "checkpoint", first_step: int = 0, keep_from: int = 0,
                previous: ArtifactRef | None = None,
                train: Callable[[RoundPlan, ArtifactRef | None], RoundResult] = train_round

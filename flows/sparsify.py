@@ -52,6 +52,10 @@ from tasks.sparsify import (
 from tasks.training import ClassifierRound
 from training.budget import Budget
 
+# What other flows and the benchmarks may import (tests/test_layering.py): the flow, its
+# summary and the step the `pipeline` composes: a classifier's sparse rounds and their report
+# (`train_sparse`).
+__all__ = ["SparsifySummary", "sparsify", "train_sparse"]
 
 class SparsifySummary(ClassifierSummary):
     """What a `sparsify` run gives back: the model, its accuracy and its activations on the

@@ -35,6 +35,10 @@ from tasks.data import prepare_dataset, source_version
 from tasks.rounds import RoundResult
 from tasks.sparsify import ActivationReport, SparsityReport, log_sweep, sparsity_figure
 
+# What other flows and the benchmarks may import (tests/test_layering.py): the flow
+# and its summary (the `sparsify` flow's canvas tasks).
+__all__ = ["FLOW_NAME", "CanvasSummary", "sparsify_canvas"]
+
 FLOW_NAME = "sparsify"
 
 

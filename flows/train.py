@@ -16,6 +16,10 @@ from flows.skeleton import (
 from tasks.adapters import tracking
 from tasks.configs.train import TrainConfig
 
+# What other flows and the benchmarks may import (tests/test_layering.py): the flow and its
+# summary.
+__all__ = ["FLOW_NAME", "TrainSummary", "train"]
+
 FLOW_NAME = "train"
 
 

@@ -124,10 +124,11 @@ class LoadedDataset:
 def split_assignment(data: DataSection, keys: list[str]) -> list[str]:
     """Each key's split under `data`'s split settings (`training.datasets.assign_splits`):
     `train`, `val`, `test` (Fashion-MNIST's `test/` keys are its test split), or `unused` when
-    `train_limit` / `test_limit` leave it out."""
+    `train_limit` / `val_limit` / `test_limit` leave it out."""
     fashion = data.data == FASHION_MNIST
     return assign_splits(keys, data.val_fraction, 0.0 if fashion else data.test_fraction,
-                         data.split_seed, data.group_pattern, data.train_limit, data.test_limit)
+                         data.split_seed, data.group_pattern, data.train_limit, data.test_limit,
+                         data.val_limit)
 
 
 def source_keys(data: DataSection) -> list[str]:

@@ -88,3 +88,23 @@ def test_no_technique_package_imports_a_sibling():
                       if other.split(".")[:1] == ["training"] and len(other.split(".")) > 1
                       and other.split(".")[1] in TECHNIQUES and other.split(".")[1] != parts[1]]
     assert crossings == []
+
+
+SHARED_FLOWS = {"flows.skeleton", "flows.cli", "flows.commands"}  # every flow's common parts
+
+
+def test_flows_import_from_one_another_only_what_each_flow_offers():
+    """The pipeline (and a benchmark) composes a technique through what its flow module lists
+    in `__all__` (the flow, its summary, its steps), never through its internals."""
+    import importlib
+
+    offenders = []
+    for path in [*(ROOT / "flows").glob("*.py"), *(ROOT / "bench").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module
+                    and node.module.startswith("flows.")) or node.module in SHARED_FLOWS:
+                continue
+            offered = importlib.import_module(node.module).__all__
+            offenders += [f"{path.name}: {node.module}.{alias.name}" for alias in node.names
+                          if alias.name not in offered]
+    assert offenders == []

@@ -100,3 +100,22 @@ def test_the_splits_command_prints_every_images_split(tmp_path, capsys):
     assert all(grown_table[path] == split for path, split in table.items())
     code, _, err = run_cli(capsys, "splits", "--data", str(root), "--group-pattern", "(")
     assert code == 2 and "group_pattern" in err
+
+
+def test_a_validation_limit_keeps_the_images_that_hash_lowest_and_they_stay_as_a_folder_grows():
+    from training.datasets import UNUSED, assign_splits
+
+    keys = [f"train/{n:05d}.png" for n in range(4000)]
+    full = assign_splits(keys, 0.2, 0.0, 3)
+    limited = assign_splits(keys, 0.2, 0.0, 3, val_limit=100)
+    assert limited.count("val") == 100 and full.count("val") > 700
+    # only validation images are left out; train and test are untouched
+    assert [s for s in limited if s != UNUSED] == [
+        s for s, kept in zip(full, limited, strict=True) if kept != UNUSED]
+    assert all(f == "val" for f, s in zip(full, limited, strict=True) if s == UNUSED)
+    # a grown folder: an old validation image is still validation or left out (a new one may
+    # hash lower), never moved to training or test
+    grown = assign_splits(keys + [f"train/new{n}.png" for n in range(500)], 0.2, 0.0, 3,
+                          val_limit=100)
+    assert grown.count("val") == 100
+    assert all(g in ("val", UNUSED) for s, g in zip(limited, grown, strict=False) if s == "val")

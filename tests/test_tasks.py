@@ -15,7 +15,8 @@ from tasks.training import ClassifierRound, run_key
 
 
 def test_prepare_dataset_splits_and_versions_the_subset():
-    config = TrainConfig(profile="smoke", train_limit=300, test_limit=100, val_fraction=0.2)
+    config = TrainConfig(profile="smoke", train_limit=300, test_limit=100, val_fraction=0.2,
+                         val_limit=None)
     data = data_section(config)
     ref = prepare_dataset.fn(data, source_version(data))
     # validation: a hash of each image's key below 0.2 (60,000 x 0.2 +- 3 binomial sd)

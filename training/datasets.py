@@ -243,18 +243,18 @@ def split_positions(splits: Sequence[str], name: str) -> Tensor:
 
 def assign_splits(keys: Sequence[str], val_fraction: float, test_fraction: float, seed: int,
                   group_pattern: str | None = None, train_limit: int | None = None,
-                  test_limit: int | None = None) -> list[str]:
+                  test_limit: int | None = None, val_limit: int | None = None) -> list[str]:
     """Each key's split: `train`, `val`, `test` (`stable_split`; keys under `test/` are the
     test split whatever their hash when `test_fraction` is 0: Fashion-MNIST's test file), or
-    `UNUSED` where `train_limit` / `test_limit` leave it out (the keys that hash lowest are
-    kept, `stable_limit`). A pure function of each key and the settings: the images of a split
-    never move as the folder grows. What the flows (`tasks.data.split_assignment`) and the
-    benchmarks that train outside them both use."""
+    `UNUSED` where `train_limit` / `val_limit` / `test_limit` leave it out (the keys that hash
+    lowest are kept, `stable_limit`). A pure function of each key and the settings: no image
+    moves to another split as the folder grows. What the flows (`tasks.data.split_assignment`)
+    and the benchmarks that train outside them both use."""
     splits = stable_split(keys, val_fraction, test_fraction, seed, group_pattern)
     if test_fraction == 0.0:
         splits = ["test" if key.startswith("test/") else split
                   for key, split in zip(keys, splits, strict=True)]
-    for name, count in (("train", train_limit), ("test", test_limit)):
+    for name, count in (("train", train_limit), ("val", val_limit), ("test", test_limit)):
         members = split_positions(splits, name)
         kept = set(stable_limit(members, keys, count, seed, f"{name}-limit").tolist())
         for i in members.tolist():

@@ -31,7 +31,8 @@ class DistillConfig(ProfiledConfig, DataSection, StepSection, BudgetSection, Run
 
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
         "smoke": {"teacher_model": "resnet8", "student_model": "cnn2", "stages": 2,
-                  "train_limit": 512, "test_limit": 256, "batch_size": 64, "lr": 0.1,
+                  "train_limit": 512, "test_limit": 256, "val_limit": 1000, "batch_size": 64,
+                  "lr": 0.1,
                   "progress": False, "min_steps": None,
                   "baseline_gate": False, "registry": False},
         "quick": {},

@@ -29,7 +29,8 @@ class PBTConfig(ProfiledConfig, DataSection, ModelSection, StepSection, BudgetSe
 
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
         "smoke": {"model": "cnn2", "members": 2, "burn_in_epochs": 1, "round_epochs": 1,
-                  "stages": 2, "train_limit": 512, "test_limit": 256, "batch_size": 64,
+                  "stages": 2, "train_limit": 512, "test_limit": 256, "val_limit": 1000,
+                  "batch_size": 64,
                   "progress": False, "min_steps": None,
                   "baseline_gate": False, "registry": False},
         "quick": {"model": "lenet"},  # N members: a network that trains in a minute each

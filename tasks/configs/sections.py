@@ -50,6 +50,9 @@ class DataSection(StrictConfig):
     train_limit: int | None = Field(20000, ge=1, description="use at most this many training "
                                     "images (those whose paths hash lowest: a grown folder "
                                     "keeps them); none: all")
+    val_limit: int | None = Field(None, ge=1, description="validate on at most this many "
+                                  "validation images (chosen the same way; every choice reads "
+                                  "them); none: all")
     test_limit: int | None = Field(None, ge=1, description="evaluate on at most this many test "
                                    "images (chosen the same way); none: all")
     skip_bad_images: bool = Field(False, description="skip and count unreadable images instead "

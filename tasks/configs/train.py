@@ -18,6 +18,7 @@ class TrainConfig(ProfiledConfig, DataSection, ModelSection, OptimSection, RunSe
 
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
         "smoke": {"model": "cnn2", "epochs": 1, "train_limit": 512, "test_limit": 256,
+                  "val_limit": 1000,
                   "batch_size": 64, "progress": False, "min_steps": None,
                   "baseline_gate": False, "registry": False},
         "quick": {},
