@@ -13,7 +13,7 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
-from flows.skeleton import finish, log_budget, prepare, publish, run_tags
+from flows.skeleton import finish, log_budget, prepare, publish, run_rounds, run_tags
 from tasks.adapters import tracking
 from tasks.adapters.registration import Registration
 from tasks.adapters.runners import submitter, task_runner, worker_threads
@@ -141,19 +141,15 @@ def distill_stages(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef
 
 def pretrain_teacher(plan: DistillPlan, dataset: DatasetRef, teacher_run_id: str
                      ) -> ArtifactRef | None:
-    """The teacher's warm start (`--teacher-pretrain-epochs`): its last checkpoint, or None."""
-    previous = None
+    """The teacher's warm start (`--teacher-pretrain-epochs`, logged on the teacher's run as
+    `pretrain_*` and `checkpoint.pretrain-NNN`): its last checkpoint, or None."""
     if plan.teacher.pretrain_epochs == 0:
-        return previous
+        return None
     config = pretrain_config(plan.teacher)
-    for epoch in range(config.epochs):
-        result = train_round(ClassifierRound(config=config, dataset=dataset, epoch=epoch,
-                                             run_name="distill-pretrain",
-                                             repeats=plan.teacher.repeats), previous)
-        tracking.log_metrics(teacher_run_id, {f"pretrain_{k}": v
-                                              for k, v in result.metrics.items()}, step=epoch + 1)
-        previous = result.checkpoint
-    return previous
+    return run_rounds(config.epochs, lambda epoch, _previous: ClassifierRound(
+        config=config, dataset=dataset, epoch=epoch, run_name="distill-pretrain",
+        repeats=plan.teacher.repeats), teacher_run_id, None, dataset.sizes["val"],
+        round_name="pretrain", metrics_prefix="pretrain_", keep_last=True).checkpoint
 
 
 def role_budgets(config: DistillConfig, dataset: DatasetRef) -> dict[str, Budget]:

@@ -34,7 +34,6 @@ from tasks.adapters.versioning import ArtifactRef
 from tasks.configs.image_text import ImageTextConfig
 from tasks.image_text import Descriptions, ImageTextRound, describe_images, mix_heads
 from tasks.image_text_evaluation import register_image_text, test_image_text
-from tasks.rounds import train_round
 from tasks.training import TestResult
 from training.budget import fit_budget
 
@@ -103,19 +102,18 @@ def image_text(config: ImageTextConfig) -> ImageTextSummary:
                             config.min_steps_full_below)
         log_budget(run_id, budget)
         config = config.model_copy(update={"batch_size": budget.batch_size})
+
         def plan(phase: str, epoch: int) -> ImageTextRound:
             return ImageTextRound(config=config, dataset=dataset, described=described,
                                   phase=phase, epoch=epoch, rounds=rounds,
                                   repeats=budget.repeats)
 
         aligned = None
-        for epoch in range(config.align_epochs):
-            result = train_round(plan("align", epoch), aligned)
-            tracking.log_metrics(run_id, {f"align_{k}": v for k, v in result.metrics.items()},
-                                 step=epoch + 1)
-            tracking.log_artifact_refs(run_id, {f"checkpoint.align-{epoch + 1:03d}":
-                                                result.checkpoint})
-            aligned = result.checkpoint
+        if config.align_epochs:  # the alignment phase's last round is where `joint` starts
+            aligned = run_rounds(config.align_epochs,
+                                 lambda epoch, _previous: plan("align", epoch), run_id, None,
+                                 described.val_images, round_name="align",
+                                 metrics_prefix="align_", keep_last=True).checkpoint
 
         best = run_rounds(config.epochs,
                           lambda epoch, _previous: plan("joint", config.align_epochs + epoch),

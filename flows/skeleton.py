@@ -143,35 +143,39 @@ def budgeted_classifier(config: BaseModel, prepared: Prepared, run_id: str, roun
 def run_rounds(rounds: int, plan_of: Callable[[int, ArtifactRef | None], RoundPlan],
                run_id: str, patience: int | None, val_images: int, key: str = "val_accuracy",
                name: str = "checkpoint", first_step: int = 0, keep_from: int = 0,
-               previous: ArtifactRef | None = None,
+               previous: ArtifactRef | None = None, round_name: str = "epoch",
+               metrics_prefix: str = "", keep_last: bool = False,
                train: Callable[[RoundPlan, ArtifactRef | None], RoundResult] = train_round
                ) -> RoundResult:
     """Runs the round task (`tasks.rounds.train_round`, or `train`) on
     `plan_of(epoch, previous)` from the previous round's checkpoint (the first from
-    `previous`) for up to `rounds` rounds, logging each round's metrics (at step `first_step`
-    + the round's number) and checkpoint (as `<name>.epoch-NNN`), with early stopping on the
-    metric `key` after `patience` rounds below the best; returns the round to keep
-    (`training.recipe.EarlyStopping`). Rounds before `keep_from` (0-based) are neither kept
-    nor counted by the early stopping."""
+    `previous`) for up to `rounds` rounds, logging each round's metrics (named
+    `<metrics_prefix><metric>`, at step `first_step` + the round's number) and checkpoint (as
+    `<name>.<round_name>-NNN`), with early stopping on the metric `key` after `patience` rounds
+    below the best; returns the round to keep (`training.recipe.EarlyStopping`), or with
+    `keep_last` the last one (a warm start, an alignment phase: no choice to make). Rounds
+    before `keep_from` (0-based) are neither kept nor counted by the early stopping."""
     logger = get_run_logger()
     stopping = EarlyStopping(patience, val_images)
-    best = None
+    best = result = None
     for epoch in range(rounds):
         result = train(plan_of(epoch, previous), previous)
-        tracking.log_metrics(run_id, result.metrics, step=first_step + epoch + 1)
-        tracking.log_artifact_refs(run_id, {f"{name}.epoch-{epoch + 1:03d}":
+        tracking.log_metrics(run_id, {f"{metrics_prefix}{k}": v
+                                      for k, v in result.metrics.items()},
+                             step=first_step + epoch + 1)
+        tracking.log_artifact_refs(run_id, {f"{name}.{round_name}-{epoch + 1:03d}":
                                             result.checkpoint})
         logger.info("round %d/%d: %s", epoch + 1, rounds, ", ".join(
             f"{k}={v:.4g}" for k, v in result.metrics.items()))
         previous = result.checkpoint
-        if epoch < keep_from:
+        if keep_last or epoch < keep_from:
             continue
         if stopping.update(epoch, result.metrics[key]):
             best = result
         if stopping.should_stop:
             logger.info("early stop: %d rounds below the best %s", stopping.stale, key)
             break
-    return best
+    return result if keep_last else best
 
 
 def train_epochs(classifier: ClassifierConfig, prepared: Prepared, budget: Budget,

@@ -149,7 +149,8 @@ def set_tags(run_id: str, tags: Mapping[str, Any]) -> None:
 
 
 ARTIFACT_REFS = "dvc/artifacts.json"
-PER_ROUND = re.compile(r"\b(epoch|stage|align)-\d+$")  # checkpoint.epoch-003, bank.stage-002
+# a round's artifact: checkpoint.epoch-003, bank.stage-002, checkpoint.align-001, ...
+PER_ROUND = re.compile(r"\b(epoch|stage|align|pretrain)-\d+$")
 
 
 def artifact_refs(run_id: str) -> dict[str, dict[str, str]]:
