@@ -32,6 +32,7 @@ from tasks.distill import (
 from tasks.rounds import RoundResult, train_round
 from tasks.training import ClassifierRound, fit_to_data, test_and_export
 from training.budget import Budget
+from training.distill.stages import run_stages
 
 # What other flows and the benchmarks may import (tests/test_layering.py): the flow, its
 # summary and the steps the `pipeline` composes: the stages as a subflow (`distill_stages`)
@@ -67,41 +68,31 @@ class DistillSummary(BaseModel):
 
 def _stage_loop(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef,
                 on_stage, pretrained: ArtifactRef | None = None) -> list[StageRecord]:
-    """Submits the stages so that the teacher's stage s+1 runs beside the student's stage s.
-
-    In `single` bank mode there is one bank file, so snapshot s+1 waits for the student's
-    stage s to finish reading snapshot s; in `per-state` mode it does not.
-    """
+    """The stages in `training.distill.stages.run_stages`' order (the teacher's stage s+1
+    beside the student's stage s), each a task submitted to the config's runner."""
     submit = submitter(config)
     records: list[StageRecord] = []
 
-    def finish(running: tuple[RoundResult, BankSnapshot, object]) -> RoundResult:
-        """Waits for a running student stage and records its stage."""
-        teacher, bank, student_future = running
-        records.append(StageRecord(teacher=teacher, bank=bank, student=student_future.result()))
-        on_stage(records[-1])
-        return records[-1].student
-
-    def teacher_round(stage: int, previous: ArtifactRef | None):
+    def teacher_stage(stage: int, previous: RoundResult | None):
         return submit(train_round, TeacherRound(config=plan.teacher, dataset=dataset,
-                                                stage=stage), previous)
+                                                stage=stage),
+                      previous.checkpoint if previous else pretrained).result
 
-    teacher_future = teacher_round(1, pretrained)
-    bank, student, running = None, None, None
-    for stage in range(1, config.stages + 1):
-        teacher = teacher_future.result()
-        if plan.bank.mode == "single" and running:  # snapshot s+1 rewrites the bank s reads
-            student, running = finish(running), None
-        bank = submit(bank_snapshot, plan.teacher, plan.bank, dataset, stage, teacher.checkpoint,
-                      bank.bank if bank else None, pretrained).result()
-        if stage < config.stages:  # the teacher's next stage runs beside this student stage
-            teacher_future = teacher_round(stage + 1, teacher.checkpoint)
-        if running:
-            student = finish(running)
-        running = (teacher, bank, submit(
-            train_round, StudentRound(config=plan.student, dataset=dataset, stage=stage,
-                                      bank=bank.bank), student.checkpoint if student else None))
-    finish(running)
+    def snapshot(stage: int, teacher: RoundResult, previous: BankSnapshot | None):
+        return submit(bank_snapshot, plan.teacher, plan.bank, dataset, stage, teacher.checkpoint,
+                      previous.bank if previous else None, pretrained).result()
+
+    def student_stage(stage: int, previous: RoundResult | None, bank: BankSnapshot):
+        return submit(train_round, StudentRound(config=plan.student, dataset=dataset,
+                                                stage=stage, bank=bank.bank),
+                      previous.checkpoint if previous else None).result
+
+    def recorded(teacher: RoundResult, bank: BankSnapshot, student: RoundResult) -> None:
+        records.append(StageRecord(teacher=teacher, bank=bank, student=student))
+        on_stage(records[-1])
+
+    run_stages(config.stages, plan.bank.mode == "single", teacher_stage, snapshot,
+               student_stage, recorded)
     return records
 
 

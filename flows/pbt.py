@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,12 @@ from tasks.pbt import (
 from tasks.rounds import RoundResult
 from tasks.training import run_key
 from training.budget import Budget
-from training.pbt.scheduler import PopulationFailed
+from training.pbt.population import (
+    MemberStart,
+    PopulationRound,
+    PopulationSettings,
+)
+from training.pbt.population import run_population as run_population_loop
 
 # What other flows and the benchmarks may import (tests/test_layering.py): the flow, its
 # summary and the step the `pipeline` composes: the population from given weights
@@ -131,112 +137,52 @@ def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str
     base = classifier_config(config.model_copy(update={"threads": threads,
                                                        "batch_size": batch_size}))
     population = run_key(config, dataset) + ("" if start is None else f"-from-{start.md5[:12]}")
-    members = config.members
-    burn_in = config.burn_in_epochs * repeats
-    total = burn_in + config.stages * config.round_epochs * repeats  # passes
     burn_in_values = {name: getattr(base, name) for name in HYPERPARAMETERS}
-    hyperparameters = [burn_in_values] * members
-    checkpoints: list[Any] = [start] * members
-    weights = [LAST_WEIGHTS] * members  # the entry of `checkpoints[m]` member m starts from
-    parents: list[int | None] = [None] * members
-    copied: list[str | None] = [None] * members  # which of the parent's weights: its `kept`
-    lineage: list[dict[str, Any]] = []
 
-    def run_round(phase: str, index: int, first: int, passes: int, cycle: tuple[int, int],
-                  average_decay: float | None) -> list[RoundResult | None]:
+    def train(round_: PopulationRound, starts: Sequence[MemberStart]):
         futures = [submit(member_round, MemberRound(
-            config=member_config(base, m, hyperparameters[m]), dataset=dataset,
-            population=population, member=m, phase=phase, index=index, first_epoch=first,
-            epochs=passes, cycle=cycle, average_decay=average_decay, weights=weights[m]),
-            checkpoints[m]) for m in range(members)]
-        results: list[RoundResult | None] = []
-        errors = []
-        for m, future in enumerate(futures):
-            record = {"phase": phase, "stage": index, "member": m, "parent": parents[m],
-                      "copied": copied[m], "hyperparameters": hyperparameters[m]}
-            try:
-                result = future.result()
-            except Exception as error:  # retried once already: record it, go on without it
-                logger.warning("member %d failed in %s %d: %s", m, phase, index, error)
-                errors.append(f"member {m}: {type(error).__name__}: {error}")
-                results.append(None)
-                lineage.append(record | {"score": None, "error": errors[-1]})
-                continue
-            results.append(result)
-            lineage.append(record | {"score": result.metrics["val_accuracy"],
-                                     "kept": result.kept})
-            step = index if phase == "stage" else index - config.burn_in_epochs
-            tracking.log_metrics(member_runs[m], result.metrics | {
-                f"hp_{k}": v for k, v in hyperparameters[m].items()}, step=step)
-        if not any(results):
-            raise PopulationFailed(f"every member failed in {phase} {index}; "
-                                   + "; ".join(errors))
-        return results
+            config=member_config(base, s.member, s.hyperparameters), dataset=dataset,
+            population=population, member=s.member, phase=round_.phase, index=round_.index,
+            first_epoch=round_.first, epochs=round_.passes, cycle=round_.cycle,
+            average_decay=round_.average_decay, weights=s.weights), s.checkpoint)
+            for s in starts]
+        return [future.result for future in futures]
 
-    # burn-in: one cosine over the whole run at the burn-in values, no weight average
-    best_val, stale, epoch = -1.0, 0, 0
-    for epoch in range(1, config.burn_in_epochs + 1):
-        results = run_round("burn-in", epoch, (epoch - 1) * repeats, repeats, (0, total), None)
-        checkpoints = [r.checkpoint if r else c for r, c in zip(results, checkpoints,
-                                                                 strict=True)]
-        val = max(r.metrics["val_accuracy"] for r in results if r)
-        best_val, stale = (val, 0) if val > best_val else (best_val, stale + 1)
-        if config.burn_in_patience is not None and stale >= config.burn_in_patience:
-            logger.info("burn-in stops after epoch %d: no better validation accuracy", epoch)
-            break
-    # stages: a new cosine at each member's own rate, decaying to zero at the last stage
-    stages_from = epoch * repeats
-    cycle = (stages_from, stages_from + config.stages * config.round_epochs * repeats)
-    scheduler = population_scheduler(config, members, burn_in_values, dataset.sizes["val"])
-    hyperparameters = scheduler.hyperparameters  # every member starts from different values
-    first, best_score, stale, stage = stages_from, -1.0, 0, 0
-    best_result, best_member, best_hyperparameters = None, 0, hyperparameters[0]
-    for stage in range(1, config.stages + 1):
-        passes = config.round_epochs * repeats
-        results = run_round("stage", stage, first, passes, cycle, config.average_decay)
-        first += passes
-        decision = scheduler.decide([r.metrics["val_accuracy"] if r else None
-                                     for r in results])
-        best_result, best_member = results[decision.best], decision.best
-        best_hyperparameters = hyperparameters[decision.best]
-        score = decision.score
-        logger.info("stage %d: best member %d (%s weights), validation %.4f (ties within "
-                    "%.4f), %s", stage, decision.best, best_result.kept, score, decision.margin,
-                    ", ".join(f"{k}={v:.4g}" for k, v in best_hyperparameters.items()))
-        tracking.log_dict(member_runs[decision.best], {"stage": stage, **best_hyperparameters},
+    def on_member(m: int, round_: PopulationRound, result: RoundResult,
+                  hyperparameters: dict[str, float]) -> None:
+        step = round_.index if round_.phase == "stage" else \
+            round_.index - config.burn_in_epochs
+        tracking.log_metrics(member_runs[m], result.metrics | {
+            f"hp_{k}": v for k, v in hyperparameters.items()}, step=step)
+
+    logs: list[ArtifactRef] = []
+
+    def on_stage(stage: int, best: int, values: dict[str, float],
+                 lineage: list[dict[str, Any]]) -> None:
+        tracking.log_dict(member_runs[best], {"stage": stage, **values},
                           f"best/stage-{stage:03d}.json")
-        lineage_log = write_lineage(population, lineage)
-        best_score, stale = (score, 0) if score > best_score else (best_score, stale + 1)
-        if (config.target_accuracy is not None and score >= config.target_accuracy) or \
-                (config.stage_patience is not None and stale >= config.stage_patience):
-            logger.info("stop after stage %d (validation %.4f)", stage, score)
-            break
-        # exploit: every member starts the next stage from the weights the best was ranked on
-        # (its average or its last weights); explore: the best keeps its values, the others
-        # draw around them (the scheduler's decision)
-        checkpoints = [best_result.checkpoint] * members
-        weights = [exploit_weights(best_result)] * members
-        parents = [decision.best] * members
-        copied = [best_result.kept] * members
-        hyperparameters = list(decision.hyperparameters)
-    trained = [r for r in results if r is not None]
-    trained_members = [m for m, r in enumerate(results) if r is not None]
-    if config.soup and stage > 1 and len(trained) > 1:  # stage 1's members share no start
-        soup = submit(soup_members, base, dataset, population, trained, trained_members,
-                      trained.index(best_result)).result()
-        logger.info("soup of members %s: validation %.4f (the best alone %.4f)",
-                    soup.metrics["soup_ingredients"], soup.metrics["val_accuracy"],
-                    best_result.metrics["val_accuracy"])
-        lineage.append({"phase": "soup", "stage": stage, "member": best_member,
-                        "parent": None, "copied": None, "hyperparameters": best_hyperparameters,
-                        "score": soup.metrics["val_accuracy"],
-                        "ingredients": int(soup.metrics["soup_ingredients"])})
-        lineage_log = write_lineage(population, lineage)
-        if soup.metrics["soup_ingredients"] > 1:
-            best_result = soup
-    return PopulationResult(best=best_result, best_member=best_member,
-                            hyperparameters=best_hyperparameters,
-                            stages=stage, lineage=lineage, lineage_log=lineage_log,
+        logs.append(write_lineage(population, lineage))
+
+    def soup(trained: list[RoundResult], members: list[int], first: int) -> RoundResult:
+        return submit(soup_members, base, dataset, population, trained, members,
+                      first).result()
+
+    settings = PopulationSettings(
+        members=config.members, burn_in_epochs=config.burn_in_epochs,
+        burn_in_patience=config.burn_in_patience, stages=config.stages,
+        round_epochs=config.round_epochs, repeats=repeats, average_decay=config.average_decay,
+        target_accuracy=config.target_accuracy, stage_patience=config.stage_patience,
+        soup=config.soup)
+    result = run_population_loop(
+        settings, lambda: population_scheduler(config, config.members, burn_in_values,
+                                               dataset.sizes["val"]),
+        burn_in_values, start, train, exploit_weights, LAST_WEIGHTS, on_member, on_stage,
+        soup, logger)
+    if result.lineage[-1]["phase"] == "soup":  # the lineage log ends with the soup's record
+        logs.append(write_lineage(population, result.lineage))
+    return PopulationResult(best=result.best, best_member=result.best_member,
+                            hyperparameters=result.hyperparameters, stages=result.stages,
+                            lineage=result.lineage, lineage_log=logs[-1],
                             val_images=dataset.sizes["val"])
 
 

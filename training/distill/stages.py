@@ -6,7 +6,8 @@ Shared by the `distill` flow's tasks and the benchmarks, so both run the same me
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -73,3 +74,43 @@ def train_stage(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Bat
     scored = evaluate(model, val, device)
     return metrics | {"val_accuracy": scored["accuracy"], "val_loss": scored["loss"],
                       "images": float(len(passes) * len(batches) * batches.batch_size)}
+
+
+Waiter = Callable[[], Any]
+
+
+def run_stages(stages: int, single_bank: bool, teacher_stage: Callable[[int, Any], Waiter],
+               bank_snapshot: Callable[[int, Any, Any], Any],
+               student_stage: Callable[[int, Any, Any], Waiter],
+               on_stage: Callable[[Any, Any, Any], None]) -> None:
+    """The order of the method's S stages, so that the teacher's stage s+1 runs beside the
+    student's stage s: `teacher_stage(s, previous teacher)` and `student_stage(s, previous
+    student, bank)` start a stage and return a waiter for its result (trained elsewhere, in
+    parallel where the runner allows); `bank_snapshot(s, teacher s, previous bank)` returns
+    bank s. `on_stage(teacher, bank, student)` records each stage once its student is done.
+    The previous teacher of stage 1 is `teacher_stage`'s to choose (a warm start); results are
+    opaque here (the caller's checkpoints).
+
+    With a `single_bank` (one bank file rewritten each stage) snapshot s+1 waits for the
+    student's stage s to finish reading snapshot s; with one file per state it does not."""
+    running: tuple[Any, Any, Waiter] | None = None
+    bank = student = None
+
+    def finish(stage_parts: tuple[Any, Any, Waiter]) -> Any:
+        teacher_done, bank_done, wait = stage_parts
+        student_done = wait()
+        on_stage(teacher_done, bank_done, student_done)
+        return student_done
+
+    waiting_teacher = teacher_stage(1, None)
+    for stage in range(1, stages + 1):
+        teacher = waiting_teacher()
+        if single_bank and running:  # snapshot s+1 rewrites the bank s reads
+            student, running = finish(running), None
+        bank = bank_snapshot(stage, teacher, bank)
+        if stage < stages:  # the teacher's next stage runs beside this student stage
+            waiting_teacher = teacher_stage(stage + 1, teacher)
+        if running:
+            student = finish(running)
+        running = (teacher, bank, student_stage(stage, student, bank))
+    finish(running)
