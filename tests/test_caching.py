@@ -69,3 +69,28 @@ def test_a_new_torch_changes_every_key(tmp_path, monkeypatch):
     code_version.cache_clear()
     assert code_version("tasks.a", tmp_path) != before
     code_version.cache_clear()
+
+
+def test_a_rounds_key_leaves_out_the_fields_marked_run_only_at_any_depth():
+    """The same round under another device, thread count, name or gate is the same work; a
+    changed learning rate is not. The fields say which they are (`RUN_ONLY`)."""
+    from tasks.adapters.caching import result_fields
+    from tasks.adapters.versioning import ArtifactRef
+    from tasks.configs.sections import ClassifierConfig
+    from tasks.data import DatasetRef
+    from tasks.training import ClassifierRound
+
+    config = ClassifierConfig(model="lenet", lr=0.05)
+    dataset = DatasetRef(artifact=ArtifactRef(path="data.pt", md5="0" * 32, size=1),
+                         source="fashion-mnist", version="v", skipped=[],
+                         classes=["a", "b"], channels=1, image_size=28,
+                         sizes={"train": 1, "val": 1, "test": 1}, mean=[0.5], std=[0.25])
+
+    def key(**changes) -> dict:
+        return result_fields(ClassifierRound(config=config.model_copy(update=changes),
+                                             dataset=dataset, epoch=0))
+
+    elsewhere = key(device="cpu", threads=3, model_name="other", progress=False, patience=9,
+                    baseline_gate=False, registry=False, max_latency_ms=5.0)
+    assert elsewhere == key() and "device" not in key()["config"]
+    assert key(lr=0.1) != key() and key(ddp_procs=2) != key()  # these change the weights

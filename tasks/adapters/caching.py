@@ -21,11 +21,10 @@ from typing import Any
 from prefect.context import TaskRunContext
 from prefect.utilities.hashing import hash_objects
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 from tasks.adapters.environment import PROJECT_ROOT
 
-RUN_ONLY_FIELDS = frozenset({"profile", "model_name", "progress", "threads", "device",
-                             "patience", "baseline_gate", "registry", "max_latency_ms"})
 CODE_PACKAGES = ("models", "training", "serving", "tasks", "flows")
 LIBRARIES = ("torch", "torchvision", "compactml")  # their versions decide results too
 
@@ -99,21 +98,33 @@ def code_version(module: str, root: Path = PROJECT_ROOT) -> str:
     return digest.hexdigest()
 
 
+def run_only(field: FieldInfo) -> bool:
+    """Whether a config field is marked run-only (`tasks.configs.sections.RUN_ONLY`: it says
+    where or how a run goes, not what it computes), so left out of every cache key."""
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get("run_only"))
+
+
 def result_fields(value: Any) -> Any:
     """A JSON-able view of an input without its run-only fields (at any depth: a round's plan
     holds its config)."""
     if isinstance(value, BaseModel):
-        return _without_run_only(value.model_dump(mode="json"))
+        return _without_run_only(value, value.model_dump(mode="json"))
     return value
 
 
-def _without_run_only(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {key: _without_run_only(item) for key, item in value.items()
-                if key not in RUN_ONLY_FIELDS}
-    if isinstance(value, list):
-        return [_without_run_only(item) for item in value]
-    return value
+def _without_run_only(value: Any, dumped: Any) -> Any:
+    """`dumped` (the JSON dump of `value`) without the fields `value`'s models mark run-only."""
+    if isinstance(value, BaseModel) and isinstance(dumped, dict):
+        fields = type(value).model_fields
+        return {name: _without_run_only(getattr(value, name, None), item)
+                for name, item in dumped.items()
+                if name not in fields or not run_only(fields[name])}
+    if isinstance(value, (list, tuple)) and isinstance(dumped, list):
+        return [_without_run_only(v, d) for v, d in zip(value, dumped, strict=False)]
+    if isinstance(value, dict) and isinstance(dumped, dict):
+        return {key: _without_run_only(value.get(key), item) for key, item in dumped.items()}
+    return dumped
 
 
 def computation_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:

@@ -14,6 +14,9 @@ from tasks.adapters.environment import data_dir
 from training.datasets import DataError, check_group_pattern, image_folder_listing
 
 Profile = Literal["smoke", "quick", "full"]
+# A field's `json_schema_extra` when it says where or how a run goes, not what it computes:
+# the cache keys leave it out (`tasks.adapters.caching.result_fields`).
+RUN_ONLY = {"run_only": True}
 FASHION_MNIST = "fashion-mnist"
 # a registered model version: models:/NAME@ALIAS or models:/NAME/VERSION
 MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[\w.-]+)|/(?P<version>\d+))$")
@@ -165,7 +168,7 @@ class OptimSection(StepSection, BudgetSection):
     patience: int | None = Field(4, ge=1, description="stop after this many rounds in a row "
                                  "below the best validation accuracy; the latest round within "
                                  "one standard error of the best is kept; none: run every "
-                                 "round")
+                                 "round", json_schema_extra=RUN_ONLY)
 
 
 class RunSection(StrictConfig):
@@ -175,25 +178,29 @@ class RunSection(StrictConfig):
     FLAG_ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {"registry": ("--register",)}
 
     seed: int = Field(0, ge=0, description="seed of weights, shuffling and augmentation")
-    device: Literal["auto", "cpu", "cuda", "mps"] = Field("auto", description="where to train")
+    device: Literal["auto", "cpu", "cuda", "mps"] = Field("auto", description="where to train",
+                                                          json_schema_extra=RUN_ONLY)
     threads: int | None = Field(None, ge=1, le=512, description="CPU threads for PyTorch; none: "
-                                "PyTorch's default")
+                                "PyTorch's default", json_schema_extra=RUN_ONLY)
     model_name: str | None = Field(None, min_length=1, max_length=100, description="registered "
-                                   "model name in MLflow; none: the flow's name")
-    progress: bool = Field(True, description="show progress bars")
+                                   "model name in MLflow; none: the flow's name",
+                                   json_schema_extra=RUN_ONLY)
+    progress: bool = Field(True, description="show progress bars", json_schema_extra=RUN_ONLY)
     ddp_procs: int = Field(1, ge=1, le=1024, description="data-parallel processes per "
                            "training task, launched by torchrun (gloo on CPUs, nccl and one "
                            "GPU each on CUDA); 1: train in the task's own process")
     baseline_gate: bool = Field(True, description="never make a model champion that does not "
                                 "beat the raw-pixel baselines (k-NN, linear) on validation; "
-                                "they are logged either way")
+                                "they are logged either way", json_schema_extra=RUN_ONLY)
     registry: bool = Field(True, description="register the final model in MLflow's registry and "
                            "decide its alias; --no-register (and the smoke profile): the model "
-                           "is tested and logged on its run, the registry is never touched")
+                           "is tested and logged on its run, the registry is never touched",
+                           json_schema_extra=RUN_ONLY)
     max_latency_ms: float | None = Field(None, gt=0.0, le=1e6, description="promotion gate: "
                                          "never make a model champion whose served pyfunc takes "
                                          "longer than this per image (batch 1, median, this "
-                                         "machine); none: no budget")
+                                         "machine); none: no budget",
+                                         json_schema_extra=RUN_ONLY)
 
     @field_validator("model_name")
     @classmethod
@@ -221,7 +228,8 @@ class ProfiledConfig(StrictConfig):
 
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {"quick": {}}
     profile: Profile = Field("quick", description="preset sizes: smoke (seconds, for tests), "
-                             "quick (minutes on a laptop), full (real results, GPU-sized)")
+                             "quick (minutes on a laptop), full (real results, GPU-sized)",
+                             json_schema_extra=RUN_ONLY)
 
     @model_validator(mode="before")
     @classmethod
