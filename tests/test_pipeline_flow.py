@@ -107,6 +107,10 @@ def test_a_rerun_on_unchanged_data_trains_nothing_and_changed_data_retrains(run)
     assert again.skipped and again.steps == []
     assert set(task_states(state)) == {"prepare-dataset", "raw-pixel-baselines"}
     assert tracking.model_versions(NAME) == versions
+    tags = MlflowClient().get_run(again.run_id).data.tags
+    assert tags["registry.decision"].startswith(f"the champion (models:/{NAME}/")
+    assert "was trained by this pipeline on the same data" in tags["registry.decision"]
+    assert "step_teacher_test_accuracy" not in MlflowClient().get_run(again.run_id).data.metrics
     config = smoke_pipeline()
     assert pipeline_key(config, "a" * 32) != pipeline_key(config, "b" * 32)
     assert pipeline_key(config, "a" * 32) != pipeline_key(smoke_pipeline(pbt_stages=2), "a" * 32)
