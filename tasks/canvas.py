@@ -35,14 +35,14 @@ from tasks.configs.sparsify import SparsifyConfig, SparsitySpec
 from tasks.data import DatasetRef, load_dataset
 from tasks.rounds import Closed, Opened, RoundPlan, setup_device
 from tasks.sparsify import ActivationReport, SparsityReport, measured_layers, measured_report
-from tasks.training import make_optimizer
+from tasks.training import configured_round, make_optimizer
 from training.canvas.contours import contour_scores
 from training.canvas.detection import as_rgb, detect, mean_average_precision
 from training.canvas.layouts import LayoutBatches, Layouts, LayoutSpec, make_layouts
 from training.canvas.rounds import TARGET, CanvasStep, LayoutPasses
 from training.device import place_model
 from training.recipe import optimizer_to
-from training.rounds import Round, Trainee
+from training.rounds import Trainee
 from training.sparsify.term import (
     activation_stats,
     layer_lambdas,
@@ -167,13 +167,11 @@ class CanvasRound(RoundPlan):
             optimizer.load_state_dict(state["optimizer"])
         model = place_model(model, device)
         optimizer_to(optimizer, device)
-        round_ = Round(
-            network=None, step=CanvasStep(config.task),
-            batches=LayoutPasses(load_layouts(self.layouts, "train"), config.task,
-                                 config.batch_size, config.seed),
-            passes=(self.epoch,), schedule=(0, config.epochs), lr=config.lr,
-            momentum=config.momentum, weight_decay=config.weight_decay,
-            warmup_epochs=config.warmup_epochs, grad_clip=config.grad_clip,
+        round_ = configured_round(
+            config, None, CanvasStep(config.task),
+            LayoutPasses(load_layouts(self.layouts, "train"), config.task, config.batch_size,
+                         config.seed),
+            (self.epoch,), (0, config.epochs), config.warmup_epochs,
             sparsity=None if self.sparsity is None else self.sparsity.term(),
             progress=config.task if config.progress else None)
         return Opened(Trainee(model, optimizer), round_)

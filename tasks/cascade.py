@@ -23,7 +23,7 @@ from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.cascade import CascadeConfig
 from tasks.data import DatasetRef, load_dataset
 from tasks.rounds import Closed, Opened, RoundPlan, RoundResult, setup_device
-from tasks.training import eval_batches, run_key
+from tasks.training import configured_round, eval_batches, image_batches, run_key
 from training.batches import Batches, Normalize
 from training.budget import Budget, fit_budget
 from training.cascade.learning import (
@@ -49,7 +49,7 @@ from training.latency import (
 )
 from training.loops import evaluate
 from training.recipe import optimizer_to, sgd, train_round
-from training.rounds import SINGLE, ImageBatches, Round, Trainee
+from training.rounds import SINGLE, Trainee
 
 
 class CascadeSets(BaseModel):
@@ -183,16 +183,12 @@ class ModuleRound(RoundPlan):
         seeds = tuple(config.seed * 1000 + n + 100 * k for n in passes)  # each pass's shuffle
         step = ModuleStep(k, frozen, None if relative is None else relative.cpu(),
                           config.latency_weight, config.label_smoothing, seeds[0])
-        round_ = Round(
-            network=CascadeNetwork(config.spec(), self.dataset.channels,
-                                   len(self.dataset.classes)),
-            step=step,
-            batches=ImageBatches(data.images, data.labels, rows, budget.batch_size,
-                                 tuple(self.dataset.mean), tuple(self.dataset.std),
-                                 config.augment, config.flips(), tuple(passes), seeds=seeds),
-            passes=tuple(passes), schedule=(0, budget.epochs), lr=config.lr,
-            momentum=config.momentum, weight_decay=config.weight_decay,
-            warmup_epochs=config.warmup_epochs * budget.repeats, grad_clip=config.grad_clip)
+        round_ = configured_round(
+            config, CascadeNetwork(config.spec(), self.dataset.channels,
+                                   len(self.dataset.classes)), step,
+            image_batches(config, self.dataset, data, rows, budget.batch_size, passes,
+                          seeds=seeds),
+            passes, (0, budget.epochs), config.warmup_epochs * budget.repeats)
         return Opened(Trainee(net, optimizer), round_, {"data": data, "frozen": frozen})
 
     def close(self, opened: Opened, device: torch.device, metrics: dict[str, float],
@@ -241,10 +237,8 @@ def fit_predictor(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
         optimizer = sgd(stage.trainable_parameters(), config.lr, config.momentum, 0.0)
         batch = min(config.batch_size, max(16, len(second) // 8))
         passes = range(config.predictor_epochs)
-        batches = ImageBatches(data.images, data.labels, second, batch, tuple(dataset.mean),
-                               tuple(dataset.std), config.augment, config.flips(),
-                               tuple(passes), seeds=tuple(config.seed * 1000 + 7 * n + 1
-                                                          for n in passes))
+        batches = image_batches(config, dataset, data, second, batch, passes,
+                                seeds=[config.seed * 1000 + 7 * n + 1 for n in passes])
         losses = train_round(stage, optimizer, batches.for_passes(device, SINGLE),
                              predictor_step(net, k, relative, config.latency_weight), device,
                              passes, config.lr, (0, config.predictor_epochs))

@@ -27,7 +27,8 @@ from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.cascade import read_table, trained_cascade
 from tasks.configs.cascade import CascadeConfig
 from tasks.data import DatasetRef, load_dataset
-from tasks.training import eval_batches, run_key, setup_device
+from tasks.rounds import setup_device
+from tasks.training import eval_batches, run_key
 from training.batches import Normalize
 from training.cascade.calibration import (
     CalibrationGoal,

@@ -26,7 +26,9 @@ from tasks.configs.sections import ClassifierConfig, StrictConfig
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
 from tasks.rounds import Closed, Opened, RoundPlan, setup_device
 from tasks.training import (
+    configured_round,
     eval_batches,
+    image_batches,
     make_optimizer,
     new_model,
     restore,
@@ -44,7 +46,6 @@ from training.recipe import optimizer_to
 from training.rounds import (
     ClassifierNetwork,
     ClassifyStep,
-    ImageBatches,
     NetworkSpec,
     Round,
     StepSpec,
@@ -158,14 +159,10 @@ def stage_round(role: RoleConfig, dataset: DatasetRef, data: LoadedDataset, ids:
     augmented batches of the stage's images, on the cosine schedule spanning all stages
     (`training.distill.stages.stage_passes`)."""
     passes, schedule = stage_passes(stage, role.epochs, role.repeats)
-    return Round(
-        network=network, step=step,
-        batches=ImageBatches(data.images, data.labels, ids, role.batch_size, tuple(dataset.mean),
-                             tuple(dataset.std), role.augment, role.flips(), tuple(passes),
-                             stream_seed=role.seed * 1000 + stage),
-        passes=tuple(passes), schedule=schedule, lr=role.lr, momentum=role.momentum,
-        weight_decay=role.weight_decay, warmup_epochs=role.warmup_epochs * role.repeats,
-        grad_clip=role.grad_clip,
+    return configured_round(
+        role, network, step, image_batches(role, dataset, data, ids, role.batch_size, passes,
+                                           stream_seed=role.seed * 1000 + stage),
+        passes, schedule, role.warmup_epochs * role.repeats,
         progress=f"{role.role} stage {stage}/{role.epochs}" if role.progress else None)
 
 

@@ -41,13 +41,13 @@ from tasks.configs.image_text import ImageTextConfig, seen_training_positions, u
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
 from tasks.pool import folder_pool, match_training_images, own_pool
 from tasks.rounds import Closed, Opened, RoundPlan, setup_device
-from tasks.training import position_batches, run_key
+from tasks.training import configured_round, image_batches, position_batches, run_key
 from training.datasets import labelled_images, validation_images
 from training.device import place_model
 from training.image_text.losses import ImageTextStep, TextBank
 from training.image_text.text_side import TextSide, mix_head, score_split, start_classifier
 from training.recipe import optimizer_to, sgd
-from training.rounds import ImageBatches, Round, Trainee
+from training.rounds import Trainee
 
 
 class Descriptions(BaseModel):
@@ -260,15 +260,11 @@ class ImageTextRound(RoundPlan):
         step = ImageTextStep(side.bank, side.labelled, config.contrastive_weight,
                              config.ce_weight if self.phase == "joint" else 0.0,
                              config.label_smoothing)
-        round_ = Round(
-            network=None, step=step,  # one process (`ImageTextStep`)
-            batches=ImageBatches(data.images, data.labels, side.train, config.batch_size,
-                                 tuple(dataset.mean), tuple(dataset.std), config.augment,
-                                 config.flips(), tuple(passes),
-                                 seeds=tuple(config.seed * 1000 + n for n in passes)),
-            passes=tuple(passes), schedule=(0, self.rounds * self.repeats), lr=config.lr,
-            momentum=config.momentum, weight_decay=config.weight_decay,
-            warmup_epochs=config.warmup_epochs * self.repeats, grad_clip=config.grad_clip)
+        round_ = configured_round(  # no network spec: one process (`ImageTextStep`)
+            config, None, step,
+            image_batches(config, dataset, data, side.train, config.batch_size, passes,
+                          seeds=[config.seed * 1000 + n for n in passes]),
+            passes, (0, self.rounds * self.repeats), config.warmup_epochs * self.repeats)
         return Opened(Trainee(model, optimizer), round_, {"data": data, "side": side})
 
     def close(self, opened: Opened, device: torch.device, metrics: dict[str, float],

@@ -23,7 +23,8 @@ from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.image_text import ImageTextConfig
 from tasks.data import DatasetRef, load_dataset
 from tasks.image_text import Descriptions, new_network, text_side
-from tasks.training import eval_batches, setup_device
+from tasks.rounds import setup_device
+from tasks.training import eval_batches
 from training.device import place_model
 from training.image_text.text_side import score_split
 

@@ -25,7 +25,8 @@ from tasks.adapters.registration import (
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.sections import ClassifierConfig
 from tasks.data import DatasetRef, load_dataset
-from tasks.training import eval_batches, setup_device, split_batches, trained_model
+from tasks.rounds import setup_device
+from tasks.training import eval_batches, split_batches, trained_model
 from training.cascade.fallback import calibrate_fallback, fallback_infer, fallback_table
 from training.device import place_model
 from training.latency import interleaved_ms_per_image

@@ -15,7 +15,9 @@ import hashlib
 import json
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from prefect import task
@@ -36,7 +38,16 @@ from training.device import inference_batch, place_model
 from training.features import WithEmbedding
 from training.loops import evaluate
 from training.recipe import optimizer_to, set_momentum_and_decay, sgd
-from training.rounds import ClassifierNetwork, ClassifyStep, ImageBatches, Round, Trainee
+from training.rounds import (
+    ClassifierNetwork,
+    ClassifyStep,
+    ImageBatches,
+    NetworkSpec,
+    Passes,
+    Round,
+    StepSpec,
+    Trainee,
+)
 from training.sparsify.thresholds import install_thresholds, thresholds_in_place
 
 
@@ -143,6 +154,30 @@ def _keep_warm(checkpoint: ArtifactRef, key: str, model: nn.Module,
         _WARM[(checkpoint.md5, key)] = (model, optimizer)
 
 
+def image_batches(config: ClassifierConfig, dataset: DatasetRef, data: LoadedDataset,
+                  positions: torch.Tensor, batch_size: int, passes: Sequence[int],
+                  seeds: Sequence[int] | None = None, stream_seed: int | None = None
+                  ) -> ImageBatches:
+    """A round's shuffled batches over `positions` (`training.rounds.ImageBatches`) with the
+    data set's normalisation and `config`'s augmentation and flips: a shuffle per pass from
+    `seeds`, or one stream from `stream_seed`."""
+    return ImageBatches(data.images, data.labels, positions, batch_size, tuple(dataset.mean),
+                        tuple(dataset.std), config.augment, config.flips(), tuple(passes),
+                        seeds=None if seeds is None else tuple(seeds), stream_seed=stream_seed)
+
+
+def configured_round(config: ClassifierConfig, network: NetworkSpec | None, step: StepSpec,
+                     batches: Passes, passes: Sequence[int], schedule: tuple[int, int],
+                     warmup_epochs: float, **optional: Any) -> Round:
+    """A `training.rounds.Round` of `passes` with `config`'s optimizer settings (learning
+    rate, momentum, weight decay, gradient clip); `optional`: the round's other fields
+    (weight average, sparsity term, progress)."""
+    return Round(network=network, step=step, batches=batches, passes=tuple(passes),
+                 schedule=schedule, lr=config.lr, momentum=config.momentum,
+                 weight_decay=config.weight_decay, warmup_epochs=warmup_epochs,
+                 grad_clip=config.grad_clip, **optional)
+
+
 def classifier_round(config: ClassifierConfig, dataset: DatasetRef, data: LoadedDataset,
                      passes: range, schedule: tuple[int, int], warmup_epochs: float = 0.0,
                      progress: str | None = None, average_decay: float | None = None,
@@ -151,17 +186,13 @@ def classifier_round(config: ClassifierConfig, dataset: DatasetRef, data: Loaded
     shuffled and augmented from its own seed, on the cosine schedule `schedule`; `sparsity`
     adds its activation-sparsity term to the loss (`training.sparsify.term`), `average_decay`
     a weight average."""
-    return Round(
-        network=ClassifierNetwork(config.model, dataset.channels, len(dataset.classes),
+    return configured_round(
+        config, ClassifierNetwork(config.model, dataset.channels, len(dataset.classes),
                                   config.width),
-        step=ClassifyStep(config.label_smoothing),
-        batches=ImageBatches(data.images, data.labels, data.splits["train"], config.batch_size,
-                             tuple(dataset.mean), tuple(dataset.std), config.augment,
-                             config.flips(), tuple(passes),
-                             seeds=tuple(config.seed * 1000 + n for n in passes)),
-        passes=tuple(passes), schedule=schedule, lr=config.lr, momentum=config.momentum,
-        weight_decay=config.weight_decay, warmup_epochs=warmup_epochs,
-        grad_clip=config.grad_clip, average_decay=average_decay,
+        ClassifyStep(config.label_smoothing),
+        image_batches(config, dataset, data, data.splits["train"], config.batch_size, passes,
+                      seeds=[config.seed * 1000 + n for n in passes]),
+        passes, schedule, warmup_epochs, average_decay=average_decay,
         sparsity=None if sparsity is None else sparsity.term(), progress=progress)
 
 
