@@ -40,21 +40,16 @@ from tasks.data import load_dataset
 from tasks.distill import (
     DistillPlan,
     StudentConfig,
-    run_stage,
-    stage_batches,
+    classifier_network,
     stage_ids,
+    stage_round,
     student_network,
 )
 from tasks.training import eval_batches, make_optimizer, new_model, restore
 from training.device import place_model, resolve_device
-from training.distill.losses import (
-    FeatureLoss,
-    distillation_step,
-    layer_shape,
-    teacher_targets,
-)
-from training.features import FeatureHooks
-from training.loops import NonFiniteLossError, classification_step, evaluate
+from training.distill.losses import TeacherStep, layer_shape
+from training.loops import NonFiniteLossError, evaluate
+from training.rounds import ClassifyStep, Trainee, train
 
 BASELINES = {
     "a: student alone": None,
@@ -65,44 +60,41 @@ BASELINES = {
 
 def baseline(method: str, plan: DistillPlan, config: DistillConfig, dataset,
              teacher_checkpoint, kd_weight: float, hint_weight: float) -> float | str:
-    """Trains one baseline student stage by stage; returns its test accuracy, or why it failed."""
+    """Trains one baseline student stage by stage (`tasks.distill.stage_round`, the flow's
+    stages with another step); returns its test accuracy, or why it failed."""
     student: StudentConfig = plan.student
-    device = resolve_device(config.device)
+    device = resolve_device(config.run.device)
     data = load_dataset(dataset)
     spec = BASELINES[method]
-    torch.manual_seed(student.seed)
+    torch.manual_seed(student.run.seed)
     if spec is None:
         model = place_model(new_model(student, dataset), device)
-        adapter = torch.nn.Identity()
-        step = classification_step(student.label_smoothing)
-        hooks = None
+        trainee = Trainee(model, make_optimizer(model, student))
+        step = ClassifyStep(student.optim.label_smoothing)
     else:
         teacher = new_model(plan.teacher, dataset)
         restore(teacher, None, load_checkpoint(ArtifactStore(), teacher_checkpoint))
-        teacher = place_model(teacher, device)
         layer = spec["layer"] or plan.bank.layer
         student_layer = spec["student_layer"] or student.layer
-        example = data.images[:1].float().to(device)
-        teacher_shape = layer_shape(teacher, layer, example)
-        model, adapter = student_network(student.model_copy(update={"layer": student_layer}),
-                                         dataset, teacher_shape, device)
-        hooks = FeatureHooks(model, [student_layer])
+        example = data.images[:1].float()
+        model, adapter = student_network(student.replace(layer=student_layer), dataset,
+                                         layer_shape(teacher, layer, example), device)
         weight = kd_weight if spec["loss"] == "kl" else hint_weight
-        step = distillation_step(hooks, student_layer, adapter, teacher_targets(teacher, layer),
-                                 FeatureLoss(spec["loss"], config.temperature),
-                                 ce_weight=1.0 - weight if spec["loss"] == "kl" else 1.0,
-                                 feature_weight=weight, label_smoothing=student.label_smoothing)
-    optimizer = make_optimizer(torch.nn.ModuleList([model, adapter]), student)
+        step = TeacherStep(student_layer, (adapter.student_shape, adapter.teacher_shape),
+                           spec["loss"], config.temperature,
+                           ce_weight=1.0 - weight if spec["loss"] == "kl" else 1.0,
+                           feature_weight=weight, label_smoothing=student.optim.label_smoothing,
+                           teacher=teacher, teacher_layer=layer)
+        trainee = Trainee(model, make_optimizer(torch.nn.ModuleList([model, adapter]), student),
+                          {"adapter": adapter})
+    network = classifier_network(student, dataset)
     try:
         for stage in range(1, config.stages + 1):
             ids = stage_ids(student, data.splits["train"], stage)
-            batches = stage_batches(student, dataset, data, ids, stage, device)
-            run_stage(student, dataset, stage, model, optimizer, batches, step, device, data)
+            train(stage_round(student, dataset, data, ids, stage, step, network), trainee,
+                  device)
     except NonFiniteLossError as error:
         return f"diverged: {error}"
-    finally:
-        if hooks is not None:
-            hooks.remove()
     return evaluate(model, eval_batches(data, dataset, "test", device), device)["accuracy"]
 
 
@@ -144,7 +136,7 @@ def main() -> None:
         teachers.append(single.teacher_test_accuracy)
         accuracy.setdefault("d: bank, single", []).append(single.test_accuracy)
         if "per-state" in args.modes:
-            per_state = distill(config.model_copy(update={"bank_mode": "per-state"}))
+            per_state = distill(config.replace(bank_mode="per-state"))
             accuracy.setdefault("d: bank, per-state", []).append(per_state.test_accuracy)
         budgets = role_budgets(config, single.dataset)
         plan = DistillPlan.of(config, budgets["teacher"], budgets["student"])
@@ -192,12 +184,12 @@ def main() -> None:
                                   "train_limit": args.timing_train_limit,
                                   "stages": args.timing_stages, **overrides})
         _, sequential = timed_distill(config, refresh=True)
-        _, overlapped = timed_distill(config.model_copy(update={"runner": "dask",
-                                                                "dask_workers": 2}),
+        _, overlapped = timed_distill(config.replace(runner="dask",
+                                                                dask_workers=2),
                                       refresh=True)
         timing = {"sequential_s": sequential, "overlapped_s": overlapped,
                   "speedup": sequential / overlapped}
-        print(f"schedule ({config.train_limit} images, {config.stages} stages, cache off): "
+        print(f"schedule ({config.dataset.train_limit} images, {config.stages} stages, cache off): "
               f"sequential {sequential:.0f} s, overlapped (Dask, 2 workers) {overlapped:.0f} s:"
               f" speed-up {sequential / overlapped:.2f}x ({os.cpu_count()} cores)")
     print_json({"benchmark": "distill", "profile": args.profile, "seeds": args.seeds,

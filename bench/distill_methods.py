@@ -117,9 +117,9 @@ def stage_batches(run: Seeded, role: Role, stage: int) -> Batches:
                    drop_last=True, device=run.device)
 
 
-def run_stages(run: Seeded, role: Role, model: nn.Module, optimizer: torch.optim.Optimizer,
-               step_at: Callable[[int], Step],
-               after_stage: Callable[[int], None] | None = None) -> None:
+def train_role_stages(run: Seeded, role: Role, model: nn.Module,
+                      optimizer: torch.optim.Optimizer, step_at: Callable[[int], Step],
+                      after_stage: Callable[[int], None] | None = None) -> None:
     """`role`'s stages in turn (`train_stage`), stage s with the loss `step_at(s)`;
     `after_stage(s)` runs after stage s (the teacher fills its banks there)."""
     stages = len(run.draws[role])
@@ -153,7 +153,7 @@ def train_teacher(run: Seeded, name: str, bank_layers: list[str], example: Tenso
             {k: v.clone() for k, v in bank.state_dict().items()})
             for layer, bank in banks.items()})
 
-    run_stages(run, "teacher", teacher, optimizer([teacher], run.lr),
+    train_role_stages(run, "teacher", teacher, optimizer([teacher], run.lr),
                lambda _: classification_step(), fill_banks)
     return teacher, snapshots
 
@@ -165,7 +165,7 @@ def train_student(run: Seeded, name: str, spec: tuple | None, teacher: nn.Module
     torch.manual_seed(run.seed)
     student = place_model(build_model(name, 1, 10), run.device)
     if spec is None:
-        run_stages(run, "student", student, optimizer([student], run.lr),
+        train_role_stages(run, "student", student, optimizer([student], run.lr),
                    lambda _: classification_step())
         return student
     source, t_layer, s_layer, kind, weight, ce = spec
@@ -179,7 +179,7 @@ def train_student(run: Seeded, name: str, spec: tuple | None, teacher: nn.Module
                 snapshots[stage - 1][t_layer], run.device)
             return distillation_step(hooks, s_layer, adapter, targets, loss, ce, weight)
 
-        run_stages(run, "student", student, optimizer([student, adapter], run.lr), step_at)
+        train_role_stages(run, "student", student, optimizer([student, adapter], run.lr), step_at)
     return student
 
 

@@ -42,7 +42,7 @@ from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
 from bench.common import mean_std, print_json, print_table
 from bench.report_set import REPORT_IMAGES, ReportSet
 from flows.pbt import pbt
-from flows.skeleton import data_section, prepare
+from flows.skeleton import prepare
 from tasks.adapters import tracking
 from tasks.adapters.runners import task_runner
 from tasks.configs.pbt import PBTConfig
@@ -67,18 +67,18 @@ def independent_members(config: PBTConfig, method: str) -> tuple[float | str, di
     """(a) or (b): N members trained E epochs each with fixed hyperparameters; the best on
     validation is tested. Returns its test accuracy (or why all failed), its values and what
     scores it elsewhere (its classifier config, data set and checkpoint; empty if none)."""
-    with tracking.tracked_run("bench-pbt", f"{method}-seed{config.seed}", config, {}) as run_id:
+    with tracking.tracked_run("bench-pbt", f"{method}-seed{config.run.seed}", config, {}) as run_id:
         dataset = prepare(config, run_id).dataset
     epochs = config.burn_in_epochs + config.stages * config.round_epochs
     budget = fit_to_data(config, dataset, epochs)  # the flow's budget: same batch and passes
-    base = classifier_config(config).model_copy(update={"batch_size": budget.batch_size})
+    base = classifier_config(config).replace(batch_size=budget.batch_size)
     epochs *= budget.repeats
-    defaults = {name: getattr(base, name) for name in HYPERPARAMETERS}
+    defaults = {name: getattr(base.optim, name) for name in HYPERPARAMETERS}
     if method == METHODS[0]:
         drawn = [defaults] * config.members
     else:
         drawn = [defaults | values for values in initial_hyperparameters(
-            search_spaces(config), config.members, random.Random(config.seed))]
+            search_spaces(config), config.members, random.Random(config.run.seed))]
     population = f"{run_key(config, dataset)}-{method[0]}"
     results = []
     for member, values in enumerate(drawn):
@@ -89,7 +89,7 @@ def independent_members(config: PBTConfig, method: str) -> tuple[float | str, di
                 first_epoch=0, epochs=epochs, cycle=(0, epochs),
                 average_decay=config.average_decay)))
         except Exception as error:  # a diverged member: reported, the others go on
-            print(f"{method} seed {config.seed} member {member} failed: {error}", flush=True)
+            print(f"{method} seed {config.run.seed} member {member} failed: {error}", flush=True)
             results.append(None)
     scores = [r.metrics["val_accuracy"] if r else None for r in results]
     if all(s is None for s in scores):
@@ -97,7 +97,7 @@ def independent_members(config: PBTConfig, method: str) -> tuple[float | str, di
     best = best_member(scores)
     chosen = member_config(base, best, drawn[best])
     test = test_and_export(chosen, dataset, results[best].checkpoint, SCORED_WEIGHTS)
-    print(f"{method} seed {config.seed}: best member {best}, validation {scores[best]:.4f}, "
+    print(f"{method} seed {config.run.seed}: best member {best}, validation {scores[best]:.4f}, "
           f"test {test.metrics['test_accuracy']:.4f}", flush=True)
     return test.metrics["test_accuracy"], drawn[best], (chosen, dataset,
                                                          results[best].checkpoint)
@@ -106,9 +106,9 @@ def independent_members(config: PBTConfig, method: str) -> tuple[float | str, di
 @flow(name="bench-pbt-stage")
 def timed_stages(config: PBTConfig, dataset: DatasetRef, rounds: int) -> list[float]:
     """Wall time of `rounds` stages of all members submitted together to the flow's runner."""
-    base = classifier_config(config.model_copy(update={"threads": 1}))
-    population = f"timing-{config.dask_workers}"
-    values = {name: getattr(base, name) for name in HYPERPARAMETERS}
+    base = classifier_config(config.replace(threads=1))
+    population = f"timing-{config.cluster.dask_workers}"
+    values = {name: getattr(base.optim, name) for name in HYPERPARAMETERS}
     seconds, previous = [], [None] * config.members
     for index in range(rounds):
         started = time.perf_counter()
@@ -124,15 +124,15 @@ def timed_stages(config: PBTConfig, dataset: DatasetRef, rounds: int) -> list[fl
 
 def stage_speedup(config: PBTConfig) -> dict:
     """One stage of 2 members on 2 Dask workers against 1 worker (second stage of each)."""
-    config = config.model_copy(update={"members": 2, "runner": "dask", "threads": 1})
+    config = config.replace(members=2, runner="dask", threads=1)
     with tracking.tracked_run("bench-pbt", "timing", config, {}) as run_id:
         dataset = prepare(config, run_id).dataset
     seconds = {}
     with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: True}):
         for workers in (1, 2):
-            cluster = config.model_copy(update={"dask_workers": workers})
-            stages = timed_stages.with_options(task_runner=task_runner(cluster))(
-                cluster, dataset, 2)
+            cluster = config.replace(dask_workers=workers)
+            runner = task_runner(cluster.cluster, cluster.run.device)
+            stages = timed_stages.with_options(task_runner=runner)(cluster, dataset, 2)
             seconds[workers] = stages[-1]
     return {"one_worker_s": seconds[1], "two_workers_s": seconds[2],
             "speedup": seconds[1] / seconds[2]}
@@ -161,7 +161,7 @@ def main() -> None:
     reported: dict[str, list] = {method: [] for method in METHODS}
     chosen: dict[str, list] = {method: [] for method in METHODS}
     config = config_for(args.seeds[0])
-    report = ReportSet(data_section(config), 500 if args.profile == "smoke" else
+    report = ReportSet(config.dataset, 500 if args.profile == "smoke" else
                        REPORT_IMAGES) if args.accuracy else None
     for seed in args.seeds if args.accuracy else []:
         config = config_for(seed)
@@ -196,8 +196,8 @@ def main() -> None:
                         "report_std": report_std, "hyperparameters": chosen[method]})
     epochs = config.burn_in_epochs + config.stages * config.round_epochs
     if rows:
-        print(f"\n{config.members} members x {epochs} epochs of {config.model} on "
-              f"{config.train_limit or 'all'} training images, per method and seed")
+        print(f"\n{config.members} members x {epochs} epochs of {config.network.model} on "
+              f"{config.dataset.train_limit or 'all'} training images, per method and seed")
         print_table(["method", "report accuracy (never read)", "test accuracy (official)",
                      "per seed (test)", "failed"], rows)
     timing = None

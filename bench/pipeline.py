@@ -29,7 +29,6 @@ os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
 from bench.common import mean_std, parse_overrides, print_json, print_table  # noqa: E402
 from bench.report_set import ReportSet  # noqa: E402
 from flows.pipeline import pipeline  # noqa: E402
-from flows.skeleton import data_section  # noqa: E402
 from flows.train import train  # noqa: E402
 from tasks.adapters import tracking  # noqa: E402
 from tasks.adapters.registration import test_images  # noqa: E402
@@ -82,7 +81,7 @@ def run(seed: int, overrides: dict[str, str], report: ReportSet) -> dict:
     seconds = time.perf_counter() - started
     baseline = TrainConfig(seed=seed, progress=False, registry=False)
     trained = train(baseline)
-    data = data_section(baseline)
+    data = baseline.dataset
     dataset = prepare_dataset(data, source_version(data))
     ref = tracking.artifact_refs(trained.run_id)["checkpoint.final"]
     size = ArtifactStore().path_of(ref["path"]).stat().st_size
@@ -122,7 +121,7 @@ def main() -> None:
                         help="pipeline config fields for every run (e.g. pbt_stages=3)")
     args = parser.parse_args()
     overrides = parse_overrides(args.set)
-    report = ReportSet(data_section(PipelineConfig(**{"progress": False, **overrides})))
+    report = ReportSet(PipelineConfig(**{"progress": False, **overrides}).dataset)
     runs = [run(seed, overrides, report) for seed in args.seeds]
 
     def stat(path: tuple[str, str]) -> tuple[float, float]:

@@ -67,7 +67,7 @@ from training.datasets import load_fashion_mnist  # noqa: E402
 TUNING_SETS = ("500x28", "1500x28", "5000x28", "1500x8", "digits")  # the defaults were tuned here
 REPORT_SETS = ("1000x28", "2500x16")  # never tuned on: drawn apart from every tuning set
 FLOWS = ("train", "distill", "pbt")
-NETWORKS = {"train": TrainConfig.model_fields["model"].default,  # each flow's final network
+NETWORKS = {"train": TrainConfig.flat_fields()["model"].default,  # each flow's final network
             "distill": DistillConfig.model_fields["student_model"].default,
             "pbt": PBTConfig.PROFILES["quick"]["model"]}
 
@@ -278,7 +278,7 @@ def main() -> None:
                                                           holdout, **overrides))
                 print(f"{spec} seed {seed} {flow}: {runs[flow][-1]}", flush=True)
             for model in long_models if args.long_factor and seed in long_seeds else []:
-                fields = TrainConfig.model_fields
+                fields = TrainConfig.flat_fields()
                 runs.setdefault(f"long {model}", []).append(run_flow(
                     "train", folder, size, seed, split, holdout, model=model, patience=None,
                     min_steps=fields["min_steps"].default * args.long_factor,

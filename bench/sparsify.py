@@ -61,7 +61,6 @@ os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
 
 from bench.common import mean_std, parse_overrides, print_json, print_table  # noqa: E402
 from bench.report_set import REPORT_IMAGES, ReportSet  # noqa: E402
-from flows.skeleton import data_section  # noqa: E402
 from flows.sparsify import sparsify  # noqa: E402
 from tasks.configs.sections import FASHION_MNIST  # noqa: E402
 from tasks.configs.sparsify import SparsifyConfig  # noqa: E402
@@ -218,9 +217,9 @@ def main() -> None:
                   if v is not None}
     results, rows = [], []
     settings = SparsifyConfig(**{"task": "classification", "progress": False, **overrides})
-    report = ReportSet(data_section(settings), 500 if settings.profile == "smoke" else
+    report = ReportSet(settings.dataset, 500 if settings.profile == "smoke" else
                        REPORT_IMAGES) if "classification" in args.tasks and \
-        settings.data == FASHION_MNIST else None
+        settings.dataset.data == FASHION_MNIST else None
     for task in args.tasks:
         for variant in [v for v in args.variants
                         if task == "classification" or v in DENSE_VARIANTS]:

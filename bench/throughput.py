@@ -27,7 +27,6 @@ import torch
 from prefect import flow
 
 from bench.common import mean_std, print_json, print_table
-from flows.skeleton import data_section
 from tasks.adapters import tracking
 from tasks.configs.sections import ClassifierConfig, classifier_config
 from tasks.configs.train import TrainConfig
@@ -52,7 +51,7 @@ class BareLoop:
 
     def __init__(self, config: ClassifierConfig, dataset: DatasetRef) -> None:
         self.config, self.dataset = config, dataset
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.run.device)
         self.data = load_dataset(dataset)
         self.model = place_model(new_model(config, dataset), self.device)
         self.optimizer = make_optimizer(self.model, config)
@@ -60,27 +59,28 @@ class BareLoop:
     def epoch(self, epoch: int) -> float:
         """Trains one epoch and scores validation; returns training images per second."""
         config = self.config
-        batches = split_batches(self.data, self.dataset, "train", config.batch_size, self.device,
-                                shuffle=True, seed=config.seed * 1000 + epoch,
-                                augment=config.augment)
+        batches = split_batches(self.data, self.dataset, "train", config.optim.batch_size,
+                                self.device, shuffle=True, seed=config.run.seed * 1000 + epoch,
+                                augment=config.optim.augment)
         total = config.epochs * len(batches)
-        warmup = round(config.warmup_epochs * len(batches))
+        warmup = round(config.optim.warmup_epochs * len(batches))
         started = time.perf_counter()
         self.model.train()
         for index, (_, x, y) in enumerate(batches):
             for group in self.optimizer.param_groups:
-                group["lr"] = cosine_lr(config.lr, epoch * len(batches) + index, total, warmup)
+                group["lr"] = cosine_lr(config.optim.lr, epoch * len(batches) + index, total,
+                                        warmup)
             self.optimizer.zero_grad(set_to_none=True)
             with autocast(self.device):
                 loss = torch.nn.functional.cross_entropy(
-                    self.model(x), y, label_smoothing=config.label_smoothing)
+                    self.model(x), y, label_smoothing=config.optim.label_smoothing)
             loss.backward()
-            if config.grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
+            if config.optim.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.optim.grad_clip)
             self.optimizer.step()
         evaluate(self.model, eval_batches(self.data, self.dataset, "val", self.device),
                  self.device)
-        return len(batches) * config.batch_size / (time.perf_counter() - started)
+        return len(batches) * config.optim.batch_size / (time.perf_counter() - started)
 
 
 class FlowSide:
@@ -104,7 +104,8 @@ class FlowSide:
         wall = time.perf_counter() - started
         self.fixed_costs.append(wall - result.metrics["train_seconds"]
                                 - result.metrics["val_seconds"])
-        trained = self.dataset.sizes["train"] // self.config.batch_size * self.config.batch_size
+        batch = self.config.optim.batch_size
+        trained = self.dataset.sizes["train"] // batch * batch
         return trained / wall
 
 
@@ -115,7 +116,7 @@ def measure(model_names: list[str], rounds: int, full: bool) -> list[dict]:
     for name in model_names:
         config = TrainConfig(profile="full" if full else "quick", model=name, epochs=rounds + 1,
                              progress=False)
-        data_cfg = data_section(config)
+        data_cfg = config.dataset
         dataset = prepare_dataset(data_cfg, source_version(data_cfg))
         classifier = classifier_config(config)
         rates: dict[str, list[float]] = {"bare": [], "flow": []}
@@ -129,11 +130,11 @@ def measure(model_names: list[str], rounds: int, full: bool) -> list[dict]:
                         rates[side].append(rate)
         bare, flow_ = mean_std(rates["bare"]), mean_std(rates["flow"])
         pairs = [f / b for f, b in zip(rates["flow"], rates["bare"], strict=True)]
-        images = dataset.sizes["train"] // config.batch_size * config.batch_size
+        images = dataset.sizes["train"] // config.optim.batch_size * config.optim.batch_size
         fixed = statistics.median(sides["flow"].fixed_costs[1:])
         bare_epoch = images / statistics.median(rates["bare"])
         results.append({"model": name, "images": images,
-                        "batch_size": config.batch_size, "rounds": rounds,
+                        "batch_size": config.optim.batch_size, "rounds": rounds,
                         "bare_images_per_s": bare[0], "bare_std": bare[1],
                         "flow_images_per_s": flow_[0], "flow_std": flow_[1],
                         "ratio": statistics.median(pairs), "round_ratios": pairs,

@@ -20,7 +20,6 @@ os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
 
 from bench.common import mean_std, print_json, print_table
 from bench.report_set import ReportSet
-from flows.skeleton import data_section
 from flows.train import train
 from tasks.configs.train import TrainConfig
 from training.device import resolve_device
@@ -35,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     profile = "full" if args.full else "quick"
     results = []
-    report = ReportSet(data_section(TrainConfig(profile=profile, progress=False)))
+    report = ReportSet(TrainConfig(profile=profile, progress=False).dataset)
     for role, model in ROLES.items():
         accuracies, reported, seconds = [], [], []
         for seed in args.seeds:

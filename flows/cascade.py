@@ -108,10 +108,11 @@ def routing_line(metrics: dict[str, float], prefix: str) -> str:
       "modules module by module on sets of rising difficulty, calibrate its exits, measure it "
       "against the full network, register it and promote it if it beats the champion.")
 def cascade(config: CascadeConfig) -> CascadeSummary:
-    """Trains the config's cascade on `config.data`; registers it as `config.model_name`."""
-    name = config.registered_name(FLOW_NAME)
+    """Trains the config's cascade on `config.dataset.data`; registers it as
+    `config.run.model_name`."""
+    name = config.run.registered_name(FLOW_NAME)
     logger = get_run_logger()
-    run_name = f"{FLOW_NAME}-{'-'.join(map(str, config.widths))}-seed{config.seed}"
+    run_name = f"{FLOW_NAME}-{'-'.join(map(str, config.widths))}-seed{config.run.seed}"
     with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
         prepared = prepare(config, run_id)
         config = prepared.apply(config)
@@ -166,11 +167,12 @@ def cascade(config: CascadeConfig) -> CascadeSummary:
         test = test_cascade(config, dataset, latency, calibration.checkpoint)
         tracking.log_metrics(run_id, test.metrics)
         tracking.log_dict(run_id, {"sweep": test.sweep}, "cascade/sweep.json")
-        tracking.log_figure(run_id, sweep_figure(test.sweep, test.metrics["full_test_accuracy"],
-                                                 f"cascade {config.widths} on {config.data}"),
+        tracking.log_figure(run_id, sweep_figure(
+            test.sweep, test.metrics["full_test_accuracy"],
+            f"cascade {config.widths} on {config.dataset.data}"),
                             "cascade/accuracy_latency.png")
         finished = conclude(
-            run_id, config, prepared, calibration.metrics["val_accuracy"],
+            run_id, config.run, prepared, calibration.metrics["val_accuracy"],
             TestResult(metrics=test.metrics, program=calibration.checkpoint),
             lambda refusal: register_cascade(run_id, name, config, dataset,
                                              calibration.checkpoint, refusal))
@@ -178,7 +180,8 @@ def cascade(config: CascadeConfig) -> CascadeSummary:
                                  baselines=prepared.baselines,
                                  registration=finished.registration)
     metrics = test.metrics
-    publish("cascade-summary", f"cascade: {config.widths} on {config.data}", run_id, finished, {
+    publish("cascade-summary", f"cascade: {config.widths} on {config.dataset.data}", run_id,
+            finished, {
         "full network (no exits)": f"test {metrics['full_test_accuracy']:.4f}",
         "measured time per image": f"batch 1: {metrics['ms_per_image_b1']:.3f} ms, "
                                    f"{metrics['speedup_b1']:.2f}x faster than the full "

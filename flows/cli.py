@@ -17,6 +17,9 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ValidationError
 
+if typing.TYPE_CHECKING:
+    from tasks.configs.sections import StrictConfig
+
 NONE_WORDS = {"none", "null", ""}
 
 
@@ -39,21 +42,27 @@ def _parse_value(annotation: Any) -> Callable[[str], Any]:
     return parse
 
 
-def add_config_options(parser: argparse.ArgumentParser, config_cls: type[BaseModel]) -> None:
-    """One `--field-name` option per config field, with its description and default."""
-    defaults = config_cls.model_construct()
-    fields = sorted(config_cls.model_fields.items(), key=lambda item: item[0] != "profile")
+def add_config_options(parser: argparse.ArgumentParser, config_cls: type[StrictConfig]) -> None:
+    """One `--field-name` option per config field, with its description and default; a
+    sectioned config's in one group per section."""
+    groups = config_cls.field_groups()
     positional = getattr(config_cls, "POSITIONAL", ())
     for name in positional:
-        field = config_cls.model_fields[name]
-        parser.add_argument(name, metavar=name.upper(), help=field.description)
+        parser.add_argument(name, metavar=name.upper(), help=groups[None][name].description)
+    for title, group in groups.items():
+        sections = config_cls.sections() if title else {}
+        doc = " ".join((sections[title].__doc__ or "").split()) if title else ""
+        target = parser.add_argument_group(f"{title} options", doc) if title else parser
+        fields = sorted(group.items(), key=lambda item: item[0] != "profile")
+        _add_options(target, config_cls, [(n, f) for n, f in fields if n not in positional])
+
+
+def _add_options(parser: Any, config_cls: type[StrictConfig],
+                 fields: list[tuple[str, Any]]) -> None:
     for name, field in fields:
-        if name in positional:
-            continue
         flag = "--" + name.replace("_", "-")
         annotation = field.annotation
-        shown = "required" if field.is_required() else \
-            f"default: {getattr(defaults, name, field.default)}"
+        shown = "required" if field.is_required() else f"default: {field.default}"
         text = f"{field.description or ''} ({shown})"
         if name == "profile":
             presets = getattr(config_cls, "PROFILES", {})
@@ -61,7 +70,7 @@ def add_config_options(parser: argparse.ArgumentParser, config_cls: type[BaseMod
                 f"{key}: " + (", ".join(f"{k}={v}" for k, v in values.items()) or "the defaults")
                 for key, values in presets.items())
         if annotation is bool:
-            aliases = getattr(config_cls, "FLAG_ALIASES", {}).get(name, ())
+            aliases = config_cls.flag_aliases().get(name, ())
             parser.add_argument(flag, *aliases, dest=name, default=argparse.SUPPRESS,
                                 action=argparse.BooleanOptionalAction, help=text)
             continue
@@ -72,10 +81,14 @@ def add_config_options(parser: argparse.ArgumentParser, config_cls: type[BaseMod
 
 
 def format_validation_error(error: ValidationError) -> str:
-    """One line per invalid field: `field: message (got value)`."""
+    """One line per invalid field, by its command-line name: `field: message (got value)`."""
+    from tasks.configs.sections import SECTION_NAMES  # imported with the config, not before
+
     lines = []
     for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"]) or "config"
+        loc = item["loc"][1:] if item["loc"][:1] and item["loc"][0] in SECTION_NAMES \
+            else item["loc"]
+        field = ".".join(str(part) for part in loc) or "config"
         got = item.get("input")
         shown = "" if isinstance(got, dict) else f" (got {got!r})"
         message = item["msg"].removeprefix("Value error, ")  # a validator's own words
@@ -83,7 +96,7 @@ def format_validation_error(error: ValidationError) -> str:
     return "invalid configuration:\n" + "\n".join(lines)
 
 
-def build_config(config_cls: type[BaseModel], options: dict[str, Any]) -> BaseModel:
+def build_config(config_cls: type[StrictConfig], options: dict[str, Any]) -> BaseModel:
     """The validated config from the options given; exits with code 2 naming bad fields."""
     try:
         return config_cls(**options)
@@ -100,7 +113,7 @@ class Command(NamedTuple):
     config: str | None
     handler: Callable[..., Any]
 
-    def config_class(self) -> type[BaseModel] | None:
+    def config_class(self) -> type[StrictConfig] | None:
         if self.config is None:
             return None
         module, _, attribute = self.config.partition(":")

@@ -70,7 +70,7 @@ def _stage_loop(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef,
                 on_stage, pretrained: ArtifactRef | None = None) -> list[StageRecord]:
     """The stages in `training.distill.stages.run_stages`' order (the teacher's stage s+1
     beside the student's stage s), each a task submitted to the config's runner."""
-    submit = submitter(config)
+    submit = submitter(config.cluster)
     records: list[StageRecord] = []
 
     def teacher_stage(stage: int, previous: RoundResult | None):
@@ -157,8 +157,8 @@ def fitted_plan(config: DistillConfig, dataset: DatasetRef, run_id: str) -> Dist
     budgets = role_budgets(config, dataset)
     for role, budget in budgets.items():
         log_budget(run_id, budget, f"{role}_")
-    threads = worker_threads(config, config.threads)
-    return DistillPlan.of(config.model_copy(update={"threads": threads}), budgets["teacher"],
+    threads = worker_threads(config.cluster, config.run.threads)
+    return DistillPlan.of(config.replace(threads=threads), budgets["teacher"],
                           budgets["student"])
 
 
@@ -167,8 +167,8 @@ def fitted_plan(config: DistillConfig, dataset: DatasetRef, run_id: str) -> Dist
       "the champion and the raw-pixel baselines.")
 def distill(config: DistillConfig) -> DistillSummary:
     """Runs the stages, then tests, registers and promotes the student."""
-    name = config.registered_name(FLOW_NAME)
-    run_name = f"{FLOW_NAME}-{config.teacher_model}-to-{config.student_model}-seed{config.seed}"
+    name = config.run.registered_name(FLOW_NAME)
+    run_name = f"{FLOW_NAME}-{config.teacher_model}-to-{config.student_model}-seed{config.run.seed}"
     with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
         prepared = prepare(config, run_id)
         config = prepared.apply(config)
@@ -178,14 +178,15 @@ def distill(config: DistillConfig) -> DistillSummary:
                 as teacher_run_id, \
                 tracking.tracked_run(FLOW_NAME, "student", plan.student, parent_run_id=run_id) \
                 as student_run_id:
-            stages = distill_stages.with_options(task_runner=task_runner(config))(
+            runner = task_runner(config.cluster, config.run.device)
+            stages = distill_stages.with_options(task_runner=runner)(
                 config, plan, dataset, run_id, teacher_run_id, student_run_id)
             teacher_test = test_and_export(classifier_config(plan.teacher), dataset,
                                            stages[-1].teacher.checkpoint)
             tracking.log_metrics(teacher_run_id, teacher_test.metrics)
             tracking.log_metrics(run_id, {
                 "teacher_test_accuracy": teacher_test.metrics["test_accuracy"]})
-            finished = finish(run_id, name, config, classifier_config(plan.student),
+            finished = finish(run_id, name, config.run, classifier_config(plan.student),
                               prepared, stages[-1].student.checkpoint,
                               stages[-1].student.metrics["val_accuracy"])
             tracking.log_metrics(student_run_id, finished.test.metrics)
@@ -194,7 +195,7 @@ def distill(config: DistillConfig) -> DistillSummary:
                                  test_accuracy=finished.test_accuracy,
                                  registration=finished.registration)
     publish("distill-summary", f"distill: {config.teacher_model} -> {config.student_model} on "
-            f"{config.data}", run_id, finished, {
+            f"{config.dataset.data}", run_id, finished, {
                 "teacher test accuracy": f"{summary.teacher_test_accuracy:.4f}",
                 "stages": f"{config.stages}, {plan.student.repeats} passes each (student), "
                           f"{plan.teacher.repeats} (teacher)",

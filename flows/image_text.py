@@ -69,10 +69,10 @@ class ImageTextSummary(BaseModel):
       "descriptions (contrastive + cross-entropy, a text-initialized classifier), test it, "
       "register it and promote it if it beats the champion and the raw-pixel baselines.")
 def image_text(config: ImageTextConfig) -> ImageTextSummary:
-    """Trains `config.model` with descriptions on `config.data`; registers it as
-    `config.model_name`."""
-    name = config.registered_name(FLOW_NAME)
-    run_name = f"{FLOW_NAME}-{config.model}-{config.text_encoder}-seed{config.seed}"
+    """Trains `config.network.model` with descriptions on `config.dataset.data`; registers it as
+    `config.run.model_name`."""
+    name = config.run.registered_name(FLOW_NAME)
+    run_name = f"{FLOW_NAME}-{config.network.model}-{config.text_encoder}-seed{config.run.seed}"
     with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
         prepared = prepare(config, run_id)
         config = prepared.apply(config)
@@ -97,11 +97,11 @@ def image_text(config: ImageTextConfig) -> ImageTextSummary:
                                           "captioner_bleu": captioned.bleu,
                                           "captioner_constant_bleu": captioned.constant_bleu})
         rounds = config.align_epochs + config.epochs
-        budget = fit_budget(described.train_images, config.batch_size, rounds,
-                            config.min_steps, config.max_epochs, None,
-                            config.min_steps_full_below)
+        budget = fit_budget(described.train_images, config.optim.batch_size, rounds,
+                            config.optim.min_steps, config.optim.max_epochs, None,
+                            config.optim.min_steps_full_below)
         log_budget(run_id, budget)
-        config = config.model_copy(update={"batch_size": budget.batch_size})
+        config = config.replace(batch_size=budget.batch_size)
 
         def plan(phase: str, epoch: int) -> ImageTextRound:
             return ImageTextRound(config=config, dataset=dataset, described=described,
@@ -127,7 +127,7 @@ def image_text(config: ImageTextConfig) -> ImageTextSummary:
         metrics = test_image_text(config, dataset, described, final)
         tracking.log_metrics(run_id, metrics | {"val_accuracy": val_accuracy})
         tracking.log_artifact_refs(run_id, {"checkpoint.final": final})
-        finished = conclude(run_id, config, prepared, val_accuracy,
+        finished = conclude(run_id, config.run, prepared, val_accuracy,
                             TestResult(metrics=metrics, program=final),
                             lambda refusal: register_image_text(run_id, name, config, dataset,
                                                                 described, final, refusal))
@@ -164,6 +164,7 @@ def image_text(config: ImageTextConfig) -> ImageTextSummary:
         rows["unseen classes, zero-shot"] = (
             f"{metrics['test_unseen_zero_shot_accuracy']:.4f} on their test images "
             f"({', '.join(config.unseen_classes)})")
-    publish("image-text-summary", f"image_text: {config.model} on {config.data}", run_id,
-            finished, rows)
+    publish("image-text-summary",
+            f"image_text: {config.network.model} on {config.dataset.data}", run_id, finished,
+            rows)
     return summary

@@ -132,12 +132,11 @@ def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str
     of `model` weights only, e.g. the `pipeline`'s distilled student) instead of its seed's
     initialization."""
     logger = get_run_logger()
-    submit = submitter(config)
-    threads = worker_threads(config, config.threads)
-    base = classifier_config(config.model_copy(update={"threads": threads,
-                                                       "batch_size": batch_size}))
+    submit = submitter(config.cluster)
+    threads = worker_threads(config.cluster, config.run.threads)
+    base = classifier_config(config.replace(threads=threads, batch_size=batch_size))
     population = run_key(config, dataset) + ("" if start is None else f"-from-{start.md5[:12]}")
-    burn_in_values = {name: getattr(base, name) for name in HYPERPARAMETERS}
+    burn_in_values = {name: getattr(base.optim, name) for name in HYPERPARAMETERS}
 
     def train(round_: PopulationRound, starts: Sequence[MemberStart]):
         futures = [submit(member_round, MemberRound(
@@ -198,7 +197,8 @@ def run_population(config: PBTConfig, prepared: Prepared, run_id: str,
     member_runs = [tracking.start_run(experiment, f"member-{m}", parent_run_id=run_id)
                    for m in range(config.members)]
     try:
-        population = pbt_population.with_options(task_runner=task_runner(config))(
+        runner = task_runner(config.cluster, config.run.device)
+        population = pbt_population.with_options(task_runner=runner)(
             config, prepared.dataset, member_runs, budget.batch_size, budget.repeats, start)
     finally:
         for member_run in member_runs:
@@ -223,13 +223,13 @@ def run_population(config: PBTConfig, prepared: Prepared, run_id: str,
       "baselines.")
 def pbt(config: PBTConfig) -> PBTSummary:
     """Runs the population, then tests, registers and promotes its best member."""
-    name = config.registered_name(FLOW_NAME)
-    run_name = f"{FLOW_NAME}-{config.model}-x{config.members}-seed{config.seed}"
+    name = config.run.registered_name(FLOW_NAME)
+    run_name = f"{FLOW_NAME}-{config.network.model}-x{config.members}-seed{config.run.seed}"
     with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
         prepared = prepare(config, run_id)
         config = prepared.apply(config)
         best_config, population, budget = run_population(config, prepared, run_id)
-        finished = finish(run_id, name, config, best_config, prepared,
+        finished = finish(run_id, name, config.run, best_config, prepared,
                           population.best.checkpoint, population.best.metrics["val_accuracy"],
                           SCORED_WEIGHTS)
         registration = finished.registration
@@ -239,7 +239,8 @@ def pbt(config: PBTConfig) -> PBTSummary:
                              test_accuracy=finished.test_accuracy,
                              knn_accuracy=recognition["knn_accuracy"],
                              registration=registration)
-    publish("pbt-summary", f"pbt: {config.members} x {config.model} on {config.data}", run_id,
+    publish("pbt-summary",
+            f"pbt: {config.members} x {config.network.model} on {config.dataset.data}", run_id,
             finished, {
                 f"test accuracy by {config.knn_k}-NN on embeddings":
                     f"{summary.knn_accuracy:.4f}",

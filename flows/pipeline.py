@@ -140,7 +140,8 @@ def run_distill(config: PipelineConfig, prepared: Prepared, run_id: str):
             as teacher_run, \
             tracking.tracked_run(FLOW_NAME, "student", plan.student, parent_run_id=run_id) \
             as student_run:
-        stages = distill_stages.with_options(task_runner=task_runner(config))(
+        runner = task_runner(config.cluster, config.run.device)
+        stages = distill_stages.with_options(task_runner=runner)(
             config, plan, prepared.dataset, run_id, teacher_run, student_run)
     return plan, stages[-1]
 
@@ -175,24 +176,24 @@ def run_sparsify(config: PipelineConfig, prepared: Prepared, run_id: str, start:
       "the champion and the raw-pixel baselines. Finishes at once when the champion came from "
       "the same data, config and code.")
 def pipeline(config: PipelineConfig) -> PipelineSummary:
-    """Runs the steps of the module docstring; registers the cascade as `config.model_name`
+    """Runs the steps of the module docstring; registers the cascade as `config.run.model_name`
     (default `pipeline`)."""
     logger = get_run_logger()
-    name = config.registered_name(FLOW_NAME)
-    run_name = f"{FLOW_NAME}-{config.teacher_model}-to-{config.student_model}-seed{config.seed}"
+    name = config.run.registered_name(FLOW_NAME)
+    run_name = f"{FLOW_NAME}-{config.teacher_model}-to-{config.student_model}-seed{config.run.seed}"
     with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
         prepared = prepare(config, run_id)  # 1. the data check
         config = prepared.apply(config)
         key = pipeline_key(config, prepared.dataset.artifact.md5)
         tracking.set_tags(run_id, {KEY_TAG: key})
-        if config.skip_unchanged and config.registry and (
+        if config.skip_unchanged and config.run.registry and (
                 version := unchanged_champion(name, key)):
             message = (f"the champion (models:/{name}/{version}) was trained by this pipeline "
                        f"on the same data ({prepared.dataset.artifact.md5[:12]}), config and "
                        "code: nothing to retrain")
             logger.info(message)
             tracking.set_tags(run_id, {"registry.decision": message})
-            publish_summary("pipeline-summary", f"pipeline on {config.data}: unchanged",
+            publish_summary("pipeline-summary", f"pipeline on {config.dataset.data}: unchanged",
                             {"decision": message, "MLflow run": run_id})
             return PipelineSummary(run_id=run_id, skipped=True)
         dataset = prepared.dataset
@@ -230,17 +231,17 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
                              | {"test_accuracy": fallback.metrics["test_accuracy"],
                                 "val_accuracy": fallback.metrics["val_accuracy"]})
         finished = conclude(  # 6.
-            run_id, config, prepared, fallback.metrics["val_accuracy"],
+            run_id, config.run, prepared, fallback.metrics["val_accuracy"],
             TestResult(metrics={"test_accuracy": fallback.metrics["test_accuracy"]},
                        program=sparse_test.program),
             lambda refusal: register_fallback(
                 run_id, name, dataset, sparse_test.program, teacher_test.program, fallback,
-                Policy.of(config), refusal, {KEY_TAG: key}))
+                Policy.of(config.run), refusal, {KEY_TAG: key}))
         summary = PipelineSummary(run_id=run_id, steps=steps, fallback=fallback,
                                   test_accuracy=fallback.metrics["test_accuracy"],
                                   registration=finished.registration)
     publish("pipeline-summary", f"pipeline: {config.teacher_model} -> {config.student_model} "
-            f"on {config.data}", run_id, finished, {
+            f"on {config.dataset.data}", run_id, finished, {
                 **{f"step {s.name}": f"test {s.test_accuracy:.4f}, validation "
                    f"{s.val_accuracy:.4f}" + ("" if s.zero_fraction is None else
                                               f", exact zeros {s.zero_fraction:.3f}")

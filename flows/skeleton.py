@@ -21,7 +21,12 @@ from tasks.adapters.registration import Baseline, Policy, Registration, register
 from tasks.adapters.reporting import publish_summary
 from tasks.adapters.versioning import ArtifactRef
 from tasks.configs.image_text import unseen_labels
-from tasks.configs.sections import ClassifierConfig, DataSection, RunSection, classifier_config
+from tasks.configs.sections import (
+    ClassifierConfig,
+    ProfiledConfig,
+    RunSection,
+    classifier_config,
+)
 from tasks.configs.sparsify import SparsitySpec
 from tasks.data import DatasetRef, pixel_baselines, prepare_dataset, source_version
 from tasks.rounds import RoundPlan, RoundResult, train_round
@@ -30,7 +35,7 @@ from training.baselines import best_baseline, mirror_safe
 from training.budget import Budget
 from training.recipe import EarlyStopping
 
-ConfigT = TypeVar("ConfigT", bound=BaseModel)
+ConfigT = TypeVar("ConfigT", bound=ProfiledConfig)
 
 
 class Prepared(BaseModel):
@@ -44,7 +49,7 @@ class Prepared(BaseModel):
 
     def apply(self, config: ConfigT) -> ConfigT:
         """`config` with the data's choices filled in: `flip` `on` or `off` for `auto`."""
-        return config.model_copy(update={"flip": "on" if self.flip else "off"})
+        return config.replace(flip="on" if self.flip else "off")
 
 
 class Finished(BaseModel):
@@ -74,24 +79,19 @@ class ClassifierSummary(BaseModel):
     registration: Registration
 
 
-def data_section(config: BaseModel) -> DataSection:
-    """The data part of a flow config."""
-    return DataSection(**config.model_dump(include=set(DataSection.model_fields)))
-
-
-def run_tags(config: BaseModel) -> dict[str, str]:
+def run_tags(config: ProfiledConfig) -> dict[str, str]:
     """The tags every flow's MLflow run gets: its Prefect flow run, and the config's profile."""
     return {"prefect.flow_run_id": str(flow_run.get_id() or "none"),
             "profile": config.profile}
 
 
-def prepare(config: BaseModel, run_id: str) -> Prepared:
+def prepare(config: ProfiledConfig, run_id: str) -> Prepared:
     """Prepares the run's data set, records its version, and logs the raw-pixel baselines
     (`baseline_knn_val_accuracy`, ...) on the run."""
-    data = data_section(config)
+    data = config.dataset
     dataset = prepare_dataset(data, source_version(data))
     tracking.log_artifact_refs(run_id, {"dataset": dataset.artifact})
-    tracking.log_dataset(run_id, Path(config.data).name, dataset.artifact.md5,
+    tracking.log_dataset(run_id, Path(config.dataset.data).name, dataset.artifact.md5,
                          dataset.artifact.path, dataset.sizes)
     tracking.set_tags(run_id, {"data.version": dataset.version, "data.skipped_images":
                                len(dataset.skipped), "data.classes": ",".join(dataset.classes)})
@@ -103,22 +103,23 @@ def prepare(config: BaseModel, run_id: str) -> Prepared:
                 "%d labelled training images, chosen on %d validation images)",
                 baselines["knn_val_accuracy"], baselines["linear_val_accuracy"],
                 baselines["train_images"], baselines["val_images"])
-    flip = config.flip == "on" or (config.flip == "auto" and mirror_safe(
+    flip = config.optim.flip == "on" or (config.optim.flip == "auto" and mirror_safe(
         baselines, len(dataset.classes)))
     tracking.set_tags(run_id, {"augment.flip": "on" if flip else "off"})
-    if config.flip == "auto":
+    if config.optim.flip == "auto":
         logger.info("flips %s: k-NN keeps %.4f of %.4f on mirrored validation images", "on"
                     if flip else "off", baselines["knn_val_mirrored_accuracy"],
                     baselines["knn_val_accuracy"])
     return Prepared(dataset=dataset, baselines=baselines, flip=flip)
 
 
-def label_budget(config: BaseModel, classes: list[str]) -> tuple[int | None, int, tuple[int, ...]]:
+def label_budget(config: ProfiledConfig, classes: list[str]
+                 ) -> tuple[int | None, int, tuple[int, ...]]:
     """The labels a run holds, as `pixel_baselines` takes them: `labels_per_class` (None:
     every label), the split seed its draw uses, and the labels of the classes it never trains
     on (`unseen_classes`); a flow without those fields holds every label."""
     unseen = unseen_labels(config, classes) if hasattr(config, "unseen_classes") else None
-    return (getattr(config, "labels_per_class", None), data_section(config).split_seed,
+    return (getattr(config, "labels_per_class", None), config.dataset.split_seed,
             tuple(unseen.tolist()) if unseen is not None else ())
 
 
@@ -130,14 +131,14 @@ def log_budget(run_id: str, budget: Budget, prefix: str = "") -> None:
         "epochs": budget.epochs, "steps": budget.steps}.items()})
 
 
-def budgeted_classifier(config: BaseModel, prepared: Prepared, run_id: str, rounds: int
+def budgeted_classifier(config: ProfiledConfig, prepared: Prepared, run_id: str, rounds: int
                         ) -> tuple[ClassifierConfig, Budget]:
     """The budget of `rounds` configured epochs of `config` on the prepared data (logged), and
     the classifier part of `config` with that budget's batch."""
     budget = fit_to_data(config, prepared.dataset, rounds)
     log_budget(run_id, budget)
-    return classifier_config(config).model_copy(update={
-        "batch_size": budget.batch_size, "epochs": rounds}), budget
+    return classifier_config(config).replace(
+        batch_size=budget.batch_size, epochs=rounds), budget
 
 
 def run_rounds(rounds: int, plan_of: Callable[[int, ArtifactRef | None], RoundPlan],
@@ -206,31 +207,31 @@ def judge_baseline(run_id: str, prepared: Prepared, val_accuracy: float) -> Base
     return baseline
 
 
-def finish(run_id: str, name: str, config: RunSection, classifier: ClassifierConfig,
+def finish(run_id: str, name: str, run: RunSection, classifier: ClassifierConfig,
            prepared: Prepared, checkpoint: ArtifactRef, val_accuracy: float,
            weights: str = "model") -> Finished:
     """Tests and exports the checkpoint's `weights`; unless the run may not register
-    (`config.registry` false), registers the program and promotes it only if it beats the champion,
-    (with `config.baseline_gate`) the stronger raw-pixel baseline on validation and (with
-    `config.max_latency_ms`) the latency budget."""
+    (`run.registry` false), registers the program and promotes it only if it beats the
+    champion, (with `run.baseline_gate`) the stronger raw-pixel baseline on validation and (with
+    `run.max_latency_ms`) the latency budget."""
     test = test_and_export(classifier, prepared.dataset, checkpoint, weights)
     tracking.log_metrics(run_id, test.metrics | {"val_accuracy": val_accuracy})
     tracking.log_artifact_refs(run_id, {"program": test.program, "checkpoint.final": checkpoint})
-    return conclude(run_id, config, prepared, val_accuracy, test, lambda refusal: (
-        register_and_promote(run_id, name, prepared.dataset, test.program, Policy.of(config),
+    return conclude(run_id, run, prepared, val_accuracy, test, lambda refusal: (
+        register_and_promote(run_id, name, prepared.dataset, test.program, Policy.of(run),
                              refusal)))
 
 
-def conclude(run_id: str, config: RunSection, prepared: Prepared, val_accuracy: float,
+def conclude(run_id: str, run: RunSection, prepared: Prepared, val_accuracy: float,
              test: TestResult, register: Callable[[str | None], Registration]) -> Finished:
     """How every flow ends: the model's validation accuracy judged against the raw-pixel
     baselines (`judge_baseline`), then `register(refusal)` with the gate's refusal when
-    `config.baseline_gate` is on and the model is below them (registered, never champion),
+    `run.baseline_gate` is on and the model is below them (registered, never champion),
     else None. `finish` is this for a classifier's exported program; a flow whose model is
     not one (a cascade, an image-text network, the pipeline's fallback pair) tests it its own
     way and registers its own pyfunc."""
     baseline = judge_baseline(run_id, prepared, val_accuracy)
-    registration = register(baseline.refusal() if config.baseline_gate else None)
+    registration = register(baseline.refusal() if run.baseline_gate else None)
     return Finished(test=test, registration=registration, baseline=baseline)
 
 

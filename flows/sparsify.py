@@ -190,8 +190,7 @@ def threshold_cycle(config: SparsifyConfig, classifier: ClassifierConfig, prepar
     the last cycle (`checkpoint.settle.epoch-NNN`), with the final thresholds. Returns the
     round with the best validation accuracy (thresholds in place)."""
     rounds = config.threshold_settle_epochs if settle else config.threshold_cycle_epochs
-    cycling = classifier.model_copy(update={"epochs": rounds, "lr": config.threshold_cycle_lr,
-                                            "warmup_epochs": 0.0})
+    cycling = classifier.replace(epochs=rounds, lr=config.threshold_cycle_lr, warmup_epochs=0.0)
     held = spec.model_copy(update={"thresholds": thresholded.thresholds})
     get_run_logger().info("threshold %s: %s", "settling" if settle else
                           f"cycle {cycle + 1}/{config.threshold_cycles}",
@@ -207,8 +206,7 @@ def sweep_point(config: SparsifyConfig, lam: float, classifier: ClassifierConfig
                 start: ArtifactRef | None) -> SparsityReport:
     """One more network trained with `lam` as `--sparsity-lambda` (a nested MLflow run with
     its own rounds and report); its activations on the validation split."""
-    varied = config.model_copy(update={"sparsity_lambda": lam, "layer_lambdas": None,
-                                       "lambda_sweep": None})
+    varied = config.replace(sparsity_lambda=lam, layer_lambdas=None, lambda_sweep=None)
     with tracking.tracked_run(FLOW_NAME, f"lambda-{lam:g}", varied,
                               parent_run_id=run_id) as child:
         report = train_sparse(varied, classifier, prepared, budget, child, start)[2]
@@ -235,11 +233,11 @@ def initial_weights(config: SparsifyConfig, classifier: ClassifierConfig, prepar
       "it if it beats the champion (and, classifiers, the raw-pixel baselines).")
 def sparsify(config: SparsifyConfig) -> SparsifySummary | CanvasSummary:
     """Trains the config's network with the sparsity term; registers it as
-    `config.model_name`. `--task detection|contour`: `flows.sparsify_canvas`."""
-    name = config.registered_name(FLOW_NAME if config.task == "classification"
+    `config.run.model_name`. `--task detection|contour`: `flows.sparsify_canvas`."""
+    name = config.run.registered_name(FLOW_NAME if config.task == "classification"
                                   else f"{FLOW_NAME}-{config.task}")
-    config = config.model_copy(update={"model": config.network_name()})
-    run_name = f"{FLOW_NAME}-{config.model}-{config.transform}-seed{config.seed}"
+    config = config.replace(model=config.network_name())
+    run_name = f"{FLOW_NAME}-{config.network.model}-{config.transform}-seed{config.run.seed}"
     canvas = config.task != "classification"
     with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)
                               | ({"task": config.task} if canvas else {})) as run_id:
@@ -252,7 +250,7 @@ def sparsify(config: SparsifyConfig) -> SparsifySummary | CanvasSummary:
         spec, best, report = train_sparse(config, classifier, prepared, budget, run_id, start)
         tracking.log_dict(run_id, report.model_dump(), "sparsity/report.json")
         tracking.log_figure(run_id, sparsity_figure(
-            report, f"{config.model}, {spec.build().describe()}"), "sparsity/layers.png")
+            report, f"{config.network.model}, {spec.build().describe()}"), "sparsity/layers.png")
         pruned = prune_dead_channels(classifier, prepared.dataset, best.checkpoint, report)
         tracking.log_metrics(run_id, pruned.metrics())
         tracking.log_artifact_refs(run_id, {"program.pruned": pruned.program})
@@ -261,14 +259,14 @@ def sparsify(config: SparsifyConfig) -> SparsifySummary | CanvasSummary:
             sweep[lam] = sweep.get(lam) or sweep_point(config, lam, classifier, prepared,
                                                        budget, run_id, start)
         if len(sweep) > 1:
-            log_sweep(run_id, sweep, f"{config.model}, {spec.build().describe()}")
-        finished = finish(run_id, name, config, classifier, prepared, best.checkpoint,
+            log_sweep(run_id, sweep, f"{config.network.model}, {spec.build().describe()}")
+        finished = finish(run_id, name, config.run, classifier, prepared, best.checkpoint,
                           best.metrics["val_accuracy"])
         test_report = test_activations(classifier, prepared.dataset, best.checkpoint, spec)
         tracking.log_metrics(run_id, test_report.split_metrics())
         tracking.log_dict(run_id, test_report.model_dump(), "sparsity/test_report.json")
         tracking.log_figure(run_id, sparsity_figure(
-            test_report, f"{config.model}, {spec.build().describe()}"),
+            test_report, f"{config.network.model}, {spec.build().describe()}"),
             "sparsity/test_layers.png")
         summary = SparsifySummary(run_id=run_id, best_epoch=best.round + 1,
                                   val_accuracy=best.metrics["val_accuracy"],
@@ -276,7 +274,8 @@ def sparsify(config: SparsifyConfig) -> SparsifySummary | CanvasSummary:
                                   baselines=prepared.baselines, spec=spec, report=report,
                                   test_report=test_report, pruned=pruned, sweep=sweep,
                                   registration=finished.registration)
-    publish("sparsify-summary", f"sparsify: {config.model} on {config.data}", run_id, finished, {
+    publish("sparsify-summary", f"sparsify: {config.network.model} on {config.dataset.data}",
+            run_id, finished, {
         "sparsity term": f"{spec.build().describe()}, " + ", ".join(
             f"{k}: lambda {v:.3g}" for k, v in spec.lambdas.items()),
         "exact zeros (test)": ", ".join(

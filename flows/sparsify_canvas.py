@@ -16,7 +16,7 @@ from pathlib import Path
 from prefect import get_run_logger
 from pydantic import BaseModel, ConfigDict
 
-from flows.skeleton import data_section, run_rounds
+from flows.skeleton import run_rounds
 from tasks.adapters import tracking
 from tasks.adapters.registration import Registration
 from tasks.adapters.reporting import publish_summary
@@ -62,13 +62,13 @@ class CanvasSummary(BaseModel):
 def layouts_of(config: SparsifyConfig, run_id: str) -> LayoutsRef:
     """The run's canvases: the data prepared at 28 gray pixels, pasted on layouts (logged and
     versioned: `dvc.dataset`, `dvc.layouts`)."""
-    data = data_section(config).model_copy(update={"image_size": 28, "channels": 1})
+    data = config.dataset.replace(image_size=28, channels=1)
     dataset = prepare_dataset(data, source_version(data))
     layouts = build_layouts(dataset, config.canvas, config.layouts, config.max_objects,
-                            config.split_seed)
+                            config.dataset.split_seed)
     tracking.log_artifact_refs(run_id, {"dataset": dataset.artifact,
                                         "layouts": layouts.artifact})
-    tracking.log_dataset(run_id, f"{Path(config.data).name} canvases", layouts.artifact.md5,
+    tracking.log_dataset(run_id, f"{Path(config.dataset.data).name} canvases", layouts.artifact.md5,
                          layouts.artifact.path, layouts.sizes)
     tracking.set_tags(run_id, {"data.version": dataset.version,
                                "data.classes": ",".join(dataset.classes)})
@@ -104,8 +104,7 @@ def sweep(config: SparsifyConfig, layouts: LayoutsRef, report: SparsityReport,
     for lam in config.lambda_sweep or ():
         if lam in points:
             continue
-        varied = config.model_copy(update={"sparsity_lambda": lam, "layer_lambdas": None,
-                                           "lambda_sweep": None})
+        varied = config.replace(sparsity_lambda=lam, layer_lambdas=None, lambda_sweep=None)
         with tracking.tracked_run(FLOW_NAME, f"lambda-{lam:g}", varied,
                                   parent_run_id=run_id) as child:
             points[lam] = train_sparse(varied, layouts, child)[2]

@@ -32,22 +32,24 @@ class TrainSummary(ClassifierSummary):
 @flow(name=FLOW_NAME, description="Train one classifier, test it, register it in MLflow and "
       "promote it to champion only if it beats the current one and the raw-pixel baselines.")
 def train(config: TrainConfig) -> TrainSummary:
-    """Trains `config.model` on `config.data`; registers it as `config.model_name`."""
-    name = config.registered_name(FLOW_NAME)
-    run_name = f"{FLOW_NAME}-{config.model}-seed{config.seed}"
+    """Trains `config.network.model` on `config.dataset.data`; registers it as
+    `config.run.model_name`."""
+    name = config.run.registered_name(FLOW_NAME)
+    run_name = f"{FLOW_NAME}-{config.network.model}-seed{config.run.seed}"
     with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
         prepared = prepare(config, run_id)
         config = prepared.apply(config)
         classifier, budget = budgeted_classifier(config, prepared, run_id, config.epochs)
         best = train_epochs(classifier, prepared, budget, run_id, config.patience)
-        finished = finish(run_id, name, config, classifier, prepared, best.checkpoint,
+        finished = finish(run_id, name, config.run, classifier, prepared, best.checkpoint,
                           best.metrics["val_accuracy"])
         summary = TrainSummary(run_id=run_id, best_epoch=best.round + 1,
                                val_accuracy=best.metrics["val_accuracy"],
                                test_accuracy=finished.test_accuracy,
                                baselines=prepared.baselines, repeats=budget.repeats,
                                registration=finished.registration)
-    publish("train-summary", f"train: {config.model} on {config.data}", run_id, finished, {
+    publish("train-summary", f"train: {config.network.model} on {config.dataset.data}", run_id,
+            finished, {
         "best round (validation)": f"{summary.best_epoch} ({summary.val_accuracy:.4f})",
         "budget": f"{budget.rounds} rounds x {budget.repeats} passes, batch "
                   f"{budget.batch_size}: {budget.steps} steps",

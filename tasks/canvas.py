@@ -102,9 +102,9 @@ def _layout_parts(artifact: ArtifactRef) -> dict:
 
 def new_network(config: SparsifyConfig, layouts: LayoutsRef) -> nn.Module:
     """The config's untrained network for the layouts' classes, initialised from the seed."""
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.run.seed)
     return build_task_model(config.task, config.network_name(), len(layouts.classes),
-                            layouts.canvas, config.width)
+                            layouts.canvas, config.network.width)
 
 
 def canvas_sparsity_spec(config: SparsifyConfig, layouts: LayoutsRef) -> SparsitySpec:
@@ -169,11 +169,11 @@ class CanvasRound(RoundPlan):
         optimizer_to(optimizer, device)
         round_ = configured_round(
             config, None, CanvasStep(config.task),
-            LayoutPasses(load_layouts(self.layouts, "train"), config.task, config.batch_size,
-                         config.seed),
-            (self.epoch,), (0, config.epochs), config.warmup_epochs,
+            LayoutPasses(load_layouts(self.layouts, "train"), config.task, config.optim.batch_size,
+                         config.run.seed),
+            (self.epoch,), (0, config.epochs), config.optim.warmup_epochs,
             sparsity=None if self.sparsity is None else self.sparsity.term(),
-            progress=config.task if config.progress else None)
+            progress=config.task if config.run.progress else None)
         return Opened(Trainee(model, optimizer), round_)
 
     def close(self, opened: Opened, device: torch.device, metrics: dict[str, float],
@@ -245,7 +245,7 @@ def register_canvas(run_id: str, name: str, config: SparsifyConfig, layouts: Lay
     """Logs the network as a pyfunc (`serving.canvas`), scores it and the champion
     through their pyfuncs on the same test canvases (`test_map_50` or `test_boundary_f`),
     registers it and makes it champion only if it scores higher."""
-    meta = {"task": config.task, "model": config.network_name(), "width": config.width,
+    meta = {"task": config.task, "model": config.network_name(), "width": config.network.width,
             "classes": layouts.classes, "canvas": layouts.canvas}
     model_uri = log_weights_pyfunc(run_id, "canvas", meta,
                                    trained_network(config, layouts, checkpoint).state_dict())
@@ -259,5 +259,5 @@ def register_canvas(run_id: str, name: str, config: SparsifyConfig, layouts: Lay
                              config.boundary_tolerance)[metric]
 
     return promote(run_id, name, model_uri, served, layouts.classes, checkpoint.md5,
-                   {"dataset": layouts.artifact.md5, "task": config.task}, Policy.of(config),
+                   {"dataset": layouts.artifact.md5, "task": config.task}, Policy.of(config.run),
                    metric=f"test_{metric}", timer=lambda uri: served_ms_per_image(uri, images))

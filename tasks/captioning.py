@@ -93,19 +93,19 @@ def caption_images(config: ImageTextConfig, dataset: DatasetRef,
         raise ValueError(f"the captioner needs at least 2 described training images, got "
                          f"{len(described)}: set --no-caption-missing or give descriptions")
     table = table[table["position"].isin(set(described.tolist()))]
-    generator = torch.Generator().manual_seed(config.seed + 31)
+    generator = torch.Generator().manual_seed(config.run.seed + 31)
     order = described[torch.randperm(len(described), generator=generator)]
     held = order[:max(1, round(HELD_OUT * len(order)))]
     fit = table[~table["position"].isin(set(held.tolist()))]
     vocabulary = Vocabulary(fit["text"].tolist())
-    torch.manual_seed(config.seed)
-    encoder, features = image_backbone(config.model, dataset.channels, len(dataset.classes),
-                                       config.width)
+    torch.manual_seed(config.run.seed)
+    encoder, features = image_backbone(config.network.model, dataset.channels, len(dataset.classes),
+                                       config.network.width)
     model = place_model(Captioner(encoder, features, len(vocabulary)), device)
     normalize = Normalize(dataset.mean, dataset.std)
     fit_captions(model, data.images, fit["position"].tolist(), fit["text"].tolist(),
                  fit["weight"].tolist(), vocabulary, normalize, config.caption_steps,
-                 config.seed, device)
+                 config.run.seed, device)
     references = table.groupby("position")["text"].apply(list)
     held_texts = write_captions(model, data.images, held, vocabulary, normalize, device)
     held_refs = [references[p] for p in held.tolist()]

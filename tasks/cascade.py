@@ -68,13 +68,13 @@ def difficulty_sets(config: CascadeConfig, dataset: DatasetRef) -> CascadeSets:
     """Splits the training images into the first and the second training set, scores every
     image's difficulty (`CascadeConfig.difficulty`) and gives module k the easiest
     `fractions()[k]` of the first set; versioned as one file of dataset rows."""
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.run.seed)
     data = load_dataset(dataset)
     train = data.splits["train"]
     labels = data.labels[train].long()
-    scores = difficulty(out_of_fold_logits(data.images[train], labels, config.seed), labels,
+    scores = difficulty(out_of_fold_logits(data.images[train], labels, config.run.seed), labels,
                         config.difficulty)
-    first, second = split_disjoint(len(train), config.predictor_fraction, config.seed)
+    first, second = split_disjoint(len(train), config.predictor_fraction, config.run.seed)
     modules = [first[positions] for positions in curriculum(scores[first], config.fractions())]
     payload = {"difficulty": scores, "rows": train, "first": train[first],
                "second": train[second], "modules": [train[m] for m in modules]}
@@ -87,7 +87,7 @@ def difficulty_sets(config: CascadeConfig, dataset: DatasetRef) -> CascadeSets:
 
 def new_cascade(config: CascadeConfig, dataset: DatasetRef) -> CascadeNet:
     """The config's cascade for the data set, initialised from the seed."""
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.run.seed)
     return build_cascade(config.spec(), dataset.channels, len(dataset.classes))
 
 
@@ -103,7 +103,7 @@ def trained_cascade(config: CascadeConfig, dataset: DatasetRef, checkpoint: Arti
 def serving_device(config: CascadeConfig) -> str:
     """The name of the device the latency table is for (`training.latency.device_name`), with
     the thread count the tasks will set (`--threads`), not the one of the calling process."""
-    return device_name(resolve_device(config.device), config.threads)
+    return device_name(resolve_device(config.run.device), config.run.threads)
 
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="latency-table")
@@ -135,8 +135,8 @@ def read_table(ref: ArtifactRef) -> dict:
 
 def module_budget(config: CascadeConfig, images: int) -> Budget:
     """Module training's budget on its set of `images` (`training.budget.fit_budget`)."""
-    return fit_budget(images, config.batch_size, config.epochs, config.min_steps,
-                      config.max_epochs, None, config.min_steps_full_below)
+    return fit_budget(images, config.optim.batch_size, config.epochs, config.optim.min_steps,
+                      config.optim.max_epochs, None, config.optim.min_steps_full_below)
 
 
 class ModuleRound(RoundPlan):
@@ -167,8 +167,8 @@ class ModuleRound(RoundPlan):
         budget = module_budget(config, len(rows))
         net = new_cascade(config, self.dataset)
         frozen = config.stage_training == "frozen"
-        optimizer = sgd(StageModel(net, k, frozen).trainable_parameters(), config.lr,
-                        config.momentum, config.weight_decay)
+        optimizer = sgd(StageModel(net, k, frozen).trainable_parameters(), config.optim.lr,
+                        config.optim.momentum, config.optim.weight_decay)
         source = previous or self.start
         if source is not None:
             payload = load_checkpoint(store, source)
@@ -180,15 +180,15 @@ class ModuleRound(RoundPlan):
         relative = (relative_costs(net, part_costs(read_table(self.latency)), k)
                     if net.is_super(k) else None)
         passes = range(self.epoch * budget.repeats, (self.epoch + 1) * budget.repeats)
-        seeds = tuple(config.seed * 1000 + n + 100 * k for n in passes)  # each pass's shuffle
+        seeds = tuple(config.run.seed * 1000 + n + 100 * k for n in passes)  # each pass's shuffle
         step = ModuleStep(k, frozen, None if relative is None else relative.cpu(),
-                          config.latency_weight, config.label_smoothing, seeds[0])
+                          config.latency_weight, config.optim.label_smoothing, seeds[0])
         round_ = configured_round(
             config, CascadeNetwork(config.spec(), self.dataset.channels,
                                    len(self.dataset.classes)), step,
             image_batches(config, self.dataset, data, rows, budget.batch_size, passes,
                           seeds=seeds),
-            passes, (0, budget.epochs), config.warmup_epochs * budget.repeats)
+            passes, (0, budget.epochs), config.optim.warmup_epochs * budget.repeats)
         return Opened(Trainee(net, optimizer), round_, {"data": data, "frozen": frozen})
 
     def close(self, opened: Opened, device: torch.device, metrics: dict[str, float],
@@ -234,14 +234,14 @@ def fit_predictor(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
     else:
         net.blocks[k].reset_predictor()  # fitted on this set alone, from the start
         stage = StageModel(net, k, predictor_only=True)
-        optimizer = sgd(stage.trainable_parameters(), config.lr, config.momentum, 0.0)
-        batch = min(config.batch_size, max(16, len(second) // 8))
+        optimizer = sgd(stage.trainable_parameters(), config.optim.lr, config.optim.momentum, 0.0)
+        batch = min(config.optim.batch_size, max(16, len(second) // 8))
         passes = range(config.predictor_epochs)
         batches = image_batches(config, dataset, data, second, batch, passes,
-                                seeds=[config.seed * 1000 + 7 * n + 1 for n in passes])
+                                seeds=[config.run.seed * 1000 + 7 * n + 1 for n in passes])
         losses = train_round(stage, optimizer, batches.for_passes(device, SINGLE),
                              predictor_step(net, k, relative, config.latency_weight), device,
-                             passes, config.lr, (0, config.predictor_epochs))
+                             passes, config.optim.lr, (0, config.predictor_epochs))
         metrics |= {f"predictor{k}_{name}": value for name, value in losses.items()}
     net.eval()
     routed = []
@@ -278,8 +278,8 @@ def refit_exits(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
 
     before = val()
     metrics = distill_exits(net, Batches(data.images, data.labels, first, 1024, Normalize(
-        dataset.mean, dataset.std), device=device), config.exit_distill_epochs, config.lr,
-        config.exit_distill_temperature, config.exit_distill_weight, config.seed)
+        dataset.mean, dataset.std), device=device), config.exit_distill_epochs, config.optim.lr,
+        config.exit_distill_temperature, config.exit_distill_weight, config.run.seed)
     after = val()
     metrics |= {f"exit{k}_val_accuracy_before_refit": v for k, v in enumerate(before)} | {
         f"exit{k}_val_accuracy": v for k, v in enumerate(after)}

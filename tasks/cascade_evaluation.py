@@ -108,7 +108,7 @@ def calibrate_thresholds(config: CascadeConfig, dataset: DatasetRef, latency: Ar
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="test-cascade")
 def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRef,
-                 calibrated: ArtifactRef, latency_images: int = 1000) -> CascadeTest:
+                 calibrated: ArtifactRef) -> CascadeTest:
     """The calibrated cascade (the registered model: no prefix) on the test split beside the
     full network (`full_`: no exits, every super-network module at its most expensive
     sub-network), the plain confidence cascade (`plain_`: those sub-networks, exits
@@ -118,13 +118,13 @@ def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRe
     `fitted_` (the fitted predictors route); the registered model is the one of them
     `Calibration.routing` names (or, `most_expensive`, the plain cascade's sub-networks).
     For each: accuracy of the real cascade, each exit's share, milliseconds per image measured
-    at batch 1 (the first `latency_images` test images) and at the serving batch (interleaved
+    at batch 1 (the first `timing_images` test images) and at the serving batch (interleaved
     passes), the speed-up over the full network (`speedup_b1` = full ms / its ms), the latency
     table's predicted cost and FLOPs per image, and the cost over the oracle's
     (`cost_over_oracle` = mean table cost / the oracle's; `flops_over_oracle` likewise in
     FLOPs). The oracle (`oracle_`: its cost by the table and, cheapest in FLOPs, its FLOPs).
-    Then the sweep's accuracy, time at batch 1 (on 300 images) and cost by the table (over the
-    full network's and over the oracle's)."""
+    Then the sweep's accuracy, time at batch 1 (on at most 300 of those images) and cost by
+    the table (over the full network's and over the oracle's)."""
     device = setup_device(config)
     net = trained_cascade(config, dataset, calibrated).to(device)
     payload = load_checkpoint(ArtifactStore(), calibrated)
@@ -165,7 +165,7 @@ def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRe
     calls = {prefix: lambda x, n=nets[prefix], kw=kwargs: n.infer(x, **kw)
              for prefix, kwargs in variants.items() if prefix != "full_"} | {"full_": net}
     for batch, suffix in ((1, "b1"), (config.serving_batch, "serving")):
-        sample = images[:latency_images] if batch == 1 else images
+        sample = images[:config.timing_images] if batch == 1 else images
         measured = interleaved_ms_per_image(calls, sample, batch)
         metrics |= {f"{prefix}ms_per_image_{suffix}": ms for prefix, ms in measured.items()}
         metrics |= {f"{prefix}speedup_{suffix}": measured["full_"] / ms
@@ -181,7 +181,7 @@ def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRe
                     f"{prefix}flops_over_oracle":
                     metrics[f"{prefix}flops_per_image"] / best_flops["mean_cost"]}
     sweep = []
-    sample = images[:300]
+    sample = images[:min(config.timing_images, 300)]
     for tolerance, thresholds in payload["sweep"].items():
         priced = tables[""].outcome(thresholds.cpu())["mean_cost"]
         thresholds = thresholds.to(device)
@@ -214,7 +214,7 @@ def register_cascade(run_id: str, name: str, config: CascadeConfig, dataset: Dat
     model_uri = log_weights_pyfunc(run_id, "cascade", meta,
                                    trained_cascade(config, dataset, calibrated).state_dict())
     return promote_on_test_images(run_id, name, model_uri, dataset, calibrated.md5,
-                                  Policy.of(config), refusal)
+                                  Policy.of(config.run), refusal)
 
 
 def sweep_figure(sweep: list[dict[str, float]], full_accuracy: float, title: str):

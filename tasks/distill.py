@@ -22,7 +22,12 @@ from tasks.adapters.caching import computation_key
 from tasks.adapters.checkpoints import load_checkpoint, torch_save
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.distill import DistillConfig
-from tasks.configs.sections import ClassifierConfig, StrictConfig
+from tasks.configs.sections import (
+    ClassifierConfig,
+    ModelSection,
+    StrictConfig,
+    classifier_config,
+)
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
 from tasks.rounds import Closed, Opened, RoundPlan, setup_device
 from tasks.training import (
@@ -106,27 +111,23 @@ class DistillPlan(BaseModel):
            student_budget: Budget | None = None) -> DistillPlan:
         """The plan of `config`; the budgets (fitted to the data set) set each role's batch
         and passes per stage (default: the configured batch, one pass)."""
-        shared = config.model_dump(include=set(ClassifierConfig.model_fields) - {
-            "model", "width", "epochs", "patience", "batch_size"})
+        def shared(model: str, width: int | None, budget: Budget | None) -> dict:
+            return {"network": ModelSection(model=model, width=width), "run": config.run,
+                    "optim": config.optim.replace(batch_size=budget.batch_size) if budget
+                    else config.optim, "repeats": budget.repeats if budget else 1,
+                    "epochs": config.stages, "front_weight": config.front_weight,
+                    "back_weight": config.back_weight}
 
-        def fitted(budget: Budget | None) -> dict:
-            return {"batch_size": budget.batch_size if budget else config.batch_size,
-                    "repeats": budget.repeats if budget else 1}
-
-        teacher = RoleConfig(**shared, **fitted(teacher_budget), role="teacher",
-                             model=config.teacher_model, width=config.teacher_width,
-                             epochs=config.stages,
-                             pretrain_epochs=config.teacher_pretrain_epochs,
-                             fraction=config.teacher_fraction, front_weight=config.front_weight,
-                             back_weight=config.back_weight, queue="recency")
+        teacher = RoleConfig(**shared(config.teacher_model, config.teacher_width,
+                                      teacher_budget),
+                             role="teacher", pretrain_epochs=config.teacher_pretrain_epochs,
+                             fraction=config.teacher_fraction, queue="recency")
         student = StudentConfig(
-            **shared, **fitted(student_budget), role="student", model=config.student_model,
-            width=config.student_width, epochs=config.stages, fraction=config.student_fraction,
-            front_weight=config.front_weight, back_weight=config.back_weight,
-            queue=config.student_queue, layer=config.student_layer,
-            feature_loss=config.feature_loss, feature_weight=config.feature_weight,
-            ce_weight=config.ce_weight, temperature=config.temperature,
-            bank_memmap=config.bank_memmap)
+            **shared(config.student_model, config.student_width, student_budget),
+            role="student", fraction=config.student_fraction, queue=config.student_queue,
+            layer=config.student_layer, feature_loss=config.feature_loss,
+            feature_weight=config.feature_weight, ce_weight=config.ce_weight,
+            temperature=config.temperature, bank_memmap=config.bank_memmap)
         bank = BankConfig(layer=config.teacher_layer, mode=config.bank_mode,
                           dtype=config.bank_dtype, memmap=config.bank_memmap,
                           initial=config.initial_bank)
@@ -149,7 +150,7 @@ class BankSnapshot(BaseModel):
 
 def stage_ids(role: RoleConfig, train_ids: Tensor, stage: int) -> Tensor:
     """The dataset ids `role` draws at `stage` (1-based): `draw_stage_ids` with its settings."""
-    return draw_stage_ids(train_ids, stage, role.role, role.seed, role.fraction,
+    return draw_stage_ids(train_ids, stage, role.role, role.run.seed, role.fraction,
                           role.front_weight, role.back_weight, role.queue)
 
 
@@ -160,14 +161,15 @@ def stage_round(role: RoleConfig, dataset: DatasetRef, data: LoadedDataset, ids:
     (`training.distill.stages.stage_passes`)."""
     passes, schedule = stage_passes(stage, role.epochs, role.repeats)
     return configured_round(
-        role, network, step, image_batches(role, dataset, data, ids, role.batch_size, passes,
-                                           stream_seed=role.seed * 1000 + stage),
-        passes, schedule, role.warmup_epochs * role.repeats,
-        progress=f"{role.role} stage {stage}/{role.epochs}" if role.progress else None)
+        role, network, step, image_batches(role, dataset, data, ids, role.optim.batch_size, passes,
+                                           stream_seed=role.run.seed * 1000 + stage),
+        passes, schedule, role.optim.warmup_epochs * role.repeats,
+        progress=f"{role.role} stage {stage}/{role.epochs}" if role.run.progress else None)
 
 
 def classifier_network(config: ClassifierConfig, dataset: DatasetRef) -> ClassifierNetwork:
-    return ClassifierNetwork(config.model, dataset.channels, len(dataset.classes), config.width)
+    return ClassifierNetwork(config.network.model, dataset.channels, len(dataset.classes),
+                             config.network.width)
 
 
 def stage_scores(round_: Round, model: nn.Module, dataset: DatasetRef, data: LoadedDataset,
@@ -184,8 +186,7 @@ def stage_scores(round_: Round, model: nn.Module, dataset: DatasetRef, data: Loa
 def pretrain_config(teacher: RoleConfig) -> ClassifierConfig:
     """The teacher's warm start as a plain classifier run of `pretrain_epochs` epochs over all
     training images (trained by the `train` flow's epoch task)."""
-    return ClassifierConfig(**teacher.model_dump(include=set(ClassifierConfig.model_fields))
-                            | {"epochs": teacher.pretrain_epochs})
+    return classifier_config(teacher).replace(epochs=teacher.pretrain_epochs)
 
 
 def _stage_name(prefix: str):
@@ -212,7 +213,7 @@ class TeacherRound(RoundPlan):
         model, optimizer = resume(teacher, self.dataset, ArtifactStore(), previous, device)
         ids = stage_ids(teacher, data.splits["train"], self.stage)
         round_ = stage_round(teacher, self.dataset, data, ids, self.stage,
-                             ClassifyStep(teacher.label_smoothing),
+                             ClassifyStep(teacher.optim.label_smoothing),
                              classifier_network(teacher, self.dataset))
         return Opened(Trainee(model, optimizer), round_, {"data": data, "ids": ids})
 
@@ -350,8 +351,9 @@ class StudentRound(RoundPlan):
             optimizer_to(optimizer, device)
         ids = stage_ids(student, data.splits["train"], self.stage)
         step = DistillStep(student.layer, (adapter.student_shape, adapter.teacher_shape),
-                           features, student.feature_loss, student.temperature,
-                           student.ce_weight, student.feature_weight, student.label_smoothing)
+                           student.feature_loss, student.temperature, student.ce_weight,
+                           student.feature_weight, student.optim.label_smoothing,
+                           bank=features)
         round_ = stage_round(student, self.dataset, data, ids, self.stage, step,
                              classifier_network(student, self.dataset))
         return Opened(Trainee(model, optimizer, {"adapter": adapter}), round_,

@@ -73,7 +73,7 @@ def check_descriptions(config: ImageTextConfig) -> None:
     """Every description problem of `config`, found before any work (`DescriptionError`):
     captions naming images that do not exist, empty texts, negative weights, a class without
     a description, an unseen class the data does not have."""
-    classes = source_classes(config.data)
+    classes = source_classes(config.dataset.data)
     checked_tables(config, classes, [])
     unknown = [c for c in config.unseen_classes if c not in classes]
     if unknown:
@@ -88,7 +88,7 @@ def checked_tables(config: ImageTextConfig, classes: list[str], skipped: list[st
     captions = None
     if config.captions is not None:
         captions = read_table(config.captions, "image")
-        check_images(captions, image_keys(config.data, skipped), config.captions)
+        check_images(captions, image_keys(config.dataset.data, skipped), config.captions)
     if config.class_descriptions is None:
         table = wordnet_classes(classes)
     else:
@@ -118,7 +118,7 @@ def describe_images(config: ImageTextConfig, dataset: DatasetRef) -> Description
     if config.source() == "pool":
         pool = folder_pool(config.pool) if config.pool is not None else own_pool(
             data, dataset, classes, config.pool_share, config.pool_distractors,
-            config.class_texts_per_image, config.phrases, config.seed, train_copies=not few)
+            config.class_texts_per_image, config.phrases, config.run.seed, train_copies=not few)
         pool_ref = store.write(f"image_text/{key}/pool.parquet",
                                lambda path: pool.to_parquet(path, index=False))
         captions, matching = match_training_images(data, pool, config.match_threshold,
@@ -126,10 +126,10 @@ def describe_images(config: ImageTextConfig, dataset: DatasetRef) -> Description
     elif given is None:
         captions = own_captions(data.images, data.labels, data.splits["train"], classes,
                                 dataset.classes, config.class_texts_per_image, config.phrases,
-                                config.seed, labelled.nonzero().flatten() if few else None)
+                                config.run.seed, labelled.nonzero().flatten() if few else None)
     else:
         position = {name: p for p, name in enumerate(
-            [image_keys(config.data, dataset.skipped)[i] for i in data.ids.tolist()])}
+            [image_keys(config.dataset.data, dataset.skipped)[i] for i in data.ids.tolist()])}
         kept = given[given["image"].isin(position)]
         captions = pd.DataFrame({"position": kept["image"].map(position).astype(int),
                                  "text": kept["text"], "weight": kept["weight"],
@@ -161,7 +161,7 @@ def describe_images(config: ImageTextConfig, dataset: DatasetRef) -> Description
                         train_images=len(train), labelled_images=int(labelled.sum()),
                         val_images=len(validation_images(data.labels, data.splits["val"],
                                                          config.labels_per_class,
-                                                         config.split_seed)),
+                                                         config.dataset.split_seed)),
                         pool=pool_ref, matching=matching, captioned=captioned)
 
 
@@ -191,7 +191,7 @@ def text_side(config: ImageTextConfig, dataset: DatasetRef, data: LoadedDataset,
         class_labels=torch.tensor(classes["class"].map(name_to_label).tolist()),
         train=train, labelled=labelled,
         validation=validation_images(data.labels, data.splits["val"], config.labels_per_class,
-                                     config.split_seed),
+                                     config.dataset.split_seed),
         unseen=unseen_labels(config, dataset.classes))
 
 
@@ -203,7 +203,7 @@ def training_images(config: ImageTextConfig, dataset: DatasetRef, data: LoadedDa
     train = seen_training_positions(config, dataset.classes, data.labels, data.splits["train"])
     labelled = torch.zeros(len(data.labels), dtype=torch.bool)
     labelled[labelled_images(data.labels, train, config.labels_per_class,
-                             config.split_seed)] = True
+                             config.dataset.split_seed)] = True
     if config.contrastive_weight == 0:
         train = train[labelled[train]]
     return train, labelled
@@ -211,9 +211,9 @@ def training_images(config: ImageTextConfig, dataset: DatasetRef, data: LoadedDa
 
 def new_network(config: ImageTextConfig, dataset: DatasetRef,
                 described: Descriptions) -> ImageTextNet:
-    torch.manual_seed(config.seed)
-    return build_image_text(config.model, dataset.channels, len(dataset.classes), config.width,
-                            config.dim, described.text_dim,
+    torch.manual_seed(config.run.seed)
+    return build_image_text(config.network.model, dataset.channels, len(dataset.classes),
+                            config.network.width, config.dim, described.text_dim,
                             config.buckets if config.text_encoder == "builtin" else None)
 
 
@@ -247,7 +247,8 @@ class ImageTextRound(RoundPlan):
         data = load_dataset(dataset)
         side = text_side(config, dataset, data, self.described)
         model = new_network(config, dataset, self.described)
-        optimizer = sgd(model.parameters(), config.lr, config.momentum, config.weight_decay)
+        optimizer = sgd(model.parameters(), config.optim.lr, config.optim.momentum,
+                        config.optim.weight_decay)
         before = load_checkpoint(store, previous) if previous is not None else {}
         if before:
             model.load_state_dict(before["model"])
@@ -255,16 +256,16 @@ class ImageTextRound(RoundPlan):
         model = place_model(model, device)
         optimizer_to(optimizer, device)
         if self.phase == "joint" and before.get("phase") != "joint":
-            start_classifier(model, side, config.text_init, config.seed, device)
+            start_classifier(model, side, config.text_init, config.run.seed, device)
         passes = range(self.epoch * self.repeats, (self.epoch + 1) * self.repeats)
         step = ImageTextStep(side.bank, side.labelled, config.contrastive_weight,
                              config.ce_weight if self.phase == "joint" else 0.0,
-                             config.label_smoothing)
+                             config.optim.label_smoothing)
         round_ = configured_round(  # no network spec: one process (`ImageTextStep`)
             config, None, step,
-            image_batches(config, dataset, data, side.train, config.batch_size, passes,
-                          seeds=[config.seed * 1000 + n for n in passes]),
-            passes, (0, self.rounds * self.repeats), config.warmup_epochs * self.repeats)
+            image_batches(config, dataset, data, side.train, config.optim.batch_size, passes,
+                          seeds=[config.run.seed * 1000 + n for n in passes]),
+            passes, (0, self.rounds * self.repeats), config.optim.warmup_epochs * self.repeats)
         return Opened(Trainee(model, optimizer), round_, {"data": data, "side": side})
 
     def close(self, opened: Opened, device: torch.device, metrics: dict[str, float],

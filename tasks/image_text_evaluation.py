@@ -67,11 +67,12 @@ def register_image_text(run_id: str, name: str, config: ImageTextConfig, dataset
     higher and nothing refuses it (`refusal`: the raw-pixel baseline gate)."""
     meta = {"classes": dataset.classes, "image_size": dataset.image_size,
             "channels": dataset.channels, "mean": dataset.mean, "std": dataset.std,
-            "network": {"model": config.model, "width": config.width, "dim": config.dim,
+            "network": {"model": config.network.model, "width": config.network.width,
+                        "dim": config.dim,
                         "text_dim": described.text_dim, "text_encoder": config.text_encoder,
                         "buckets": config.buckets}}
     weights = trained_network(config, dataset, described, checkpoint).state_dict()
     model_uri = log_weights_pyfunc(run_id, "image_text", meta, weights,
                                    SIGNATURE)
     return promote_on_test_images(run_id, name, model_uri, dataset, checkpoint.md5,
-                                  Policy.of(config), refusal)
+                                  Policy.of(config.run), refusal)

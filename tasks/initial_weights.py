@@ -82,7 +82,8 @@ def fetch_initial_weights(uri: str, config: ClassifierConfig,
     except RuntimeError as error:
         detail = str(error).split("\n\t", 1)[-1].splitlines()[0]
         raise DataError(f"init_from: models:/{name}/{version} does not fit --model "
-                        f"{config.model} (width {config.width}) with {len(dataset.classes)} "
+                        f"{config.network.model} (width {config.network.width}) with "
+                        f"{len(dataset.classes)} "
                         f"classes: {detail}") from None
     checkpoint = save_checkpoint(ArtifactStore(), f"checkpoints/init/{name}-v{version}.pt",
                                  {"model": network.state_dict()})

@@ -53,7 +53,7 @@ def population_scheduler(config: Any, members: int, base: dict[str, float],
     """The `pbt` config's scheduler: its search space and perturbations, member 0 at `base`'s
     values, the incumbent kept within `--tie-margin` (none: one standard error on
     `val_images`)."""
-    return PBTScheduler(search_spaces(config), members, base, config.seed,
+    return PBTScheduler(search_spaces(config), members, base, config.run.seed,
                         *config.explore_factors, linear_step=config.explore_step,
                         margin=config.tie_margin, val_images=val_images, keep_base=True)
 
@@ -77,9 +77,12 @@ def exploit_weights(best: RoundResult) -> str:
 
 def member_config(base: ClassifierConfig, member: int, hyperparameters: dict[str, float]
                   ) -> ClassifierConfig:
-    """A member's classifier config: the base with its seed and hyperparameters."""
-    return base.model_copy(update={"seed": base.seed * 1000 + member, **{
-        name: hyperparameters[name] for name in HYPERPARAMETERS}})
+    """A member's classifier config: the base with its seed and hyperparameters. These are
+    bounded by the search space (`PBTConfig`'s `*_range`, validated there), not by the single
+    run's field bounds, so a range may explore past `--lr`'s 10."""
+    optim = base.optim.model_copy(update={name: float(hyperparameters[name])
+                                          for name in HYPERPARAMETERS})
+    return base.replace(seed=base.run.seed * 1000 + member, optim=optim)
 
 
 class MemberRound(RoundPlan):
@@ -165,7 +168,7 @@ class MemberRound(RoundPlan):
                    "optimizer": trainee.optimizer.state_dict(),
                    SCORED_WEIGHTS: choice.module.state_dict(), "kept_source": choice.source,
                    "member": self.member, "phase": self.phase, "index": self.index,
-                   "hyperparameters": {name: getattr(self.config, name)
+                   "hyperparameters": {name: getattr(self.config.optim, name)
                                        for name in HYPERPARAMETERS}}
         if trainee.averaged is not None:
             payload["averaged"] = trainee.averaged.module.state_dict()

@@ -101,19 +101,19 @@ class RoundPlan(BaseModel):
 def setup_device(config: Any) -> torch.device:
     """Applies the config's thread count and resolves its device (every training task's
     first line)."""
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    return resolve_device(config.device)
+    if config.run.threads:
+        torch.set_num_threads(config.run.threads)
+    return resolve_device(config.run.device)
 
 
 def train_trainee(config: Any, round_: Round, trainee: Trainee, device: torch.device
                   ) -> dict[str, float]:
-    """`training.rounds.train` in this process, or with `config.ddp_procs` > 1 in a torchrun
+    """`training.rounds.train` in this process, or with `config.run.ddp_procs` > 1 in a torchrun
     job of that many processes (`tasks.adapters.torchrun`), from the same `Round`."""
-    procs = getattr(config, "ddp_procs", 1)
+    procs = config.run.ddp_procs
     if procs == 1:
         return train(round_, trainee, device)
-    return train_data_parallel(procs, round_, trainee, config.device, config.threads)
+    return train_data_parallel(procs, round_, trainee, config.run.device, config.run.threads)
 
 
 def _round_run_name() -> str:

@@ -28,7 +28,7 @@ from models import ImageClassifier, build_model
 from tasks.adapters.caching import computation_key, result_fields
 from tasks.adapters.checkpoints import load_checkpoint
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
-from tasks.configs.sections import ClassifierConfig
+from tasks.configs.sections import ClassifierConfig, ProfiledConfig
 from tasks.configs.sparsify import SparsitySpec
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
 from tasks.rounds import Closed, Opened, RoundPlan, setup_device
@@ -59,13 +59,15 @@ def run_key(config: BaseModel, dataset: DatasetRef) -> str:
 
 def new_model(config: ClassifierConfig, dataset: DatasetRef) -> ImageClassifier:
     """The configured network for the data set, initialised from the seed."""
-    torch.manual_seed(config.seed)
-    return build_model(config.model, dataset.channels, len(dataset.classes), config.width)
+    torch.manual_seed(config.run.seed)
+    return build_model(config.network.model, dataset.channels, len(dataset.classes),
+                       config.network.width)
 
 
 def make_optimizer(model: nn.Module, config: ClassifierConfig) -> torch.optim.SGD:
     """SGD with the config's momentum and weight decay (`training.recipe.sgd`)."""
-    return sgd(model.parameters(), config.lr, config.momentum, config.weight_decay)
+    optim = config.optim
+    return sgd(model.parameters(), optim.lr, optim.momentum, optim.weight_decay)
 
 
 def split_batches(data: LoadedDataset, dataset: DatasetRef, split: str, batch_size: int,
@@ -105,7 +107,7 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     if optimizer is not None and "optimizer" in checkpoint:
         optimizer.load_state_dict(checkpoint["optimizer"])
         if config is not None:
-            set_momentum_and_decay(optimizer, config.momentum, config.weight_decay)
+            set_momentum_and_decay(optimizer, config.optim.momentum, config.optim.weight_decay)
 
 
 def resume(config: ClassifierConfig, dataset: DatasetRef, store: ArtifactStore,
@@ -123,12 +125,13 @@ def resume(config: ClassifierConfig, dataset: DatasetRef, store: ArtifactStore,
     return model, optimizer
 
 
-def fit_to_data(config: BaseModel, dataset: DatasetRef, rounds: int,
+def fit_to_data(config: ProfiledConfig | ClassifierConfig, dataset: DatasetRef, rounds: int,
                 images_per_round: int | None = None) -> Budget:
     """The budget of a run of `rounds` configured epochs (or stages) of `config` on
     `dataset`'s training split (`training.budget.fit_budget`)."""
-    return fit_budget(dataset.sizes["train"], config.batch_size, rounds, config.min_steps,
-                      config.max_epochs, images_per_round, config.min_steps_full_below)
+    optim = config.optim
+    return fit_budget(dataset.sizes["train"], optim.batch_size, rounds, optim.min_steps,
+                      optim.max_epochs, images_per_round, optim.min_steps_full_below)
 
 
 # The live model and optimizer of the last epoch this process finished, keyed by the checkpoint
@@ -162,7 +165,8 @@ def image_batches(config: ClassifierConfig, dataset: DatasetRef, data: LoadedDat
     data set's normalisation and `config`'s augmentation and flips: a shuffle per pass from
     `seeds`, or one stream from `stream_seed`."""
     return ImageBatches(data.images, data.labels, positions, batch_size, tuple(dataset.mean),
-                        tuple(dataset.std), config.augment, config.flips(), tuple(passes),
+                        tuple(dataset.std), config.optim.augment, config.optim.flips(),
+                        tuple(passes),
                         seeds=None if seeds is None else tuple(seeds), stream_seed=stream_seed)
 
 
@@ -173,9 +177,9 @@ def configured_round(config: ClassifierConfig, network: NetworkSpec | None, step
     rate, momentum, weight decay, gradient clip); `optional`: the round's other fields
     (weight average, sparsity term, progress)."""
     return Round(network=network, step=step, batches=batches, passes=tuple(passes),
-                 schedule=schedule, lr=config.lr, momentum=config.momentum,
-                 weight_decay=config.weight_decay, warmup_epochs=warmup_epochs,
-                 grad_clip=config.grad_clip, **optional)
+                 schedule=schedule, lr=config.optim.lr, momentum=config.optim.momentum,
+                 weight_decay=config.optim.weight_decay, warmup_epochs=warmup_epochs,
+                 grad_clip=config.optim.grad_clip, **optional)
 
 
 def classifier_round(config: ClassifierConfig, dataset: DatasetRef, data: LoadedDataset,
@@ -187,11 +191,11 @@ def classifier_round(config: ClassifierConfig, dataset: DatasetRef, data: Loaded
     adds its activation-sparsity term to the loss (`training.sparsify.term`), `average_decay`
     a weight average."""
     return configured_round(
-        config, ClassifierNetwork(config.model, dataset.channels, len(dataset.classes),
-                                  config.width),
-        ClassifyStep(config.label_smoothing),
-        image_batches(config, dataset, data, data.splits["train"], config.batch_size, passes,
-                      seeds=[config.seed * 1000 + n for n in passes]),
+        config, ClassifierNetwork(config.network.model, dataset.channels, len(dataset.classes),
+                                  config.network.width),
+        ClassifyStep(config.optim.label_smoothing),
+        image_batches(config, dataset, data, data.splits["train"], config.optim.batch_size, passes,
+                      seeds=[config.run.seed * 1000 + n for n in passes]),
         passes, schedule, warmup_epochs, average_decay=average_decay,
         sparsity=None if sparsity is None else sparsity.term(), progress=progress)
 
@@ -234,9 +238,10 @@ class ClassifierRound(RoundPlan):
             model, optimizer = resume(config, self.dataset, ArtifactStore(),
                                       previous or self.start, device)
         passes = range(self.epoch * repeats, (self.epoch + 1) * repeats)
-        progress = f"round {self.epoch + 1}/{config.epochs}" if config.progress else None
+        progress = f"round {self.epoch + 1}/{config.epochs}" if config.run.progress else None
         round_ = classifier_round(config, self.dataset, data, passes,
-                                  (0, config.epochs * repeats), config.warmup_epochs * repeats,
+                                  (0, config.epochs * repeats),
+                                  config.optim.warmup_epochs * repeats,
                                   progress, sparsity=self.sparsity)
         return Opened(Trainee(model, optimizer), round_, {"data": data})
 
@@ -249,7 +254,7 @@ class ClassifierRound(RoundPlan):
             val = evaluate(model, eval_batches(opened.context["data"], self.dataset, "val",
                                                device), device)
         images = len(opened.round.passes) * (
-            self.dataset.sizes["train"] // config.batch_size) * config.batch_size
+            self.dataset.sizes["train"] // config.optim.batch_size) * config.optim.batch_size
         metrics = metrics | {"val_accuracy": val["accuracy"], "val_loss": val["loss"],
                              "images_per_second": images / seconds, "train_seconds": seconds,
                              "val_seconds": time.perf_counter() - started}

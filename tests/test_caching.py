@@ -87,10 +87,11 @@ def test_a_rounds_key_leaves_out_the_fields_marked_run_only_at_any_depth():
                          sizes={"train": 1, "val": 1, "test": 1}, mean=[0.5], std=[0.25])
 
     def key(**changes) -> dict:
-        return result_fields(ClassifierRound(config=config.model_copy(update=changes),
+        return result_fields(ClassifierRound(config=config.replace(**changes),
                                              dataset=dataset, epoch=0))
 
     elsewhere = key(device="cpu", threads=3, model_name="other", progress=False, patience=9,
                     baseline_gate=False, registry=False, max_latency_ms=5.0)
-    assert elsewhere == key() and "device" not in key()["config"]
+    assert elsewhere == key() and "device" not in key()["config"]["run"]
+    assert key()["config"]["run"]["seed"] == 0 and "patience" not in key()["config"]
     assert key(lr=0.1) != key() and key(ddp_procs=2) != key()  # these change the weights

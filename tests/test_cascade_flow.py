@@ -209,10 +209,9 @@ def test_killed_run_resumes_from_the_last_finished_round():
 
 
 def _prepared(config: CascadeConfig):
-    from flows.skeleton import data_section
     from tasks.data import prepare_dataset, source_version
 
-    data = data_section(config)
+    data = config.dataset
     return prepare_dataset(data, source_version(data))
 
 

@@ -18,9 +18,38 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_profile_fills_only_what_is_not_given():
     smoke = TrainConfig(profile="smoke", epochs=3)
-    assert smoke.model == "cnn2" and smoke.train_limit == 512 and smoke.epochs == 3
+    assert (smoke.network.model, smoke.dataset.train_limit, smoke.epochs) == ("cnn2", 512, 3)
     quick = TrainConfig()
-    assert quick.epochs == 8 and quick.train_limit == 20000 and quick.model == "resnet18"
+    assert (quick.epochs, quick.dataset.train_limit, quick.network.model) == (8, 20000, "resnet18")
+
+
+def test_flat_and_nested_input_give_one_config_and_the_profile_fills_a_partial_section():
+    flat = TrainConfig(profile="smoke", lr=0.2, train_limit=300, model_name="shop")
+    nested = TrainConfig(profile="smoke", optim={"lr": 0.2}, dataset={"train_limit": 300},
+                         run={"model_name": "shop"})
+    assert flat == nested
+    assert (nested.optim.batch_size, nested.dataset.test_limit, nested.run.registry) == \
+        (64, 256, False)  # the smoke profile's, beside the given fields of the same sections
+    assert flat.flat()["lr"] == 0.2 and "optim" not in flat.flat()
+
+
+def test_replace_validates_and_refuses_a_name_no_section_has():
+    config = TrainConfig(profile="smoke")
+    changed = config.replace(lr=0.3, epochs=2, seed=4)
+    assert (changed.optim.lr, changed.epochs, changed.run.seed) == (0.3, 2, 4)
+    assert changed.dataset is config.dataset  # untouched sections are not validated again
+    with pytest.raises(ValueError, match="no field learning_rate"):
+        config.replace(learning_rate=0.1)
+    with pytest.raises(ValidationError, match="lr"):
+        config.replace(lr=-1.0)
+
+
+def test_a_field_name_in_two_sections_is_refused_when_the_class_is_made():
+    from tasks.configs.sections import ProfiledConfig
+
+    with pytest.raises(TypeError, match="'seed' of section 'run' is also in the config"):
+        class Clashing(ProfiledConfig):
+            seed: int = 0
 
 
 @pytest.mark.parametrize(("values", "field"), [
@@ -34,7 +63,7 @@ def test_profile_fills_only_what_is_not_given():
 def test_bad_config_names_the_field(values, field):
     with pytest.raises(ValidationError) as error:
         TrainConfig(**values)
-    assert [e["loc"][0] for e in error.value.errors()] == [field]
+    assert [e["loc"][-1] for e in error.value.errors()] == [field]
 
 
 def test_cli_rejects_bad_values_before_any_work(capsys):
@@ -130,7 +159,7 @@ def test_each_sparsify_task_has_its_defaults_below_the_profile_and_the_given_val
 
     assert SparsifyConfig().sparsity_lambda == 0.3  # classification
     contour = SparsifyConfig(task="contour")
-    assert (contour.sparsity_lambda, contour.batch_size, contour.epochs) == (0.02, 16, 6)
+    assert (contour.sparsity_lambda, contour.optim.batch_size, contour.epochs) == (0.02, 16, 6)
     assert SparsifyConfig(task="contour", sparsity_lambda=0.3).sparsity_lambda == 0.3
     assert SparsifyConfig(task="detection").sparsity_lambda == 0.3
     assert SparsifyConfig(task="contour", profile="smoke").layouts == (64, 32, 32)

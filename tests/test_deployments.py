@@ -174,8 +174,9 @@ def test_the_nightly_pipeline_retrains_only_when_the_data_changed(deployed, mlfl
     url, env = deployed
     folder = tmp_path / "shop"
     shutil.copytree(fashion_folder, folder)
-    params = {"config": {"profile": "smoke", "data": str(folder), "model_name": "nightly",
-                         "registry": True}}
+    # nested as the flow's parameter schema (and the UI's form) has it
+    params = {"config": {"profile": "smoke", "dataset": {"data": str(folder)},
+                         "run": {"model_name": "nightly", "registry": True}}}
     client = MlflowClient()
 
     flow_runs = []

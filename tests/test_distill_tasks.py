@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from flows.skeleton import data_section
 from tasks.adapters.checkpoints import load_checkpoint
 from tasks.adapters.versioning import ArtifactStore
 from tasks.configs.distill import DistillConfig
@@ -41,7 +40,7 @@ def student_stage(student, dataset, stage, previous, bank):
 @pytest.fixture(scope="module")
 def setup():
     config = DistillConfig(profile="smoke", train_limit=400, stages=3, seed=4, threads=2)
-    data = data_section(config)
+    data = config.dataset
     dataset = prepare_dataset.fn(data, source_version(data))
     return config, DistillPlan.of(config), dataset
 
@@ -75,7 +74,7 @@ def test_stages_fill_the_bank_with_state_ids_and_resume_with_the_configured_lr(s
     # the student of stage 2, resumed with a different configured learning rate
     s1 = student_stage(plan.student, dataset, 1, None, b1.bank)
     assert s1.metrics["bank_filled_fraction_drawn"] < 1.0
-    faster = plan.student.model_copy(update={"lr": 0.3, "momentum": 0.5})
+    faster = plan.student.replace(lr=0.3, momentum=0.5)
     s2 = student_stage(faster, dataset, 2, s1.checkpoint, b2.bank)
     # 320 images in batches of 64: 5 steps a stage, 15 in all; stage 2 ends at step 9
     assert s2.metrics["lr"] == pytest.approx(0.3 * 0.5 * (1 + math.cos(math.pi * 9 / 15)))
@@ -89,8 +88,8 @@ def test_memory_mapped_and_per_state_banks_hold_the_same_entries(setup):
     config, plan, dataset = setup
     t1 = teacher_stage(plan.teacher, dataset, 1, None)
     in_memory = bank_snapshot.fn(plan.teacher, plan.bank, dataset, 1, t1.checkpoint, None)
-    mapped_plan = DistillPlan.of(config.model_copy(update={"bank_memmap": True,
-                                                          "bank_mode": "per-state"}))
+    mapped_plan = DistillPlan.of(config.replace(bank_memmap=True,
+                                                          bank_mode="per-state"))
     mapped = bank_snapshot.fn(mapped_plan.teacher, mapped_plan.bank, dataset, 1, t1.checkpoint,
                               None)
     assert mapped.bank.path.endswith("bank-001.pt") and mapped.bank.md5 == in_memory.bank.md5
@@ -104,7 +103,7 @@ def test_memory_mapped_and_per_state_banks_hold_the_same_entries(setup):
 
 def test_initial_bank_from_the_untrained_teacher_is_state_zero(setup):
     config, _, dataset = setup
-    plan = DistillPlan.of(config.model_copy(update={"initial_bank": "teacher"}))
+    plan = DistillPlan.of(config.replace(initial_bank="teacher"))
     t1 = teacher_stage(plan.teacher, dataset, 1, None)
     bank = bank_snapshot.fn(plan.teacher, plan.bank, dataset, 1, t1.checkpoint, None)
     assert bank.state_histogram == {0: 80, 1: 320} and bank.fill_fraction == 1.0
@@ -112,10 +111,10 @@ def test_initial_bank_from_the_untrained_teacher_is_state_zero(setup):
 
 def test_a_warm_started_teacher_is_state_zero_of_the_bank_and_of_stage_one(setup):
     config, _, dataset = setup
-    plan = DistillPlan.of(config.model_copy(update={"initial_bank": "teacher",
-                                                    "teacher_pretrain_epochs": 1}))
+    plan = DistillPlan.of(config.replace(initial_bank="teacher",
+                                                    teacher_pretrain_epochs=1))
     pretrain = pretrain_config(plan.teacher)
-    assert pretrain.epochs == 1 and pretrain.model == plan.teacher.model
+    assert pretrain.epochs == 1 and pretrain.network.model == plan.teacher.network.model
     warm = train_round.fn(ClassifierRound(config=pretrain, dataset=dataset, epoch=0,
                                           run_name="distill-pretrain"))
     t1 = teacher_stage(plan.teacher, dataset, 1, warm.checkpoint)

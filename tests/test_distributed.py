@@ -33,14 +33,13 @@ def test_two_processes_give_the_loss_curve_of_one_with_the_same_global_batch(tmp
 
 
 def _lenet_smoke():
-    from flows.skeleton import data_section
     from tasks.configs.sections import classifier_config
     from tasks.configs.train import TrainConfig
     from tasks.data import prepare_dataset, source_version
 
     config = TrainConfig(profile="smoke", model="lenet", epochs=2, train_limit=512,
                          batch_size=64, threads=1)
-    data = data_section(config)
+    data = config.dataset
     return classifier_config(config), prepare_dataset.fn(data, source_version(data))
 
 
@@ -58,7 +57,7 @@ def test_the_train_task_on_two_processes_follows_one_with_the_same_global_batch(
 
     classifier, dataset = _lenet_smoke()
     one, two = (train_round.fn(ClassifierRound(
-        config=classifier.model_copy(update={"ddp_procs": procs}), dataset=dataset, epoch=0,
+        config=classifier.replace(ddp_procs=procs), dataset=dataset, epoch=0,
         run_name="ddp-test", repeats=2)) for procs in (1, 2))
     assert two.checkpoint.path != one.checkpoint.path  # a setting of the result: its own key
     assert two.metrics["ddp_processes"] == 2 and "ddp_processes" not in one.metrics
@@ -75,7 +74,7 @@ def test_a_pbt_member_trains_data_parallel_with_its_weight_average():
 
     classifier, dataset = _lenet_smoke()
     runs = [train_round.fn(MemberRound(
-        config=classifier.model_copy(update={"ddp_procs": procs}), dataset=dataset,
+        config=classifier.replace(ddp_procs=procs), dataset=dataset,
         population=f"ddp-{procs}", member=0, phase="stage", index=1, first_epoch=0, epochs=2,
         cycle=(0, 2), average_decay=0.9)) for procs in (1, 2)]
     assert runs[1].metrics["ddp_processes"] == 2
@@ -86,7 +85,6 @@ def test_a_pbt_member_trains_data_parallel_with_its_weight_average():
 
 
 def test_distill_teacher_and_student_stages_train_data_parallel_like_one_process():
-    from flows.skeleton import data_section
     from tasks.configs.distill import DistillConfig
     from tasks.data import prepare_dataset, source_version
     from tasks.distill import DistillPlan, StudentRound, TeacherRound, bank_snapshot
@@ -97,11 +95,11 @@ def test_distill_teacher_and_student_stages_train_data_parallel_like_one_process
     # student's width 8 gives a learned linear adapter from its 784 features to the bank's 1568.
     config = DistillConfig(profile="smoke", student_model="lenet", student_width=8, stages=2,
                            train_limit=512, batch_size=64, threads=1)
-    data = data_section(config)
+    data = config.dataset
     dataset = prepare_dataset.fn(data, source_version(data))
-    plans = [DistillPlan.of(config.model_copy(update={"ddp_procs": procs})) for procs in (1, 2)]
-    plans = [plan.model_copy(update={"teacher": plan.teacher.model_copy(update={
-        "model": "lenet", "width": 16})}) for plan in plans]
+    plans = [DistillPlan.of(config.replace(ddp_procs=procs)) for procs in (1, 2)]
+    plans = [plan.model_copy(update={"teacher": plan.teacher.replace(model="lenet", width=16)})
+             for plan in plans]
     teachers = [train_round.fn(TeacherRound(config=plan.teacher, dataset=dataset, stage=1))
                 for plan in plans]
     assert teachers[1].metrics["ddp_processes"] == 2
@@ -133,7 +131,7 @@ def test_the_sparsity_term_and_thresholds_train_data_parallel_like_one_process()
     spec = SparsitySpec(lambdas={"block1": 0.3, "block2": 0.6}, transform="exp_abs", power=2,
                         abs_power=1, base=2.0, thresholds={"block1": 0.05})
     runs = [train_round.fn(ClassifierRound(
-        config=classifier.model_copy(update={"ddp_procs": procs}), dataset=dataset, epoch=0,
+        config=classifier.replace(ddp_procs=procs), dataset=dataset, epoch=0,
         run_name="ddp-sparse", sparsity=spec)) for procs in (1, 2)]
     assert runs[1].metrics["ddp_processes"] == 2
     for key in ("loss", "loss_ce", "loss_sparsity", "sparsity_block1", "sparsity_block2"):
@@ -150,7 +148,6 @@ def tiny_cascade():
     module 1 a super-network module (joint stage training: module 1's round trains module 0
     along; no super-network module before it, whose random routes each process draws for
     its own share)."""
-    from flows.skeleton import data_section
     from tasks.cascade import difficulty_sets, measure_latency, serving_device
     from tasks.data import prepare_dataset, source_version
     from tests.test_cascade_flow import smoke_cascade
@@ -158,7 +155,7 @@ def tiny_cascade():
     settings = {"super_modules": (1,), "train_limit": 512, "min_steps": None, "epochs": 1,
                 "threads": 1, "latency_repeats": 1}
     config = smoke_cascade(**settings)
-    data = data_section(config)
+    data = config.dataset
     dataset = prepare_dataset.fn(data, source_version(data))
     return (settings, dataset, difficulty_sets.fn(config, dataset),
             measure_latency.fn(config, dataset, serving_device(config)))

@@ -32,10 +32,9 @@ def run():
 
 
 def _prepared(config: ImageTextConfig):
-    from flows.skeleton import data_section
     from tasks.data import prepare_dataset, source_version
 
-    data = data_section(config)
+    data = config.dataset
     return prepare_dataset(data, source_version(data))
 
 
@@ -73,12 +72,12 @@ def test_the_classifier_starts_from_the_class_descriptions(run):
     side = text_side(config, dataset, load_dataset(dataset), run.descriptions)
     model = new_network(config, dataset, run.descriptions)
     model.load_state_dict(load_checkpoint(ArtifactStore(), run.aligned)["model"])
-    start_classifier(model, side, config.text_init, config.seed, torch.device("cpu"))
+    start_classifier(model, side, config.text_init, config.run.seed, torch.device("cpu"))
     text_weights = side.class_weights(model, torch.device("cpu"))
     assert torch.allclose(model.head.weight, text_weights, atol=1e-5)
     scale = float(model.logit_scale.detach().exp())
     assert text_weights.norm(dim=1).tolist() == pytest.approx([scale] * 10, rel=1e-4)
-    start_classifier(model, side, False, config.seed, torch.device("cpu"))
+    start_classifier(model, side, False, config.run.seed, torch.device("cpu"))
     assert torch.allclose(model.head.weight.norm(dim=1), text_weights.norm(dim=1))
     cosines = torch.nn.functional.cosine_similarity(model.head.weight, text_weights, dim=1)
     assert cosines.abs().max() < 0.99
@@ -109,7 +108,7 @@ def test_unlabelled_images_get_no_text_derived_from_their_labels(run):
     assert not set(generated["position"]) & set(rows[known]["position"])
     assert described.labelled_images == int(labelled.sum()) == 8 * 20  # 2 classes unseen
     assert 0 < described.captioned.generated <= len(train) - described.labelled_images
-    val = validation_images(data.labels, data.splits["val"], 20, config.split_seed)
+    val = validation_images(data.labels, data.splits["val"], 20, config.dataset.split_seed)
     assert described.val_images == len(val) == 10 * 20
     assert torch.bincount(data.labels[val]).max() <= 20
     metrics = MlflowClient().get_run(run.run_id).data.metrics

@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = {"prefect", "mlflow", "dvc", "tasks", "flows"}
 SERVING_FORBIDDEN = FORBIDDEN - {"mlflow"}  # a pyfunc is an MLflow class
+PACKAGES = {"models", "training", "tasks", "serving", "flows", "bench"}
 
 
 @pytest.mark.parametrize(("package", "forbidden"), [("models", FORBIDDEN),
@@ -108,3 +109,35 @@ def test_flows_import_from_one_another_only_what_each_flow_offers():
             offenders += [f"{path.name}: {node.module}.{alias.name}" for alias in node.names
                           if alias.name not in offered]
     assert offenders == []
+
+
+
+def _top_level_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def test_every_name_a_benchmark_imports_from_the_project_exists():
+    """The tests do not run the benchmarks, but what they import must exist: a renamed task,
+    config or function breaks here, not in a night's run."""
+    missing = []
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module or \
+                    node.module.split(".")[0] not in PACKAGES:
+                continue
+            target = ROOT / Path(*node.module.split("."))
+            source = target / "__init__.py" if target.is_dir() else target.with_suffix(".py")
+            defined = _top_level_names(source) | (
+                {p.stem for p in target.iterdir()} if target.is_dir() else set())
+            missing += [f"{path.name}: {node.module}.{a.name}" for a in node.names
+                        if a.name not in defined]
+    assert not missing

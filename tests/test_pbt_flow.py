@@ -15,7 +15,6 @@ from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
 from flows.cli import main
 from flows.commands import COMMANDS
 from flows.pbt import pbt
-from flows.skeleton import data_section
 from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint
 from tasks.adapters.versioning import ArtifactStore
 from tasks.configs.pbt import PBTConfig
@@ -122,7 +121,7 @@ def test_the_lineage_replays_through_the_scheduler(first_pbt):
     rows = stage_rows(first_pbt.population.lineage)
     members = config.members
     scores = [[r["score"] for r in rows[i:i + members]] for i in range(0, len(rows), members)]
-    burn_in = {name: getattr(config, name) for name in HYPERPARAMETERS}
+    burn_in = {name: getattr(config.optim, name) for name in HYPERPARAMETERS}
     replayed = replay(population_scheduler(config, members, burn_in,
                                            first_pbt.population.val_images), scores)
     following = [rows[i:i + members] for i in range(members, len(rows), members)]
@@ -137,7 +136,7 @@ def burnt_in():
     """The smoke config (ties to the highest score), its data set, its member config, and the
     weights of a member trained 2 passes (16 steps at lr 0.05): accurate well above chance."""
     config = pbt_smoke(tie_margin=0.0)
-    data = data_section(config)
+    data = config.dataset
     dataset = prepare_dataset.fn(data, source_version(data))
     base = classifier_config(config)
     burn_in = train_member(base, dataset, "exploit", 0, "burn-in", 1, 0, 2, (0, 2), None)

@@ -80,12 +80,11 @@ def test_each_step_starts_from_the_last_ones_weights(run):
 def test_the_registered_pyfunc_runs_the_fallback_cascade(run):
     import mlflow
 
-    from flows.skeleton import data_section
     from tasks.adapters.registration import test_images
     from tasks.data import prepare_dataset, source_version
 
     config = smoke_pipeline()
-    data = data_section(config)
+    data = config.dataset
     images, labels = test_images(prepare_dataset(data, source_version(data)))
     model = mlflow.pyfunc.load_model(f"models:/{NAME}/{run.registration.version}")
     out = model.predict(images)
@@ -135,14 +134,12 @@ def test_later_steps_take_the_pipelines_sections_and_none_of_distills_own_fields
     """PBT and the sparsity fine-tuning train on the pipeline's data, optimizer, budget and run
     fields as given, with the student's network; the teacher, stage and bank fields stay with
     distillation."""
-    from tasks.configs.pipeline import SHARED_FIELDS
-
     config = smoke_pipeline(batch_size=96, seed=5, train_limit=640, student_width=8,
-                            weight_decay=1e-4)
-    for step in (config.pbt_config(), config.sparsify_config()):
-        assert (step.batch_size, step.seed, step.train_limit, step.weight_decay) == \
-            (96, 5, 640, 1e-4)
-        assert (step.model, step.width) == (config.student_model, 8)
-    assert {"batch_size", "seed", "data", "runner"} <= SHARED_FIELDS
-    assert not {"teacher_model", "stages", "bank_mode", "student_queue", "profile"} & \
-        SHARED_FIELDS
+                            weight_decay=1e-4, dask_workers=3)
+    pbt, sparse = config.pbt_config(), config.sparsify_config()
+    for step in (pbt, sparse):
+        assert (step.optim.batch_size, step.run.seed, step.dataset.train_limit,
+                step.optim.weight_decay) == (96, 5, 640, 1e-4)
+        assert (step.network.model, step.network.width) == (config.student_model, 8)
+        assert step.dataset == config.dataset and step.run == config.run
+    assert pbt.cluster.dask_workers == 3

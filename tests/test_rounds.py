@@ -35,7 +35,7 @@ def test_a_round_comes_back_from_a_weights_only_file(tmp_path):
     bank = FeatureBank(torch.arange(10), (5,), torch.float16)
     bank.update(torch.arange(3), torch.ones(3, 5), 2)
     for step in (ClassifyStep(0.1),
-                 DistillStep("fc", ((3,), (5,)), bank, "l2", 4.0, 1.0, 1.0),
+                 DistillStep("fc", ((3,), (5,)), "l2", 4.0, 1.0, 1.0, bank=bank),
                  ModuleStep(1, True, torch.tensor([0.5, 1.0]), 0.1, 0.0, 7)):
         path, original = tmp_path / "round.pt", _round(step)
         torch.save(to_record(original), path)

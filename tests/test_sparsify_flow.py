@@ -93,18 +93,17 @@ def counted_test_zeros(summary, config: SparsifyConfig) -> dict[str, float]:
     layer reads that), on the test split's raw images normalized by hand."""
     import torch
 
-    from flows.skeleton import data_section
     from models import build_model
     from tasks.data import load_dataset, prepare_dataset, source_version
 
-    data_config = data_section(config)
+    data_config = config.dataset
     dataset = prepare_dataset(data_config, source_version(data_config))
     data = load_dataset(dataset)
     ref = tracking.artifact_refs(summary.run_id)["checkpoint.final"]
     payload = torch.load(ArtifactStore().path_of(ref["path"]), map_location="cpu",
                          weights_only=True)
     model = build_model(config.network_name(), dataset.channels, len(dataset.classes),
-                        config.width)
+                        config.network.width)
     model.load_state_dict(payload["model"])
     model.eval()
     thresholds = payload.get("thresholds", {})

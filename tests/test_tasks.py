@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-from flows.skeleton import data_section
 from tasks.adapters.versioning import ArtifactStore
 from tasks.configs.sections import classifier_config
 from tasks.configs.train import TrainConfig
@@ -17,7 +16,7 @@ from tasks.training import ClassifierRound, run_key
 def test_prepare_dataset_splits_and_versions_the_subset():
     config = TrainConfig(profile="smoke", train_limit=300, test_limit=100, val_fraction=0.2,
                          val_limit=None)
-    data = data_section(config)
+    data = config.dataset
     ref = prepare_dataset.fn(data, source_version(data))
     # validation: a hash of each image's key below 0.2 (60,000 x 0.2 +- 3 binomial sd)
     assert (ref.sizes["train"], ref.sizes["test"]) == (300, 100)
@@ -36,7 +35,7 @@ def test_prepare_dataset_splits_and_versions_the_subset():
 
 
 def test_resized_rgb_fashion_mnist():
-    data = data_section(TrainConfig(profile="smoke", image_size=32, channels=3))
+    data = TrainConfig(profile="smoke", image_size=32, channels=3).dataset
     ref = prepare_dataset.fn(data, source_version(data))
     assert (ref.channels, ref.image_size) == (3, 32)
     assert load_dataset(ref).images.shape[1:] == (3, 32, 32)
@@ -44,7 +43,7 @@ def test_resized_rgb_fashion_mnist():
 
 def test_epoch_task_resumes_with_the_configured_learning_rate():
     config = TrainConfig(profile="smoke", epochs=2, lr=0.2, momentum=0.0, train_limit=256)
-    data = data_section(config)
+    data = config.dataset
     dataset = prepare_dataset.fn(data, source_version(data))
     classifier = classifier_config(config)
     first = train_round.fn(ClassifierRound(config=classifier, dataset=dataset, epoch=0))
@@ -52,7 +51,7 @@ def test_epoch_task_resumes_with_the_configured_learning_rate():
     # A checkpoint written with another learning rate: the resumed run must not inherit it.
     stored = torch.load(ArtifactStore().fetch(first.checkpoint), weights_only=True)
     assert stored["optimizer"]["param_groups"][0]["lr"] == first.metrics["lr"]
-    faster = classifier.model_copy(update={"lr": 0.4})
+    faster = classifier.replace(lr=0.4)
     second = train_round.fn(ClassifierRound(config=faster, dataset=dataset, epoch=1),
                             first.checkpoint)
     # 256 images in batches of 64: 4 steps an epoch; the last step is step 7 of 8, and the
@@ -64,7 +63,7 @@ def test_warm_continuation_equals_a_cold_resume_from_the_checkpoint():
     from tasks import training
 
     config = TrainConfig(profile="smoke", epochs=2, train_limit=256, seed=3)
-    data = data_section(config)
+    data = config.dataset
     dataset = prepare_dataset.fn(data, source_version(data))
     classifier = classifier_config(config)
     first = train_round.fn(ClassifierRound(config=classifier, dataset=dataset, epoch=0))

@@ -88,9 +88,9 @@ class Policy(BaseModel):
     max_latency_ms: float | None = None  # the served pyfunc's time per image (batch 1)
 
     @classmethod
-    def of(cls, config: Any) -> Policy:
-        """The policy a flow config sets (`tasks.configs.sections.RunSection`)."""
-        return cls(registry=config.registry, max_latency_ms=config.max_latency_ms)
+    def of(cls, run: Any) -> Policy:
+        """The policy a flow config's run section sets (`tasks.configs.sections.RunSection`)."""
+        return cls(registry=run.registry, max_latency_ms=run.max_latency_ms)
 
 
 NOT_REGISTERED = "not registered (--no-register, or the smoke profile): the registry is untouched"

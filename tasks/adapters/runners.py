@@ -32,8 +32,9 @@ def shared_api_url() -> str:
     return server.api_url
 
 
-def task_runner(config: RunnerSection) -> TaskRunner:
-    """The task runner a config asks for (see the module docstring for the Dask case)."""
+def task_runner(config: RunnerSection, device: str = "auto") -> TaskRunner:
+    """The task runner a config's cluster section asks for, for tasks training on `device`
+    (see the module docstring for the Dask case)."""
     if config.runner == "process":
         return ThreadPoolTaskRunner(max_workers=1)
     from prefect_dask import DaskTaskRunner
@@ -42,7 +43,7 @@ def task_runner(config: RunnerSection) -> TaskRunner:
         return DaskTaskRunner(address=config.dask_address)
     os.environ["PREFECT_API_URL"] = shared_api_url()  # the workers inherit it
     use_this_process_threads_on_workers()
-    devices = local_gpus(getattr(config, "device", "auto"))
+    devices = local_gpus(device)
     if devices:
         return DaskTaskRunner(cluster_class=one_gpu_per_worker_cluster,
                               cluster_kwargs={"devices": devices})

@@ -25,6 +25,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.models import Model, ModelSignature
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
 
 from tasks.adapters.environment import PROJECT_ROOT
 from tasks.adapters.versioning import ArtifactRef, data_dvc_hash
@@ -121,8 +122,10 @@ def tracked_run(
     tags: Mapping[str, str] | None = None,
     parent_run_id: str | None = None,
 ) -> Iterator[str]:
-    """A run for the block: params are the whole config; FAILED if the block raises."""
-    params = config.model_dump(mode="json") if config is not None else None
+    """A run for the block: params are the whole config, by the fields' command-line names;
+    FAILED if the block raises."""
+    params = None if config is None else to_jsonable_python(
+        config.flat() if hasattr(config, "flat") else config.model_dump())
     run_id = start_run(experiment, run_name, params, tags, parent_run_id)
     try:
         yield run_id

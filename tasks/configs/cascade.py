@@ -9,11 +9,11 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from models.cascade import CascadeSpec
-from tasks.configs.sections import DataSection, OptimSection, ProfiledConfig, RunSection, comma_list
+from tasks.configs.sections import CommaList, ProfiledConfig, RoundsFields
 from tasks.configs.train import TrainConfig
 
 
-class CascadeConfig(ProfiledConfig, DataSection, OptimSection, RunSection):
+class CascadeConfig(ProfiledConfig, RoundsFields):
     """A cascade of modules with exits and super-network modules, trained module by module on
     training sets of rising difficulty, its predictors fitted on a second training set, its
     exit thresholds calibrated on validation (`training/cascade/learning.py`)."""
@@ -21,6 +21,7 @@ class CascadeConfig(ProfiledConfig, DataSection, OptimSection, RunSection):
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
         "smoke": {**{k: v for k, v in TrainConfig.PROFILES["smoke"].items() if k != "model"},
                   "widths": (8, 16, 16), "predictor_epochs": 1, "latency_repeats": 3,
+                  "timing_images": 32,
                   "exit_distill_epochs": 3,
                   "serving_batch": 32},
         "quick": {},
@@ -28,14 +29,14 @@ class CascadeConfig(ProfiledConfig, DataSection, OptimSection, RunSection):
                     if k not in ("model", "width")}, "widths": (32, 128, 256)},
     }
 
-    widths: tuple[int, ...] = Field((16, 64, 128), description="each module's output channels, "
-                                    "input side first (K = how many); each module halves the "
-                                    "map")
-    super_modules: tuple[int, ...] = Field((1, 2), description="0-based indices of the "
-                                           "super-network modules")
-    sub_widths: tuple[float, ...] = Field((0.5, 2.0), description="each sub-network's hidden "
-                                          "width as a multiple of its module's width, cheapest "
-                                          "first (two or more)")
+    widths: CommaList[tuple[int, ...]] = Field(
+        (16, 64, 128), description="each module's output channels, input side first (K = how "
+        "many); each module halves the map")
+    super_modules: CommaList[tuple[int, ...]] = Field(
+        (1, 2), description="0-based indices of the super-network modules")
+    sub_widths: CommaList[tuple[float, ...]] = Field(
+        (0.5, 2.0), description="each sub-network's hidden width as a multiple of its module's "
+        "width, cheapest first (two or more)")
     confidence: Literal["max_softmax", "entropy"] = Field("max_softmax", description="an exit's "
                                                           "confidence: the top class probability, "
                                                           "or 1 - entropy / log C")
@@ -49,10 +50,9 @@ class CascadeConfig(ProfiledConfig, DataSection, OptimSection, RunSection):
                                                   "linear classifier on the raw pixels, fitted on "
                                                   "the other half of the images, its cross-entropy "
                                                   "or its softmax margin")
-    curriculum: tuple[float, ...] | None = Field(None, description="module k trains on the "
-                                                 "easiest curriculum[k] of the first training "
-                                                 "set (rising, the last 1); none: from 0.5 up to "
-                                                 "1 in equal steps")
+    curriculum: CommaList[tuple[float, ...]] | None = Field(
+        None, description="module k trains on the easiest curriculum[k] of the first training set "
+        "(rising, the last 1); none: from 0.5 up to 1 in equal steps")
     stage_training: Literal["joint", "frozen"] = Field("joint", description="module k's "
                                                        "rounds: joint, the modules before it "
                                                        "and their exits train along on its set "
@@ -95,21 +95,18 @@ class CascadeConfig(ProfiledConfig, DataSection, OptimSection, RunSection):
     latency_budget: float | None = Field(None, gt=0.0, le=1.0, description="with --calibrate "
                                          "budget: the cascade's mean time per image as a share "
                                          "of the full network's")
-    thresholds: tuple[float, ...] | None = Field(None, description="K - 1 exit thresholds in "
-                                                 "(0, 1] instead of calibrating (1: never leave "
-                                                 "there)")
+    thresholds: CommaList[tuple[float, ...]] | None = Field(
+        None, description="K - 1 exit thresholds in (0, 1] instead of calibrating (1: never leave "
+        "there)")
     serving_batch: int = Field(256, ge=1, le=65536, description="the batch size the model "
                                "serves at (latency table, throughput)")
     latency_repeats: int = Field(30, ge=1, le=10000, description="timed calls per part; the "
                                  "median counts")
     latency_table: str | None = Field(None, description="a latency table JSON measured earlier "
                                       "on this device, instead of measuring")
-
-    @field_validator("widths", "super_modules", "sub_widths", "curriculum", "thresholds",
-                     mode="before")
-    @classmethod
-    def _lists(cls, value: Any) -> Any:
-        return comma_list(value)
+    timing_images: int = Field(1000, ge=1, le=1_000_000, description="test images each variant "
+                               "is timed on at batch 1 (each point of the threshold sweep: at "
+                               "most 300 of them)")
 
     @field_validator("thresholds")
     @classmethod
@@ -163,7 +160,7 @@ class CascadeConfig(ProfiledConfig, DataSection, OptimSection, RunSection):
             table = json.loads(path.read_text())
         except (OSError, ValueError) as error:
             raise ValueError(f"latency_table: cannot read {path}: {error}") from None
-        check_device(table, resolve_device(self.device))
+        check_device(table, resolve_device(self.run.device))
         names = set(table.get("parts", {}))
         needed = set(self.parts())
         if needed - names:

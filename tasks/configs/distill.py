@@ -7,15 +7,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 import models
-from tasks.configs.sections import (
-    BudgetSection,
-    DataSection,
-    ModelSection,
-    ProfiledConfig,
-    RunnerSection,
-    RunSection,
-    StepSection,
-)
+from tasks.configs.sections import ModelSection, ProfiledConfig, RunnerSection
 
 
 def _layers_of(model: str) -> tuple[tuple[str, ...], int]:
@@ -24,8 +16,7 @@ def _layers_of(model: str) -> tuple[tuple[str, ...], int]:
     return (*network.feature_layers, "fc"), network.depth
 
 
-class DistillConfig(ProfiledConfig, DataSection, StepSection, BudgetSection, RunSection,
-                    RunnerSection):
+class DistillConfig(ProfiledConfig):
     """The `distill` flow: a deeper teacher trained in stages fills a feature bank; a shallower
     student learns stage by stage from the bank and the labels."""
 
@@ -40,6 +31,7 @@ class DistillConfig(ProfiledConfig, DataSection, StepSection, BudgetSection, Run
                  "lr": 0.1, "warmup_epochs": 1.0},
     }
 
+    cluster: RunnerSection = Field(default_factory=RunnerSection)
     teacher_model: str = Field("resnet18", description="the teacher network (deeper than the "
                                "student)")
     teacher_width: int | None = Field(None, ge=1, le=1024, description="the teacher's width; "

@@ -10,18 +10,25 @@ from pydantic import Field, field_validator, model_validator
 
 from tasks.configs.sections import (
     FASHION_MNIST,
-    DataSection,
+    CommaList,
     ModelSection,
-    OptimSection,
     ProfiledConfig,
-    RunSection,
+    RoundsFields,
 )
 from tasks.configs.train import TrainConfig
 
 TABLE_SUFFIXES = (".csv", ".parquet")
 
 
-class ImageTextConfig(ProfiledConfig, DataSection, ModelSection, OptimSection, RunSection):
+class ImageTextNetwork(ModelSection):
+    """The image network (a registered one); its classifier becomes the projection into the
+    shared space."""
+
+    model: str = Field("lenet", description="the image network (a registered one); its "
+                       "classifier becomes the projection into the shared space")
+
+
+class ImageTextConfig(ProfiledConfig, RoundsFields):
     """An image network trained from images and their descriptions: a contrastive loss between
     image and text features plus the classifier's cross-entropy, the classifier initialized
     from the text features of each class's descriptions (`training/image_text/losses.py`)."""
@@ -33,8 +40,7 @@ class ImageTextConfig(ProfiledConfig, DataSection, ModelSection, OptimSection, R
         "full": {**{k: v for k, v in TrainConfig.PROFILES["full"].items() if k != "model"}},
     }
 
-    model: str = Field("lenet", description="the image network (a registered one); its "
-                       "classifier becomes the projection into the shared space")
+    network: ImageTextNetwork = Field(default_factory=ImageTextNetwork)
     captions: str | None = Field(None, description="a table of descriptions (CSV or Parquet: "
                                  "columns image, text, and optionally weight), several rows per "
                                  "image allowed; image: the file's path inside the ImageFolder "
@@ -108,17 +114,9 @@ class ImageTextConfig(ProfiledConfig, DataSection, ModelSection, OptimSection, R
                               "zero-shot head of the class descriptions (WiSE-FT: alpha x "
                               "trained + (1 - alpha) x zero-shot, alpha in 0, 0.25, .., 1 "
                               "chosen on validation); the mixed head is tested and registered")
-    unseen_classes: tuple[str, ...] = Field((), description="comma-separated classes whose "
-                                            "training images, labels and descriptions are left "
-                                            "out; the test classifies them zero-shot from their "
-                                            "descriptions")
-
-    @field_validator("unseen_classes", mode="before")
-    @classmethod
-    def _split(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return tuple(part.strip() for part in value.split(",") if part.strip())
-        return value
+    unseen_classes: CommaList[tuple[str, ...]] = Field(
+        (), description="comma-separated classes whose training images, labels and descriptions "
+        "are left out; the test classifies them zero-shot from their descriptions")
 
     @field_validator("captions", "class_descriptions")
     @classmethod
@@ -154,13 +152,13 @@ class ImageTextConfig(ProfiledConfig, DataSection, ModelSection, OptimSection, R
             raise ValueError("captions_source table needs --captions")
         if self.source() != "table" and self.captions is not None:
             raise ValueError(f"captions is given but captions_source is {self.captions_source}")
-        if self.source() == "pool" and self.pool is None and self.data != FASHION_MNIST:
+        if self.source() == "pool" and self.pool is None and self.dataset.data != FASHION_MNIST:
             raise ValueError("the project's own pool is made from Fashion-MNIST: give --pool")
-        if self.ddp_procs > 1:
+        if self.run.ddp_procs > 1:
             raise ValueError(f"ddp_procs: the image_text flow trains in one process: its "
                              f"contrastive loss takes the other images of each batch as "
                              f"negatives, which a data-parallel share does not see "
-                             f"(--ddp-procs {self.ddp_procs}); give 1")
+                             f"(--ddp-procs {self.run.ddp_procs}); give 1")
         return self
 
     @model_validator(mode="after")

@@ -4,22 +4,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from tasks.configs.sections import (
-    BudgetSection,
-    DataSection,
-    ModelSection,
-    ProfiledConfig,
-    RunnerSection,
-    RunSection,
-    StepSection,
-    comma_list,
-)
+from tasks.configs.sections import CommaList, ModelSection, ProfiledConfig, RunnerSection
 
 
-class PBTConfig(ProfiledConfig, DataSection, ModelSection, StepSection, BudgetSection,
-                RunSection, RunnerSection):
+class PBTConfig(ProfiledConfig):
     """The `pbt` flow: a population trained in stages; the best member's weights are copied to
     the others, which then explore hyperparameters around the best's.
 
@@ -38,6 +28,8 @@ class PBTConfig(ProfiledConfig, DataSection, ModelSection, StepSection, BudgetSe
                  "stages": 11, "width": 32, "batch_size": 256},
     }
 
+    network: ModelSection = Field(default_factory=ModelSection)
+    cluster: RunnerSection = Field(default_factory=RunnerSection)
     members: int = Field(4, ge=2, le=256, description="N: networks in the population")
     burn_in_epochs: int = Field(1, ge=1, le=1000, description="epochs every member trains with "
                                 "the same hyperparameters before the stages (Ray Tune's "
@@ -69,26 +61,20 @@ class PBTConfig(ProfiledConfig, DataSection, ModelSection, StepSection, BudgetSe
                                      "search leaves the configured values only on evidence; "
                                      "none: one standard error of the best score (3.6 points "
                                      "on 120 images, 0.8 on 2,000); 0: the highest score")
-    lr_range: tuple[float, float] = Field((0.005, 0.3), description="bounds of the learning "
-                                          "rate (log scale)")
-    weight_decay_range: tuple[float, float] = Field((1e-5, 5e-3), description="bounds of the "
-                                                    "weight decay (log scale)")
-    momentum_range: tuple[float, float] = Field((0.5, 0.99), description="bounds of the "
-                                                "momentum (linear scale)")
-    augment_range: tuple[float, float] = Field((0.0, 1.0), description="bounds of the "
-                                               "augmentation strength (linear scale)")
-    explore_factors: tuple[float, float] = Field((0.5, 2.0), description="a log-scale value "
-                                                 "is the best's times a factor in this range")
+    lr_range: CommaList[tuple[float, float]] = Field(
+        (0.005, 0.3), description="bounds of the learning rate (log scale)")
+    weight_decay_range: CommaList[tuple[float, float]] = Field(
+        (1e-5, 5e-3), description="bounds of the weight decay (log scale)")
+    momentum_range: CommaList[tuple[float, float]] = Field(
+        (0.5, 0.99), description="bounds of the momentum (linear scale)")
+    augment_range: CommaList[tuple[float, float]] = Field(
+        (0.0, 1.0), description="bounds of the augmentation strength (linear scale)")
+    explore_factors: CommaList[tuple[float, float]] = Field(
+        (0.5, 2.0), description="a log-scale value is the best's times a factor in this range")
     explore_step: float = Field(0.25, gt=0.0, le=1.0, description="a linear-scale value moves "
                                 "by up to this fraction of its range from the best's")
     knn_k: int = Field(5, ge=1, le=1000, description="neighbours that vote when the final "
                        "model's embeddings recognize the test split against the training split")
-
-    @field_validator("lr_range", "weight_decay_range", "momentum_range", "augment_range",
-                     "explore_factors", mode="before")
-    @classmethod
-    def _pair(cls, value: Any) -> Any:
-        return comma_list(value)  # from the command line: "0.01,0.3"
 
     @model_validator(mode="after")
     def _ordered_ranges(self) -> PBTConfig:

@@ -7,20 +7,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from tasks.configs.distill import DistillConfig
 from tasks.configs.pbt import PBTConfig
-from tasks.configs.sections import StrictConfig, comma_list
-from tasks.configs.sparsify import SparsifyConfig
-
-# What the later steps take over from the pipeline as it is (`shared`): the fields of the
-# sections the distill config mixes in (data, optimizer step, budget, run, runner), never the
-# distill flow's own fields (teacher, student, stages, bank, ...) nor its profile.
-SHARED_FIELDS = frozenset().union(*(
-    section.model_fields for section in DistillConfig.__mro__
-    if isinstance(section, type) and issubclass(section, StrictConfig)
-    and section.__name__.endswith("Section")))
+from tasks.configs.sections import CommaList, ModelSection
+from tasks.configs.sparsify import SparsifyConfig, SparsifyNetwork
 
 
 class PipelineConfig(DistillConfig):
@@ -44,17 +36,17 @@ class PipelineConfig(DistillConfig):
                             "copy the best's weights / explore")
     pbt_round_epochs: int = Field(1, ge=1, le=1000, description="PBT: epochs each member "
                                   "trains per stage (after one burn-in epoch)")
-    pbt_lr_range: tuple[float, float] = Field((0.005, 0.1), description="PBT: bounds of the "
-                                              "learning rate it explores (log scale): a "
-                                              "fine-tuning, below a fresh run's")
+    pbt_lr_range: CommaList[tuple[float, float]] = Field(
+        (0.005, 0.1), description="PBT: bounds of the learning rate it explores (log scale): a "
+        "fine-tuning, below a fresh run's")
     # sparsity fine-tuning of PBT's best (`sparsify`'s fields of the same meaning)
     sparse_epochs: int = Field(4, ge=1, le=1000, description="sparsity fine-tuning: rounds "
                                "with the sparsity term, from PBT's best")
     sparse_lr: float = Field(0.01, gt=0.0, le=10.0, description="sparsity fine-tuning: peak "
                              "learning rate")
-    sparse_layers: tuple[str, ...] | None = Field(None, description="module names of the "
-                                                  "student whose outputs are regularized; none: "
-                                                  "its feature maps")
+    sparse_layers: CommaList[tuple[str, ...]] | None = Field(
+        None, description="module names of the student whose outputs are regularized; none: its "
+        "feature maps")
     transform: Literal["abs", "power", "exp_abs", "exp_power", "abs_power"] = Field(
         "abs", description="sparsity transform (see `sparsify --help`)")
     sparsity_lambda: float = Field(0.3, ge=0.0, le=1e6, description="lambda of the sparsity "
@@ -76,11 +68,6 @@ class PipelineConfig(DistillConfig):
                                  "config and code, finish at once without training (scheduled "
                                  "retraining on unchanged data)")
 
-    @field_validator("sparse_layers", "pbt_lr_range", mode="before")
-    @classmethod
-    def _lists(cls, value: Any) -> Any:
-        return comma_list(value)
-
     @model_validator(mode="after")
     def _steps_valid(self) -> PipelineConfig:
         # each step's own config validates its fields (layers of the student, ranges, ...)
@@ -88,24 +75,26 @@ class PipelineConfig(DistillConfig):
         self.sparsify_config()
         return self
 
-    def shared(self, step: type) -> dict[str, Any]:
-        """The fields the `step` config takes over as they are."""
-        return {name: getattr(self, name) for name in sorted(SHARED_FIELDS)
-                if name in step.model_fields}
+    def student_network(self) -> ModelSection:
+        """The distilled student's network, which every later step trains."""
+        return ModelSection(model=self.student_model, width=self.student_width)
 
     def pbt_config(self) -> PBTConfig:
-        """The PBT step's config: the student's network, the pipeline's population."""
-        return PBTConfig(**self.shared(PBTConfig) | {
-            "profile": self.profile, "model": self.student_model, "width": self.student_width,
-            "members": self.pbt_members, "stages": self.pbt_stages,
-            "round_epochs": self.pbt_round_epochs, "burn_in_epochs": 1,
-            "lr_range": self.pbt_lr_range, "lr": min(self.lr, self.pbt_lr_range[1])})
+        """The PBT step's config: the pipeline's sections, the student's network, the
+        pipeline's population."""
+        return PBTConfig(
+            profile=self.profile, dataset=self.dataset, run=self.run, cluster=self.cluster,
+            network=self.student_network(),
+            optim=self.optim.replace(lr=min(self.optim.lr, self.pbt_lr_range[1])),
+            members=self.pbt_members, stages=self.pbt_stages,
+            round_epochs=self.pbt_round_epochs, burn_in_epochs=1, lr_range=self.pbt_lr_range)
 
     def sparsify_config(self) -> SparsifyConfig:
         """The sparsity fine-tuning's config: the student's network, `sparse_*` rounds."""
-        return SparsifyConfig(**self.shared(SparsifyConfig) | {
-            "profile": self.profile, "model": self.student_model, "width": self.student_width,
-            "epochs": self.sparse_epochs, "lr": self.sparse_lr,
-            "sparse_layers": self.sparse_layers, "transform": self.transform,
-            "sparsity_lambda": self.sparsity_lambda, "lambda_gamma": self.lambda_gamma,
-            "zero_threshold_tolerance": self.zero_threshold_tolerance})
+        return SparsifyConfig(
+            profile=self.profile, dataset=self.dataset, run=self.run,
+            network=SparsifyNetwork(**self.student_network().model_dump()),
+            optim=self.optim.replace(lr=self.sparse_lr), epochs=self.sparse_epochs,
+            sparse_layers=self.sparse_layers, transform=self.transform,
+            sparsity_lambda=self.sparsity_lambda, lambda_gamma=self.lambda_gamma,
+            zero_threshold_tolerance=self.zero_threshold_tolerance)

@@ -1,13 +1,21 @@
-"""The config sections every flow mixes in: data, model, step, budget, optimizer, run, runner,
-and the profile that fills the fields not given."""
+"""The sections a flow config is made of (dataset, network, optim, run, cluster), the base that
+nests flat input into them, and the profile that fills the fields not given."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
 
 import models
 from tasks.adapters.environment import data_dir
@@ -26,6 +34,31 @@ class StrictConfig(BaseModel):
     """Base of every config: unknown fields are errors, values are validated and frozen."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    @classmethod
+    def field_groups(cls) -> dict[str | None, dict[str, FieldInfo]]:
+        """The fields by their command-line names, grouped: None, the config's own; then a
+        sectioned config's sections by name."""
+        return {None: dict(cls.model_fields)}
+
+    @classmethod
+    def flat_fields(cls) -> dict[str, FieldInfo]:
+        """The fields by their command-line names, every group's."""
+        return {name: field for group in cls.field_groups().values()
+                for name, field in group.items()}
+
+    @classmethod
+    def flag_aliases(cls) -> dict[str, tuple[str, ...]]:
+        """More command-line names of a boolean field, by field name."""
+        return dict(getattr(cls, "FLAG_ALIASES", {}))
+
+    def replace(self, **changes: Any) -> Self:
+        """A copy with `changes`, validated again (unlike `model_copy`, which would keep a
+        misspelled or invalid value): an unknown name is an error."""
+        unknown = sorted(set(changes) - set(type(self).model_fields))
+        if unknown:
+            raise ValueError(f"{type(self).__name__} has no field {', '.join(unknown)}")
+        return type(self).model_validate({**dict(self), **changes})
 
 
 class DataSection(StrictConfig):
@@ -116,8 +149,10 @@ class ModelSection(StrictConfig):
         return value
 
 
-class StepSection(StrictConfig):
-    """How each step learns: SGD with momentum, a cosine schedule and divergence guards."""
+class OptimSection(StrictConfig):
+    """How each step learns (SGD with momentum, a cosine schedule and divergence guards), and the
+    budget that fits the steps to the data (`training/budget.py`): a small data set gets a
+    smaller batch and more passes, so that it trains for enough optimizer steps."""
 
     batch_size: int = Field(128, ge=1, le=65536, description="images per training step")
     lr: float = Field(0.05, gt=0.0, le=10.0, description="peak learning rate (cosine decay)")
@@ -136,16 +171,6 @@ class StepSection(StrictConfig):
     grad_clip: float | None = Field(5.0, gt=0.0, description="clip the gradient norm to this; "
                                     "none: no clipping")
 
-    def flips(self) -> bool:
-        """Whether the augmentation flips: `flip` as the flow resolved it from the data
-        (`flows.skeleton.Prepared.apply`); `auto` reaching a task directly flips."""
-        return self.flip != "off"
-
-
-class BudgetSection(StrictConfig):
-    """How the budget fits the data (`training/budget.py`): a small data set gets a smaller
-    batch and more passes, so that it trains for enough optimizer steps."""
-
     min_steps: int | None = Field(3000, ge=1, le=10_000_000, description="train at least this "
                                   "many optimizer steps: on a small data set the batch shrinks "
                                   "(to 8 steps an epoch, not below 16 images) and every epoch "
@@ -158,17 +183,10 @@ class BudgetSection(StrictConfig):
     max_epochs: int = Field(400, ge=1, le=100_000, description="never more passes over the "
                             "training images than this, however small the data set")
 
-
-class OptimSection(StepSection, BudgetSection):
-    """How long it learns: epochs, the budget that fits them to the data, and early stopping."""
-
-    epochs: int = Field(8, ge=1, le=1000, description="rounds of training: passes over the "
-                        "training images, each repeated on a small data set (see min_steps); "
-                        "validation is checked after every round")
-    patience: int | None = Field(4, ge=1, description="stop after this many rounds in a row "
-                                 "below the best validation accuracy; the latest round within "
-                                 "one standard error of the best is kept; none: run every "
-                                 "round", json_schema_extra=RUN_ONLY)
+    def flips(self) -> bool:
+        """Whether the augmentation flips: `flip` as the flow resolved it from the data
+        (`flows.skeleton.Prepared.apply`); `auto` reaching a task directly flips."""
+        return self.flip != "off"
 
 
 class RunSection(StrictConfig):
@@ -214,34 +232,6 @@ class RunSection(StrictConfig):
         return self.model_name or flow_name
 
 
-class ClassifierConfig(ModelSection, OptimSection, RunSection):
-    """What one classifier's training needs (a part of every flow config that trains one)."""
-
-
-def classifier_config(config: BaseModel) -> ClassifierConfig:
-    """The classifier part of a flow config."""
-    return ClassifierConfig(**config.model_dump(include=set(ClassifierConfig.model_fields)))
-
-
-class ProfiledConfig(StrictConfig):
-    """A config whose unspecified fields come from a named profile."""
-
-    PROFILES: ClassVar[dict[str, dict[str, Any]]] = {"quick": {}}
-    profile: Profile = Field("quick", description="preset sizes: smoke (seconds, for tests), "
-                             "quick (minutes on a laptop), full (real results, GPU-sized)",
-                             json_schema_extra=RUN_ONLY)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _apply_profile(cls, values: Any) -> Any:
-        if not isinstance(values, dict):
-            return values
-        profile = values.get("profile", "quick")
-        if profile not in cls.PROFILES:
-            return values  # the field's own validation names the bad value
-        return {**cls.PROFILES[profile], **values}
-
-
 class RunnerSection(StrictConfig):
     """Where a flow's tasks run: in this process, or on a Dask cluster (prefect-dask)."""
 
@@ -254,8 +244,175 @@ class RunnerSection(StrictConfig):
                                      "scheduler (tcp://host:8786); none: start a local cluster")
 
 
+SECTION_NAMES = ("dataset", "network", "optim", "run", "cluster")
+
+
+class SectionedConfig(StrictConfig):
+    """A config made of sections (`dataset`, `network`, `optim`, `run`, `cluster`: the ones
+    it declares) and its own fields; code reads `config.optim.lr`.
+
+    Input may be nested (`{"optim": {"lr": 0.1}}`, as the Prefect form has it) or flat (the
+    command line's `--lr 0.1`, a profile's presets): flat names are nested by field name,
+    every one unique across a config's sections and its own fields (checked when the class is
+    made). `defaults` (the profile) fill what is not given; a section given as an instance is
+    taken as it is.
+    """
+
+    _owners: ClassVar[dict[str, str]] = {}  # field name -> its section's name
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        seen: dict[str, str] = {}
+        for name, section in cls.sections().items():
+            for field in section.model_fields:
+                if field in seen or field in cls.model_fields:
+                    raise TypeError(f"{cls.__name__}: field {field!r} of section {name!r} is "
+                                    f"also in {seen.get(field, 'the config itself')}")
+                seen[field] = name
+        cls._owners = seen
+
+    @classmethod
+    def sections(cls) -> dict[str, type[StrictConfig]]:
+        """The section fields and their types."""
+        return {name: field.annotation for name, field in cls.model_fields.items()
+                if name in SECTION_NAMES and isinstance(field.annotation, type)
+                and issubclass(field.annotation, StrictConfig)}
+
+    @classmethod
+    def field_groups(cls) -> dict[str | None, dict[str, FieldInfo]]:
+        sections = cls.sections()
+        return {None: {name: field for name, field in cls.model_fields.items()
+                       if name not in sections},
+                **{name: section.flat_fields() for name, section in sections.items()}}
+
+    @classmethod
+    def flag_aliases(cls) -> dict[str, tuple[str, ...]]:
+        aliases = super().flag_aliases()
+        for section in cls.sections().values():
+            aliases.update(section.flag_aliases())
+        return aliases
+
+    @classmethod
+    def defaults(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """Flat values that fill the fields `values` does not give (none here; a profile's)."""
+        return {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest(cls, values: Any) -> Any:
+        if not isinstance(values, dict):
+            return values
+        sections = cls.sections()
+        nested: dict[str, Any] = {}
+        preset: dict[str, dict[str, Any]] = {name: {} for name in sections}
+        flat: dict[str, dict[str, Any]] = {name: {} for name in sections}
+        for key, value in cls.defaults(values).items():
+            if key in cls._owners:
+                preset[cls._owners[key]][key] = value
+            elif key not in values:
+                nested[key] = value
+        for key, value in values.items():
+            if key in cls._owners:
+                flat[cls._owners[key]][key] = value
+            else:
+                nested[key] = value
+        for name in sections:
+            whole = nested.get(name)
+            if isinstance(whole, BaseModel) and not flat[name]:
+                continue  # a section given whole is taken as it is
+            if isinstance(whole, BaseModel):
+                nested[name] = {**whole.model_dump(), **flat[name]}
+            elif isinstance(whole, dict):  # a partial section: the profile fills the rest
+                nested[name] = {**preset[name], **whole, **flat[name]}
+            elif whole is None:
+                nested[name] = {**preset[name], **flat[name]}
+            # anything else is not a section: its validation names it
+        return nested
+
+    def flat(self) -> dict[str, Any]:
+        """The fields by their command-line names (what MLflow logs as the run's params)."""
+        sections = type(self).sections()
+        values = {name: value for name, value in self if name not in sections}
+        for name in sections:
+            values.update(getattr(self, name).model_dump())
+        return values
+
+    def replace(self, **changes: Any) -> Self:
+        """A copy with `changes`, by flat field name or whole section, validated again (a
+        changed section only): an unknown name is an error."""
+        owners = type(self)._owners
+        unknown = sorted(set(changes) - set(owners) - set(type(self).model_fields))
+        if unknown:
+            raise ValueError(f"{type(self).__name__} has no field {', '.join(unknown)}")
+        values = dict(self)
+        by_section: dict[str, dict[str, Any]] = {}
+        for key, value in changes.items():
+            if key in owners:
+                by_section.setdefault(owners[key], {})[key] = value
+            else:
+                values[key] = value
+        for name, update in by_section.items():
+            values[name] = getattr(self, name).replace(**update)
+        return type(self).model_validate(values)
+
+
+class RoundsFields(StrictConfig):
+    """How many rounds a classifier trains, and when it stops early."""
+
+    epochs: int = Field(8, ge=1, le=1000, description="rounds of training: passes over the "
+                        "training images, each repeated on a small data set (see min_steps); "
+                        "validation is checked after every round")
+    patience: int | None = Field(4, ge=1, description="stop after this many rounds in a row "
+                                 "below the best validation accuracy; the latest round within "
+                                 "one standard error of the best is kept; none: run every "
+                                 "round", json_schema_extra=RUN_ONLY)
+
+
+class ClassifierConfig(SectionedConfig, RoundsFields):
+    """What one classifier's training needs (built from a flow config by `classifier_config`,
+    or by a technique for each of its networks)."""
+
+    network: ModelSection = Field(default_factory=ModelSection)
+    optim: OptimSection = Field(default_factory=OptimSection)
+    run: RunSection = Field(default_factory=RunSection)
+
+
+def classifier_config(config: Any, network: ModelSection | None = None) -> ClassifierConfig:
+    """The classifier part of a flow config: its network (or `network`), optimizer, run, and
+    its rounds where it has them (PBT's stages and distillation's are their own fields)."""
+    rounds = {name: getattr(config, name) for name in RoundsFields.model_fields
+              if name in type(config).model_fields}
+    return ClassifierConfig(network=network or config.network, optim=config.optim,
+                            run=config.run, **rounds)
+
+
+class ProfiledConfig(SectionedConfig):
+    """A flow's config: sections, its own fields, and a named profile that fills the fields
+    not given."""
+
+    PROFILES: ClassVar[dict[str, dict[str, Any]]] = {"quick": {}}
+    profile: Profile = Field("quick", description="preset sizes: smoke (seconds, for tests), "
+                             "quick (minutes on a laptop), full (real results, GPU-sized)",
+                             json_schema_extra=RUN_ONLY)
+    dataset: DataSection = Field(default_factory=DataSection)
+    optim: OptimSection = Field(default_factory=OptimSection)
+    run: RunSection = Field(default_factory=RunSection)
+
+    @classmethod
+    def defaults(cls, values: dict[str, Any]) -> dict[str, Any]:
+        return dict(cls.PROFILES.get(values.get("profile", "quick"), {}))
+
+
 def comma_list(value: Any) -> Any:
-    """A list from the command line's "a,b,c" (other values unchanged)."""
+    """A tuple from the command line's "a,b,c" (brackets around it and spaces around each
+    part dropped; other values unchanged)."""
     if isinstance(value, str):
-        return [part for part in re.split(r"[,\s]+", value.strip("()[] ")) if part]
+        return tuple(part.strip() for part in value.strip("()[] ").split(",") if part.strip())
     return value
+
+
+T = TypeVar("T")
+# The one list type of the configs: a tuple given in Python or JSON, or comma-separated on the
+# command line (`--lr-range 0.005,0.3`, `--unseen-classes "Ankle boot,Bag"`).
+CommaList = Annotated[T, BeforeValidator(comma_list)]

@@ -9,11 +9,7 @@ from pydantic import Field, field_validator, model_validator
 import models
 from models.canvas import SPARSE_LAYERS, TASK_MODELS, build_task_model
 from models.detection import SSDLITE
-from tasks.configs.sections import (
-    MODEL_URI,
-    StrictConfig,
-    comma_list,
-)
+from tasks.configs.sections import MODEL_URI, CommaList, ModelSection, StrictConfig
 from tasks.configs.train import TrainConfig
 
 
@@ -42,6 +38,20 @@ class SparsitySpec(StrictConfig):
         return SparsityTerm(dict(self.lambdas), self.build(), dict(self.thresholds))
 
 
+class SparsifyNetwork(ModelSection):
+    """The network whose activations are made sparse (its name is checked against the task in
+    `SparsifyConfig`)."""
+
+    model: str | None = Field(None, description="the network whose activations are made "
+                              "sparse; none: lenet, ssdlite320_mobilenet_v3_large (detection), "
+                              "contour_unet (contour)")
+
+    @field_validator("model")
+    @classmethod
+    def _model_registered(cls, value: str | None) -> str | None:
+        return value  # checked against the task in `SparsifyConfig._layers_exist`
+
+
 class SparsifyConfig(TrainConfig):
     """The `sparsify` flow: a classifier, detector or contour network trained with its task
     loss plus a sparsity term on the activations of chosen layers (`training/sparsify/term.py`).
@@ -65,24 +75,20 @@ class SparsifyConfig(TrainConfig):
         "classification", description="classification: the data's classes; detection (class "
         "and box) and contour (each object's boundary map): of the data's images pasted on "
         "synthetic layouts (training/canvas/layouts.py)")
-    model: str | None = Field(None, description="the network whose activations are made "
-                              "sparse; none: lenet, ssdlite320_mobilenet_v3_large (detection), "
-                              "contour_unet (contour)")
+    network: SparsifyNetwork = Field(default_factory=SparsifyNetwork)
     canvas: int = Field(128, ge=64, le=1024, description="detection and contour: the layout "
                         "canvases' size in pixels (a multiple of 4)")
-    layouts: tuple[int, int, int] = Field((3000, 300, 300), description="detection and contour: "
-                                          "how many train, validation and test canvases, "
-                                          "comma-separated")
+    layouts: CommaList[tuple[int, int, int]] = Field(
+        (3000, 300, 300), description="detection and contour: how many train, validation and test "
+        "canvases, comma-separated")
     max_objects: int = Field(4, ge=1, le=16, description="detection and contour: the most "
                              "objects on a canvas (at least 1)")
     boundary_tolerance: int = Field(1, ge=0, le=16, description="contour: a boundary pixel is "
                                     "correct within this many pixels of a true one (boundary F)")
 
-    sparse_layers: tuple[str, ...] | None = Field(None, description="module names whose "
-                                                  "outputs are regularized, comma-separated "
-                                                  "(any module of the network); none: its "
-                                                  "feature maps (feature layers but the "
-                                                  "embedding)")
+    sparse_layers: CommaList[tuple[str, ...]] | None = Field(
+        None, description="module names whose outputs are regularized, comma-separated (any "
+        "module of the network); none: its feature maps (feature layers but the embedding)")
     transform: Literal["abs", "power", "exp_abs", "exp_power", "abs_power", "hoyer"] = Field(
         "abs", description="T(x) per activation: abs |x|, power x^N, exp_abs c^|x|, "
         "exp_power c^(x^N), abs_power |x|^M; or hoyer: each image's map's Hoyer-square "
@@ -95,14 +101,13 @@ class SparsifyConfig(TrainConfig):
     lambda_gamma: float = Field(0.5, ge=0.0, le=4.0, description="lambda_l = lambda x "
                                 "(A_max / A_l)^gamma with A a map's area: a smaller map weighs "
                                 "more; 0: one lambda for all")
-    layer_lambdas: tuple[float, ...] | None = Field(None, description="an explicit lambda per "
-                                                    "layer, comma-separated, in the order of "
-                                                    "sparse_layers (instead of the rule)")
-    lambda_sweep: tuple[float, ...] | None = Field(None, description="also train with each of "
-                                                   "these lambdas, comma-separated (nested runs), "
-                                                   "and plot validation accuracy against exact "
-                                                   "zeros; the model registered is the one of "
-                                                   "--sparsity-lambda")
+    layer_lambdas: CommaList[tuple[float, ...]] | None = Field(
+        None, description="an explicit lambda per layer, comma-separated, in the order of "
+        "sparse_layers (instead of the rule)")
+    lambda_sweep: CommaList[tuple[float, ...]] | None = Field(
+        None, description="also train with each of these lambdas, comma-separated (nested runs), "
+        "and plot validation accuracy against exact zeros; the model registered is the one of "
+        "--sparsity-lambda")
     zero_threshold_tolerance: float | None = Field(
         None, ge=0.0, le=1.0, description="classification: after training, zero each "
         "regularized layer's activations up to a threshold, per layer the largest (of quantiles "
@@ -131,7 +136,7 @@ class SparsifyConfig(TrainConfig):
                                          "worse on validation: the network adapts to what the "
                                          "last calibration took (a zero target is topped up "
                                          "after them)")
-    zero_target_ramp: tuple[int, int] | None = Field(
+    zero_target_ramp: CommaList[tuple[int, int]] | None = Field(
         None, description="classification, with --zero-target, instead of --threshold-cycles "
         "after the run: FIRST,LAST (rounds, from 1): raise the thresholds inside the run, before "
         "each of rounds FIRST to LAST in equal steps (the one before LAST reaches the target), "
@@ -150,24 +155,9 @@ class SparsifyConfig(TrainConfig):
             raise ValueError("not models:/NAME@ALIAS or models:/NAME/VERSION")
         return value
 
-    @field_validator("sparse_layers", "layer_lambdas", "lambda_sweep", "layouts",
-                     "zero_target_ramp", mode="before")
     @classmethod
-    def _lists(cls, value: Any) -> Any:
-        return comma_list(value)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _task_defaults(cls, values: Any) -> Any:
-        if not isinstance(values, dict) or values.get("task") not in cls.TASK_DEFAULTS:
-            return values
-        profile = cls.PROFILES.get(values.get("profile", "quick"), {})
-        return {**cls.TASK_DEFAULTS[values["task"]], **profile, **values}
-
-    @field_validator("model")
-    @classmethod
-    def _model_registered(cls, value: str | None) -> str | None:
-        return value  # checked against the task in `_layers_exist`
+    def defaults(cls, values: dict[str, Any]) -> dict[str, Any]:
+        return {**cls.TASK_DEFAULTS.get(values.get("task"), {}), **super().defaults(values)}
 
     @field_validator("layouts")
     @classmethod
@@ -208,10 +198,10 @@ class SparsifyConfig(TrainConfig):
 
     def network_name(self) -> str:
         """`model`, or the task's default network."""
-        return self.model or {"classification": "lenet", "detection": SSDLITE,
+        return self.network.model or {"classification": "lenet", "detection": SSDLITE,
                               "contour": "contour_unet"}[self.task]
 
-    def network(self):
+    def build_network(self):
         """An instance of the network (for its module names)."""
         if self.task == "classification":
             return models.build_model(self.network_name(), 1, 2, 4)
@@ -224,7 +214,7 @@ class SparsifyConfig(TrainConfig):
         if self.network_name() not in known:
             raise ValueError(f"model: unknown {self.task} model {self.network_name()!r}; "
                              f"choose one of {', '.join(known)}")
-        network = self.network()
+        network = self.build_network()
         names = [name for name, _ in network.named_modules() if name]
         missing = [name for name in self.layers() if name not in names]
         if missing:
@@ -254,9 +244,9 @@ class SparsifyConfig(TrainConfig):
         if self.init_from is not None and self.task != "classification":
             raise ValueError(f"init_from: fine-tuning is for --task classification, not "
                              f"{self.task}")
-        if self.ddp_procs > 1 and self.task != "classification":
+        if self.run.ddp_procs > 1 and self.task != "classification":
             raise ValueError(f"ddp_procs: --task {self.task} trains in one process; "
-                             f"data-parallel rounds (--ddp-procs {self.ddp_procs}) are for "
+                             f"data-parallel rounds (--ddp-procs {self.run.ddp_procs}) are for "
                              f"--task classification")
         if self.layer_lambdas is not None and len(self.layer_lambdas) != len(self.layers()):
             raise ValueError(f"layer_lambdas has {len(self.layer_lambdas)} values for "

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from tasks.configs.sections import (
-    DataSection,
-    ModelSection,
-    OptimSection,
-    ProfiledConfig,
-    RunSection,
-)
+from pydantic import Field
+
+from tasks.configs.sections import ModelSection, ProfiledConfig, RoundsFields
 
 
-class TrainConfig(ProfiledConfig, DataSection, ModelSection, OptimSection, RunSection):
+class TrainConfig(ProfiledConfig, RoundsFields):
     """The `train` flow: one classifier, evaluated, registered and promoted."""
 
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
@@ -25,3 +21,5 @@ class TrainConfig(ProfiledConfig, DataSection, ModelSection, OptimSection, RunSe
         "full": {"train_limit": None, "epochs": 60, "width": 32, "batch_size": 256, "lr": 0.1,
                  "warmup_epochs": 1.0},
     }
+
+    network: ModelSection = Field(default_factory=ModelSection)

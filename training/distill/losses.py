@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -166,14 +166,13 @@ def teacher_targets(teacher: nn.Module, layer: str) -> Targets:
 
 
 @dataclass(frozen=True)
-class DistillStep(ModelStep):
-    """A student stage's step spec (`training.rounds.StepSpec`): `distillation_step` on the
+class FeatureStep(ModelStep):
+    """A student's step spec (`training.rounds.StepSpec`): `distillation_step` on the
     student's `layer` through its adapter (trained beside the network, under `adapter`)
-    against the feature `bank` (a `FeatureBank`, read by dataset id)."""
+    against the targets of a subclass (`targets`)."""
 
     layer: str
-    adapter_shapes: tuple[tuple[int, ...], tuple[int, ...]]  # the student's, the bank's
-    bank: object
+    adapter_shapes: tuple[tuple[int, ...], tuple[int, ...]]  # the student's, the target's
     feature_loss: FeatureLossKind
     temperature: float
     ce_weight: float
@@ -183,14 +182,43 @@ class DistillStep(ModelStep):
     def extras(self) -> dict[str, nn.Module]:
         return {"adapter": FeatureAdapter(*self.adapter_shapes)}
 
+    def targets(self, device: torch.device, place: Distributed) -> Targets:
+        raise NotImplementedError
+
     def open(self, model: nn.Module, extras: dict[str, nn.Module], device: torch.device,
              place: Distributed, stack: ExitStack) -> tuple[nn.Module, Step]:
         adapter = extras["adapter"].train()
         if place.world_size > 1 and any(p.requires_grad for p in adapter.parameters()):
             adapter = wrap(adapter, device, place)  # its gradients averaged like the network's
-        bank = self.bank if place.world_size == 1 else self.bank.to(device)
+        targets = self.targets(device, place)
         captured = stack.enter_context(FeatureHooks(model, [self.layer]))
         return wrap(model, device, place), distillation_step(
-            captured, self.layer, adapter, bank_targets(bank, device),
+            captured, self.layer, adapter, targets,
             FeatureLoss(self.feature_loss, self.temperature), self.ce_weight,
             self.feature_weight, self.label_smoothing)
+
+
+@dataclass(frozen=True)
+class DistillStep(FeatureStep):
+    """A student stage against the feature `bank` (a `FeatureBank`, read by dataset id)."""
+
+    bank: object = field(kw_only=True)
+
+    def targets(self, device: torch.device, place: Distributed) -> Targets:
+        bank = self.bank if place.world_size == 1 else self.bank.to(device)
+        return bank_targets(bank, device)
+
+
+@dataclass(frozen=True)
+class TeacherStep(FeatureStep):
+    """The baselines' step (Hinton KD, FitNets, an L2 on the final teacher's logits): against
+    a frozen `teacher` network run on the same augmented images at `teacher_layer`
+    (`teacher_targets`), instead of a bank. One process only: the teacher is a live module."""
+
+    teacher: nn.Module = field(kw_only=True)
+    teacher_layer: str = field(kw_only=True)
+
+    def targets(self, device: torch.device, place: Distributed) -> Targets:
+        if place.world_size > 1:
+            raise ValueError("a live teacher's targets are for one process")
+        return teacher_targets(self.teacher.to(device), self.teacher_layer)
