@@ -135,12 +135,11 @@ def deployed(server):
 def _run_deployment(url: str, env: dict, name: str, params: dict) -> dict:
     """Starts a run of deployment `name` as the UI's Run button does, lets a process worker
     run it, and returns the flow run (the newest of that deployment)."""
-    _cli(env, "deployment", "run", name, "--params", json.dumps(params))
-    _cli(env, "worker", "start", "--pool", "local", "--run-once", timeout=600)
     deployment = _api(url, f"/deployments/name/{name}")
-    runs = _api(url, "/flow_runs/filter", {"deployments": {"id": {"any_": [deployment["id"]]}},
-                                           "sort": "EXPECTED_START_TIME_DESC", "limit": 1})
-    return runs[0]
+    created = _api(url, f"/deployments/{deployment['id']}/create_flow_run",
+                   {"parameters": params})  # the server checks them against the schema
+    _cli(env, "worker", "start", "--pool", "local", "--run-once", timeout=600)
+    return _api(url, f"/flow_runs/{created['id']}")
 
 
 def test_deploy_registers_every_deployment_of_prefect_yaml(deployed):
@@ -155,6 +154,9 @@ def test_deploy_registers_every_deployment_of_prefect_yaml(deployed):
     assert deployments["distill"]["parameters"] == {"config": {"profile": "quick"}}
     assert deployments["train"]["parameters"] == {"config": {"profile": "quick"}}
     assert deployments["pipeline-nightly"]["entrypoint"] == "flows/pipeline.py:pipeline"
+    for deployment in deployments.values():  # one run at a time; the next one waits
+        assert deployment["global_concurrency_limit"]["limit"] == 1, deployment["name"]
+        assert deployment["concurrency_options"]["collision_strategy"] == "ENQUEUE"
     schedules = deployments["pipeline-nightly"]["schedules"]
     assert [s["schedule"]["cron"] for s in schedules] == ["0 3 * * *"]
     assert not schedules[0]["active"]  # retraining is switched on in the UI, not by deploying

@@ -148,3 +148,48 @@ def test_champion_and_challenger_are_compared_on_images_neither_saw(first_run, f
     assert f"on the {len(unseen)} test images neither model trained" in second.decision
     # the same model on the same images: a tie, so the champion stays
     assert second.champion_version == first.version and second.alias == "challenger"
+
+
+def test_two_promotions_started_together_leave_the_better_model_champion(first_run):
+    """Two runs promote versions of one model at once, as two pipeline runs on a shared server
+    would, each slow to score. Without the registry lock both would beat the old champion and
+    the later one would take the alias; with it the second compares with the first's result,
+    so the better model ends champion and each run records its decision."""
+    import threading
+    import time
+
+    from prefect.client.orchestration import get_client
+
+    from tasks.adapters.locks import lock_name
+
+    name, uri = "raced", first_run.registration.model_uri
+    accuracy = {"old": 0.5, "better": 0.7, "worse": 0.6}  # by the version's program (md5)
+    run_ids, registrations = {}, {}
+
+    def promote_as(program: str) -> None:
+        def score(model_uri: str) -> float:
+            time.sleep(0.5)
+            if model_uri == uri:
+                return accuracy[program]
+            return accuracy[tracking.version_tags(name, model_uri.rsplit("/", 1)[1])["program"]]
+
+        run_ids[program] = tracking.start_run("registry-tests", program)
+        registrations[program] = promote(run_ids[program], name, uri, score, CLASSES, program,
+                                         {}, Policy())
+
+    promote_as("old")  # the champion both runs find
+    threads = [threading.Thread(target=promote_as, args=(program,))
+               for program in ("better", "worse")]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.1)  # the better one starts first, so without the lock it would lose
+    for thread in threads:
+        thread.join()
+    better, worse = registrations["better"], registrations["worse"]
+    assert tracking.alias_version(name, "champion") == better.version
+    assert better.champion_version == registrations["old"].version
+    assert worse.alias == "challenger" and worse.champion_version == better.version
+    for program in accuracy:
+        assert MlflowClient().get_run(run_ids[program]).data.tags["registry.decision"]
+    with get_client(sync_client=True) as client:  # the lock is the server's, and free again
+        assert client.read_global_concurrency_limit_by_name(lock_name(name)).active_slots == 0

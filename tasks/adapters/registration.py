@@ -38,6 +38,7 @@ from tasks.adapters import tracking
 from tasks.adapters.aliases import CHALLENGER, CHAMPION, crown
 from tasks.adapters.checkpoints import torch_save
 from tasks.adapters.environment import PROJECT_ROOT
+from tasks.adapters.locks import registry_lock
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.data import DatasetRef, LoadedDataset, load_dataset, load_dataset_artifact
 from training.datasets import ImageSet
@@ -339,6 +340,7 @@ def promote(run_id: str, name: str, model_uri: str, score: Callable[[str], float
     `compare` (the champion's version tags to a score on the images both are compared on, or
     None when there are none, and a `Comparison` saying which) replaces `score` for the
     comparison; the version keeps its `score` on the whole test split.
+    The comparison and the move hold the model's registry lock (`tasks.adapters.locks`).
     Records the decision as tags and `registry_<metric>` (and `champion_<metric>`, both
     scores of the comparison) on the run. With `policy.registry` false nothing is scored and
     the registry is not touched."""
@@ -357,72 +359,74 @@ def promote(run_id: str, name: str, model_uri: str, score: Callable[[str], float
         if latency > budget:
             refusal = refusal or (f"over the latency budget: {latency:.2f} ms per image > "
                                   f"{budget:g} ms (--max-latency-ms)")
-    champion_version = tracking.alias_version(name, CHAMPION)
-    champion_score, compared_score, comparison = None, new_score, None
-    if champion_version is not None:
-        champion_tags = tracking.version_tags(name, champion_version)
-        champion_classes = champion_tags.get("classes")
-        if champion_classes is not None and champion_classes != json.dumps(classes):
-            refusal = refusal or (f"the champion (version {champion_version}) was trained on "
-                                  "other classes; register this data set's models under "
-                                  "another --model-name")
-        elif champion_tags.get("metric", "test_accuracy") != metric:
-            refusal = refusal or (f"the champion (version {champion_version}) is scored by "
-                                  f"{champion_tags.get('metric')}, not {metric}: register "
-                                  "under another --model-name")
-        else:
-            scorer = score
-            if compare is not None:
-                scorer, comparison = compare(champion_tags)
-            if scorer is None:
-                refusal = refusal or (f"no test image is left that the champion (version "
-                                      f"{champion_version}) did not train on: no fair "
-                                      "comparison; move the alias by hand (python -m flows "
-                                      "promote) or keep the split settings between runs")
+    # one promotion of `name` at a time from here: read the champion, compare, move the alias
+    with registry_lock(name):
+        champion_version = tracking.alias_version(name, CHAMPION)
+        champion_score, compared_score, comparison = None, new_score, None
+        if champion_version is not None:
+            champion_tags = tracking.version_tags(name, champion_version)
+            champion_classes = champion_tags.get("classes")
+            if champion_classes is not None and champion_classes != json.dumps(classes):
+                refusal = refusal or (f"the champion (version {champion_version}) was trained on "
+                                      "other classes; register this data set's models under "
+                                      "another --model-name")
+            elif champion_tags.get("metric", "test_accuracy") != metric:
+                refusal = refusal or (f"the champion (version {champion_version}) is scored by "
+                                      f"{champion_tags.get('metric')}, not {metric}: register "
+                                      "under another --model-name")
             else:
-                try:
-                    champion_score = scorer(f"models:/{name}/{champion_version}")
-                except Exception as error:  # an old champion that no longer loads or predicts
-                    refusal = refusal or (f"the champion (version {champion_version}) could "
-                                          f"not be scored: {error}")
+                scorer = score
+                if compare is not None:
+                    scorer, comparison = compare(champion_tags)
+                if scorer is None:
+                    refusal = refusal or (f"no test image is left that the champion (version "
+                                          f"{champion_version}) did not train on: no fair "
+                                          "comparison; move the alias by hand (python -m flows "
+                                          "promote) or keep the split settings between runs")
                 else:
-                    compared_score = new_score if scorer is score else scorer(model_uri)
-    if refusal:  # never replace a champion on a comparison that did not happen
-        alias, decision = CHALLENGER, refusal
-    elif budget is not None and champion_score is not None and (champion_latency := (
-            timer(f"models:/{name}/{champion_version}"))) > budget:
-        alias, decision = CHAMPION, (f"within the latency budget ({latency:.2f} ms <= "
-                                     f"{budget:g} ms per image), the champion (version "
-                                     f"{champion_version}, {champion_latency:.2f} ms) is not")
-    else:
-        alias, decision = decide(compared_score, champion_score)
-        if comparison is not None and champion_score is not None:
-            decision = f"{decision} {comparison.note}"
-    version = tracking.find_version(name, "program", program_md5)
-    if version is None:
-        version = tracking.register_model(model_uri, name, run_id, {
-            metric: f"{new_score:.6f}", "metric": metric, "program": program_md5,
-            "classes": json.dumps(classes)} | tags)
-    elif version == champion_version:
-        alias, decision = CHAMPION, f"same model as the champion (version {version})"
-    if alias == CHAMPION:
-        crown(name, version)
-    else:
-        tracking.set_alias(name, alias, version)
-        if champion_version is None:
-            decision += (f". No version of {name} is champion yet: the next run whose model "
-                         "passes this gate becomes it, or choose one by hand (python -m flows "
-                         f"promote {name} VERSION --reason ...)")
-    tracking.set_tags(run_id, {"registry.model": name, "registry.version": version,
-                               "registry.alias": alias, "registry.decision": decision,
-                               "registry.champion_version": champion_version or "none"}
-                      | ({"registry.compared_images": str(comparison.images),
-                          "registry.compared_left_out": str(comparison.left_out)}
-                         if comparison is not None else {}))
-    tracking.log_metrics(run_id, {f"registry_{metric}": new_score}
-                         | ({f"champion_{metric}": champion_score,
-                             f"compared_{metric}": compared_score}
-                            if champion_score is not None else {}))
+                    try:
+                        champion_score = scorer(f"models:/{name}/{champion_version}")
+                    except Exception as error:  # an old champion that no longer loads or predicts
+                        refusal = refusal or (f"the champion (version {champion_version}) could "
+                                              f"not be scored: {error}")
+                    else:
+                        compared_score = new_score if scorer is score else scorer(model_uri)
+        if refusal:  # never replace a champion on a comparison that did not happen
+            alias, decision = CHALLENGER, refusal
+        elif budget is not None and champion_score is not None and (champion_latency := (
+                timer(f"models:/{name}/{champion_version}"))) > budget:
+            alias, decision = CHAMPION, (f"within the latency budget ({latency:.2f} ms <= "
+                                         f"{budget:g} ms per image), the champion (version "
+                                         f"{champion_version}, {champion_latency:.2f} ms) is not")
+        else:
+            alias, decision = decide(compared_score, champion_score)
+            if comparison is not None and champion_score is not None:
+                decision = f"{decision} {comparison.note}"
+        version = tracking.find_version(name, "program", program_md5)
+        if version is None:
+            version = tracking.register_model(model_uri, name, run_id, {
+                metric: f"{new_score:.6f}", "metric": metric, "program": program_md5,
+                "classes": json.dumps(classes)} | tags)
+        elif version == champion_version:
+            alias, decision = CHAMPION, f"same model as the champion (version {version})"
+        if alias == CHAMPION:
+            crown(name, version)
+        else:
+            tracking.set_alias(name, alias, version)
+            if champion_version is None:
+                decision += (f". No version of {name} is champion yet: the next run whose model "
+                             "passes this gate becomes it, or choose one by hand (python -m flows "
+                             f"promote {name} VERSION --reason ...)")
+        tracking.set_tags(run_id, {"registry.model": name, "registry.version": version,
+                                   "registry.alias": alias, "registry.decision": decision,
+                                   "registry.champion_version": champion_version or "none"}
+                          | ({"registry.compared_images": str(comparison.images),
+                              "registry.compared_left_out": str(comparison.left_out)}
+                             if comparison is not None else {}))
+        tracking.log_metrics(run_id, {f"registry_{metric}": new_score}
+                             | ({f"champion_{metric}": champion_score,
+                                 f"compared_{metric}": compared_score}
+                                if champion_score is not None else {}))
     return Registration(name=name, model_uri=model_uri, version=version, alias=alias,
                         accuracy=new_score, champion_version=champion_version,
                         champion_accuracy=champion_score, decision=decision, metric=metric)
