@@ -77,8 +77,11 @@ deploy: setup  ## register prefect.yaml's deployments with the server at PREFECT
 worker: setup  ## a process worker that runs deployments from the `local` pool
 	$(VENV)/bin/prefect worker start --pool local
 
-serve: setup  ## serve models:/$(NAME)@champion on 127.0.0.1:5001 (NAME=pipeline by default)
-	PATH="$(ROOT)/$(VENV)/bin:$$PATH" $(VENV)/bin/mlflow models serve -m "models:/$(or $(NAME),pipeline)@champion" \
+# The registered name is in the project (PROJECT-NAME: tasks.configs.sections.qualified).
+serve: setup  ## serve models:/PROJECT-$(NAME)@champion on 127.0.0.1:5001 (NAME=pipeline by default)
+	name=$$($(PY) -c 'import sys; from tasks.configs.sections import qualified; print(qualified(None, sys.argv[1]))' \
+	  "$(or $(NAME),pipeline)") && \
+	PATH="$(ROOT)/$(VENV)/bin:$$PATH" $(VENV)/bin/mlflow models serve -m "models:/$$name@champion" \
 	  --env-manager local --host 127.0.0.1 --port 5001
 
 clean:

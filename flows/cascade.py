@@ -113,7 +113,8 @@ def cascade(config: CascadeConfig) -> CascadeSummary:
     name = config.run.registered_name(FLOW_NAME)
     logger = get_run_logger()
     run_name = f"{FLOW_NAME}-{'-'.join(map(str, config.widths))}-seed{config.run.seed}"
-    with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
+    experiment = config.run.experiment(FLOW_NAME)
+    with tracking.tracked_run(experiment, run_name, config, run_tags(config)) as run_id:
         prepared = prepare(config, run_id)
         config = prepared.apply(config)
         dataset = prepared.dataset

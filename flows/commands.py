@@ -266,14 +266,15 @@ def run_promote(config: PromoteConfig) -> None:
     versions)."""
     from tasks.adapters.aliases import promote_by_hand
 
-    _move_alias(lambda: promote_by_hand(config.name, config.version, config.reason, config.by))
+    _move_alias(lambda: promote_by_hand(config.registered_name(), config.version, config.reason,
+                                        config.by))
 
 
 def run_rollback(config: RollbackConfig) -> None:
     """Give the champion alias back to the version that held it before the current one."""
     from tasks.adapters.aliases import rollback
 
-    _move_alias(lambda: rollback(config.name, config.reason, config.by))
+    _move_alias(lambda: rollback(config.registered_name(), config.reason, config.by))
 
 
 def run_splits(config: SplitsConfig) -> None:

@@ -169,7 +169,8 @@ def distill(config: DistillConfig) -> DistillSummary:
     """Runs the stages, then tests, registers and promotes the student."""
     name = config.run.registered_name(FLOW_NAME)
     run_name = f"{FLOW_NAME}-{config.teacher_model}-to-{config.student_model}-seed{config.run.seed}"
-    with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
+    experiment = config.run.experiment(FLOW_NAME)
+    with tracking.tracked_run(experiment, run_name, config, run_tags(config)) as run_id:
         prepared = prepare(config, run_id)
         config = prepared.apply(config)
         dataset = prepared.dataset

@@ -186,15 +186,15 @@ def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str
 
 
 def run_population(config: PBTConfig, prepared: Prepared, run_id: str,
-                   experiment: str = FLOW_NAME, start: ArtifactRef | None = None
+                   start: ArtifactRef | None = None
                    ) -> tuple[ClassifierConfig, PopulationResult, Budget]:
-    """The population's budget on the prepared data, its members' runs nested under `run_id`
-    (in `experiment`), the population itself (`pbt_population`, from `start`'s weights when
+    """The population's budget on the prepared data, its members' runs nested under `run_id`,
+    the population itself (`pbt_population`, from `start`'s weights when
     given) and its lineage logged; the best's classifier config, the population and its
     budget."""
     classifier, budget = budgeted_classifier(
         config, prepared, run_id, config.burn_in_epochs + config.stages * config.round_epochs)
-    member_runs = [tracking.start_run(experiment, f"member-{m}", parent_run_id=run_id)
+    member_runs = [tracking.start_run(FLOW_NAME, f"member-{m}", parent_run_id=run_id)
                    for m in range(config.members)]
     try:
         runner = task_runner(config.cluster, config.run.device)
@@ -225,7 +225,8 @@ def pbt(config: PBTConfig) -> PBTSummary:
     """Runs the population, then tests, registers and promotes its best member."""
     name = config.run.registered_name(FLOW_NAME)
     run_name = f"{FLOW_NAME}-{config.network.model}-x{config.members}-seed{config.run.seed}"
-    with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
+    experiment = config.run.experiment(FLOW_NAME)
+    with tracking.tracked_run(experiment, run_name, config, run_tags(config)) as run_id:
         prepared = prepare(config, run_id)
         config = prepared.apply(config)
         best_config, population, budget = run_population(config, prepared, run_id)

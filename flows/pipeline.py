@@ -151,7 +151,7 @@ def run_pbt(config: PipelineConfig, prepared: Prepared, run_id: str, start: Arti
     classifier config and result."""
     pbt = prepared.apply(config.pbt_config())
     with tracking.tracked_run(FLOW_NAME, "pbt", pbt, parent_run_id=run_id) as pbt_run:
-        best_config, population, _ = run_population(pbt, prepared, pbt_run, FLOW_NAME, start)
+        best_config, population, _ = run_population(pbt, prepared, pbt_run, start)
     return best_config, population.best
 
 
@@ -181,7 +181,8 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
     logger = get_run_logger()
     name = config.run.registered_name(FLOW_NAME)
     run_name = f"{FLOW_NAME}-{config.teacher_model}-to-{config.student_model}-seed{config.run.seed}"
-    with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
+    experiment = config.run.experiment(FLOW_NAME)
+    with tracking.tracked_run(experiment, run_name, config, run_tags(config)) as run_id:
         prepared = prepare(config, run_id)  # 1. the data check
         config = prepared.apply(config)
         key = pipeline_key(config, prepared.dataset.artifact.md5)

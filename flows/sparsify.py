@@ -239,7 +239,8 @@ def sparsify(config: SparsifyConfig) -> SparsifySummary | CanvasSummary:
     config = config.replace(model=config.network_name())
     run_name = f"{FLOW_NAME}-{config.network.model}-{config.transform}-seed{config.run.seed}"
     canvas = config.task != "classification"
-    with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)
+    experiment = config.run.experiment(FLOW_NAME)
+    with tracking.tracked_run(experiment, run_name, config, run_tags(config)
                               | ({"task": config.task} if canvas else {})) as run_id:
         if canvas:
             return sparsify_canvas(config, name, run_id)

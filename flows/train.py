@@ -36,7 +36,8 @@ def train(config: TrainConfig) -> TrainSummary:
     `config.run.model_name`."""
     name = config.run.registered_name(FLOW_NAME)
     run_name = f"{FLOW_NAME}-{config.network.model}-seed{config.run.seed}"
-    with tracking.tracked_run(FLOW_NAME, run_name, config, run_tags(config)) as run_id:
+    experiment = config.run.experiment(FLOW_NAME)
+    with tracking.tracked_run(experiment, run_name, config, run_tags(config)) as run_id:
         prepared = prepare(config, run_id)
         config = prepared.apply(config)
         classifier, budget = budgeted_classifier(config, prepared, run_id, config.epochs)

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator
 
 from serving.image_text import ZERO_SHOT_PARAM
 from tasks.adapters import tracking
-from tasks.configs.sections import StrictConfig
+from tasks.configs.sections import Project, StrictConfig, project_field, qualified
 from training.datasets import IMAGE_EXTENSIONS, DataError
 from training.preprocess import decode_image
 
@@ -23,14 +23,16 @@ class ModelVersionSection(StrictConfig):
     alias: str | None = Field("champion", description="the version's alias; ignored when "
                               "--version is given")
     version: int | None = Field(None, ge=1, description="a version number; none: the alias")
+    project: Project = project_field()
 
     def model_uri(self) -> str:
-        """`models:/name/version` or `models:/name@alias`."""
+        """`models:/name/version` or `models:/name@alias`, the name in the project."""
+        name = qualified(self.project, self.model_name)
         if self.version is not None:
-            return f"models:/{self.model_name}/{self.version}"
+            return f"models:/{name}/{self.version}"
         if not self.alias:
             raise ValueError("give --version or --alias")
-        return f"models:/{self.model_name}@{self.alias}"
+        return f"models:/{name}@{self.alias}"
 
 
 class PredictConfig(ModelVersionSection):

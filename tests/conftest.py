@@ -28,6 +28,9 @@ if os.environ.get("MLFLOW_TRACKING_URI") in (None, read_env_file()["MLFLOW_TRACK
 os.environ["COMPACTML_ARTIFACTS"] = str(_SESSION_DIR / "artifacts")
 os.environ["COMPACTML_DVC_REMOTE"] = str(_SESSION_DIR / "dvc-remote")
 os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
+# The session's stores are its own: experiment and model names without a project prefix
+# (tests/test_config_cli.py checks the default, the folder's name).
+os.environ["COMPACTML_PROJECT"] = ""
 (_SESSION_DIR / "mlruns").mkdir()
 
 

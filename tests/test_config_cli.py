@@ -52,6 +52,24 @@ def test_a_field_name_in_two_sections_is_refused_when_the_class_is_made():
             seed: int = 0
 
 
+def test_mlflow_names_are_in_the_project_which_defaults_to_the_folders_name(monkeypatch):
+    from tasks.adapters.environment import PROJECT_ROOT
+    from tasks.prediction import PredictConfig
+
+    run = TrainConfig(project="team-a").run
+    assert (run.experiment("train"), run.registered_name("train")) == ("team-a-train",) * 2
+    assert TrainConfig(project="team-a", model_name="shop").run.registered_name("train") == \
+        "team-a-shop"
+    assert PredictConfig(images=str(ROOT), project="team-a").model_uri() == \
+        "models:/team-a-pipeline@champion"
+    monkeypatch.delenv("COMPACTML_PROJECT")
+    assert TrainConfig().run.registered_name("pipeline") == f"{PROJECT_ROOT.name}-pipeline"
+    monkeypatch.setenv("COMPACTML_PROJECT", "")  # as the tests' own stores have it
+    assert TrainConfig().run.registered_name("pipeline") == "pipeline"
+    with pytest.raises(ValidationError, match="project"):
+        TrainConfig(project="a/b")
+
+
 @pytest.mark.parametrize(("values", "field"), [
     ({"lr": -0.1}, "lr"),
     ({"learning_rate": 0.1}, "learning_rate"),

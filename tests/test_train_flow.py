@@ -82,11 +82,17 @@ def test_a_model_below_the_raw_pixel_baselines_is_never_champion(first_run):
 
 
 def test_same_config_again_reuses_every_training_task(first_run):
-    state = train(smoke(), return_state=True)
+    # in another project (run-only: the same work) and registered: its own experiment and name
+    state = train(smoke(project="team-a", registry=True), return_state=True)
     states = task_states(state)
     assert states["epoch-1"] == "Cached" and states["epoch-2"] == "Cached"
     assert states["prepare-dataset"] == "Cached" and states["register-and-promote"] == "Completed"
-    assert state.result().test_accuracy == pytest.approx(first_run.test_accuracy)
+    summary = state.result()
+    assert summary.test_accuracy == pytest.approx(first_run.test_accuracy)
+    assert MlflowClient().get_run(summary.run_id).info.experiment_id == \
+        MlflowClient().get_experiment_by_name("team-a-train").experiment_id
+    assert summary.registration.name == f"team-a-{NAME}"
+    assert tracking.alias_version(f"team-a-{NAME}", "champion") == "1"
 
 
 def test_killed_run_resumes_from_the_last_finished_epoch(session_dir):

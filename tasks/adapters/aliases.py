@@ -18,7 +18,7 @@ from mlflow.exceptions import MlflowException
 from pydantic import Field, field_validator
 
 from tasks.adapters import tracking
-from tasks.configs.sections import StrictConfig
+from tasks.configs.sections import Project, StrictConfig, project_field, qualified
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 HISTORY = "champion.history"
@@ -90,10 +90,16 @@ def rollback(name: str, reason: str, by: str) -> str:
 class ManualMove(StrictConfig):
     """Who moves the alias and why, recorded on the versions."""
 
-    name: str = Field(min_length=1, description="the registered model's name")
+    name: str = Field(min_length=1, description="the registered model's name (in the project: "
+                      "PROJECT-NAME)")
     reason: str = Field(min_length=1, description="why, recorded on both versions")
     by: str = Field(default_factory=getpass.getuser, min_length=1,
                     description="who, recorded on both versions")
+    project: Project = project_field()
+
+    def registered_name(self) -> str:
+        """`name` in the project (`tasks.configs.sections.qualified`)."""
+        return qualified(self.project, self.name)
 
 
 class PromoteConfig(ManualMove):

@@ -9,6 +9,7 @@ already present in the environment always wins.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +35,13 @@ def apply_project_env() -> None:
     if ENV_FILE.exists():
         for key, value in read_env_file().items():
             os.environ.setdefault(key, value)
+
+
+def default_project() -> str:
+    """The prefix of MLflow names when a config gives none: `COMPACTML_PROJECT` (empty: no
+    prefix), else the project folder's name."""
+    return os.environ.get("COMPACTML_PROJECT",
+                          re.sub(r"[^A-Za-z0-9_.-]", "-", PROJECT_ROOT.name).lstrip("-_."))
 
 
 def data_dir() -> Path:

@@ -97,12 +97,16 @@ def start_run(
     tags: Mapping[str, str] | None = None,
     parent_run_id: str | None = None,
 ) -> str:
-    """Creates a run (nested under `parent_run_id` if given) and logs its params and tags."""
+    """Creates a run in `experiment` and logs its params and tags; nested under
+    `parent_run_id` if given, then in the parent's experiment whatever `experiment` says."""
     all_tags = {"mlflow.runName": run_name, "git.commit": git_commit(),
                 "data.dvc": data_dvc_hash(), **(tags or {})}
     if parent_run_id:
         all_tags["mlflow.parentRunId"] = parent_run_id
-    run = client().create_run(experiment_id(experiment), tags=all_tags, run_name=run_name)
+        experiment_key = client().get_run(parent_run_id).info.experiment_id
+    else:
+        experiment_key = experiment_id(experiment)
+    run = client().create_run(experiment_key, tags=all_tags, run_name=run_name)
     if params:
         client().log_batch(run.info.run_id,
                            params=[Param(k, v[:6000]) for k, v in flatten(params).items()])

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Self, TypeVar
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -18,7 +19,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 import models
-from tasks.adapters.environment import data_dir
+from tasks.adapters.environment import data_dir, default_project
 from training.datasets import DataError, check_group_pattern, image_folder_listing
 
 Profile = Literal["smoke", "quick", "full"]
@@ -28,6 +29,31 @@ RUN_ONLY = {"run_only": True}
 FASHION_MNIST = "fashion-mnist"
 # a registered model version: models:/NAME@ALIAS or models:/NAME/VERSION
 MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[\w.-]+)|/(?P<version>\d+))$")
+
+
+def project_field() -> Any:
+    """The `project` field of a config that names MLflow experiments or registered models."""
+    return Field(None, max_length=60, description="prefix of the MLflow experiment and "
+                 "registered model names, PROJECT-NAME (compactml-train), so that projects "
+                 "sharing a tracking server do not collide; none: $COMPACTML_PROJECT (empty: no "
+                 "prefix), else the project folder's name", json_schema_extra=RUN_ONLY)
+
+
+def check_project(value: str | None) -> str | None:
+    """A project prefix: letters, digits, '_', '.', '-' (or none)."""
+    if value is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", value):
+        raise ValueError(f"project {value!r} may hold only letters, digits, '_', '.', '-'")
+    return value
+
+
+# the `project` field's type
+Project = Annotated[str | None, AfterValidator(check_project)]
+
+
+def qualified(project: str | None, name: str) -> str:
+    """`name` in `project` (none: `default_project()`): PROJECT-NAME, or NAME without one."""
+    prefix = default_project() if project is None else project
+    return f"{prefix}-{name}" if prefix else name
 
 
 class StrictConfig(BaseModel):
@@ -219,6 +245,7 @@ class RunSection(StrictConfig):
                                          "longer than this per image (batch 1, median, this "
                                          "machine); none: no budget",
                                          json_schema_extra=RUN_ONLY)
+    project: Project = project_field()
 
     @field_validator("model_name")
     @classmethod
@@ -228,8 +255,13 @@ class RunSection(StrictConfig):
         return value
 
     def registered_name(self, flow_name: str) -> str:
-        """The MLflow registered-model name: `model_name`, or the flow's name."""
-        return self.model_name or flow_name
+        """The MLflow registered-model name: `model_name`, or the flow's name, in the
+        project (`qualified`)."""
+        return qualified(self.project, self.model_name or flow_name)
+
+    def experiment(self, flow_name: str) -> str:
+        """The MLflow experiment of the flow's runs, in the project (`qualified`)."""
+        return qualified(self.project, flow_name)
 
 
 class RunnerSection(StrictConfig):
