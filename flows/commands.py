@@ -11,6 +11,7 @@ from flows.cli import Command
 
 if TYPE_CHECKING:  # the stack is imported by the command that runs, not by `--help`
     from tasks.adapters.aliases import PromoteConfig, RollbackConfig
+    from tasks.adapters.retention import GcConfig
     from tasks.configs.cascade import CascadeConfig
     from tasks.configs.distill import DistillConfig
     from tasks.configs.image_text import ImageTextConfig
@@ -294,6 +295,22 @@ def run_splits(config: SplitsConfig) -> None:
     writer.writerows(_exit_on_data_error(rows))
 
 
+def run_gc(config: GcConfig) -> None:
+    """Free the artifacts of old runs (checkpoints, banks, reports) from the artifact store,
+    its DVC cache and the DVC remote, keeping those of the last --keep runs of each
+    experiment, of running runs and of every registered version's runs."""
+    from tasks.adapters.retention import collect
+
+    freed = collect(config)
+    free, drop = ("would free", "would drop") if config.dry_run else ("freed", "dropped")
+    for path in freed.files:
+        print(f"  {path}")
+    print(f"{free} {len(freed.files)} files ({freed.bytes / 1e6:.1f} MB here) and "
+          f"{freed.hashes} objects in the DVC cache and remote, {drop} {freed.results} cached "
+          f"task results; kept the artifacts of {freed.kept_runs} runs, not of "
+          f"{freed.removed_runs}")
+
+
 def prepare_data() -> None:
     """Install Fashion-MNIST into data/, track it with data.dvc and push it to the remote."""
     from tasks.adapters.versioning import project_data_status, track_project_data
@@ -319,5 +336,6 @@ COMMANDS = [
     Command("promote", "tasks.adapters.aliases:PromoteConfig", run_promote),
     Command("rollback", "tasks.adapters.aliases:RollbackConfig", run_rollback),
     Command("splits", "tasks.configs.sections:SplitsConfig", run_splits),
+    Command("gc", "tasks.adapters.retention:GcConfig", run_gc),
     Command("prepare-data", None, prepare_data),
 ]

@@ -274,6 +274,19 @@ class ArtifactStore:
 
         return self._with_repo(commit_and_push)
 
+    def delete_objects(self, hashes: set[str]) -> None:
+        """Deletes the objects of `hashes` from the store's DVC cache and from the remote
+        (`tasks.adapters.retention`: their files are gone and no kept run records them)."""
+
+        def delete(repo: Repo) -> None:
+            remote = repo.cloud.get_remote_odb()
+            for md5 in sorted(hashes):
+                for odb in (repo.cache.local, remote):
+                    if odb.exists(md5):
+                        odb.delete(md5)
+
+        self._with_repo(delete)
+
     def fetch(self, ref: ArtifactRef) -> Path:
         """The local path of `ref`, pulled by hash from the remote if missing or different."""
         target = self.path_of(ref)
