@@ -13,6 +13,7 @@ import importlib
 import mlflow.pyfunc
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+from mlflow.types.schema import Array, ColSpec, DataType, Schema
 
 CONFIG_KEY = "serving"
 KINDS = {"classifier": "serving.classifier:ImageClassifierModel",
@@ -20,6 +21,30 @@ KINDS = {"classifier": "serving.classifier:ImageClassifierModel",
          "canvas": "serving.canvas:CanvasModel",
          "fallback": "serving.fallback:FallbackModel",
          "image_text": "serving.image_text:ImageTextModel"}
+
+
+# What every kind takes (`serving.inputs`), stated in the model's metadata: MLflow's
+# signature holds one input schema, and a column schema would refuse the array input.
+INPUT = ("a DataFrame with a column 'image' of encoded image bytes (PNG, JPEG, ...) or their "
+         "base64 text, or a uint8 array N x H x W (gray) or N x H x W x C")
+_LABELLED = {"label": DataType.string, "confidence": DataType.double}
+# What each kind returns, one row per image (its signature's outputs).
+OUTPUTS = {
+    "classifier": _LABELLED,
+    "image_text": _LABELLED,
+    "cascade": _LABELLED | {"exit": DataType.long, "subnetworks": DataType.string},
+    "fallback": _LABELLED | {"exit": DataType.long},
+    "canvas:detection": {"boxes": Array(Array(DataType.double)),
+                         "labels": Array(DataType.string), "scores": Array(DataType.double)},
+    "canvas:contour": {"boundary": Array(Array(DataType.long)),
+                       "mask": Array(Array(DataType.long))},
+}
+
+
+def output_schema(kind: str, task: str | None = None) -> Schema:
+    """The columns `kind` (a canvas model: of its `task`) returns, as MLflow's schema."""
+    columns = OUTPUTS[f"{kind}:{task}" if kind == "canvas" else kind]
+    return Schema([ColSpec(type_, name) for name, type_ in columns.items()])
 
 
 def model_class(kind: str) -> type[mlflow.pyfunc.PythonModel]:

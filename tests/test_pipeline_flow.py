@@ -89,6 +89,7 @@ def test_the_registered_pyfunc_runs_the_fallback_cascade(run):
     model = mlflow.pyfunc.load_model(f"models:/{NAME}/{run.registration.version}")
     out = model.predict(images)
     assert list(out.columns) == ["label", "confidence", "exit"]
+    assert model.metadata.get_output_schema().input_names() == list(out.columns)
     assert set(out["exit"]) <= {1, 2}
     share = float((out["exit"] == 1).mean())
     assert share == pytest.approx(run.fallback.metrics["test_student_share"], abs=0.02)

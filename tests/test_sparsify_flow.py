@@ -334,6 +334,7 @@ def test_registered_canvas_models_take_raw_images(canvas):
     Image.fromarray(canvas).save(buffer, format="PNG")
     out = model.predict(pd.DataFrame({"image": [buffer.getvalue()]}))
     assert len(out) == 1
+    assert model.metadata.get_output_schema().input_names() == list(out.columns)
     if config.task == "contour":
         assert out["boundary"][0].shape == (80, 100) and out["mask"][0].shape == (80, 100)
         assert set(np.unique(out["boundary"][0])) <= {0, 1}

@@ -141,6 +141,12 @@ def test_pyfunc_takes_encoded_bytes_base64_and_arrays(first_run):
     from_b64 = model.predict(pd.DataFrame({"image": [base64.b64encode(b).decode() for b in png]}))
     from_rgb = model.predict(np.repeat(pixels[..., None], 3, axis=3))
     assert list(from_array.columns) == ["label", "confidence"]
+    # what the model says it returns and takes, as `mlflow models serve` and the UI show it
+    from mlflow.models import get_model_info
+
+    info = get_model_info(f"models:/{NAME}@champion")
+    assert info.signature.outputs.input_names() == list(from_array.columns)
+    assert "column 'image' of encoded image bytes" in info.metadata["input"]
     assert from_array.equals(from_png) and from_png.equals(from_b64)
     assert from_rgb["label"].tolist() == from_array["label"].tolist()
     assert ((from_array["confidence"] > 0) & (from_array["confidence"] <= 1)).all()

@@ -33,7 +33,7 @@ from mlflow.models import ModelSignature
 from prefect import task
 from pydantic import BaseModel, ConfigDict, Field
 
-from serving.entry import CONFIG_KEY, model_class
+from serving.entry import CONFIG_KEY, INPUT, model_class, output_schema
 from tasks.adapters import tracking
 from tasks.adapters.aliases import CHALLENGER, CHAMPION, crown
 from tasks.adapters.checkpoints import torch_save
@@ -107,16 +107,20 @@ SERVED_CODE = ("serving", "training", "models")  # all a registered model import
 
 
 def log_served_model(run_id: str, kind: str, artifacts: dict[str, str],
-                     signature: ModelSignature | None = None) -> str:
+                     signature: ModelSignature | None = None, task: str | None = None) -> str:
     """Logs a pyfunc of `kind` (`serving.entry.KINDS`) with its `artifacts`: the one
     models-from-code entry `serving/pyfunc_model.py`, with `serving/`, `training/` and
-    `models/` as its code (no Prefect, DVC or `tasks/`); returns its URI."""
+    `models/` as its code (no Prefect, DVC or `tasks/`); returns its URI. Its signature
+    declares the columns it returns (`serving.entry.OUTPUTS`; a canvas model's by its `task`)
+    and `signature`'s parameters; its metadata says what it takes (`serving.entry.INPUT`)."""
     model_class(kind)  # an unknown kind fails here, not when someone loads the model
+    declared = ModelSignature(outputs=output_schema(kind, task),
+                              params=signature.params if signature else None)
     return tracking.log_pyfunc_model(
         run_id, str(PROJECT_ROOT / "serving" / "pyfunc_model.py"), artifacts=artifacts,
         pip_requirements=pip_requirements(),
         code_paths=[str(PROJECT_ROOT / package) for package in SERVED_CODE],
-        signature=signature, model_config={CONFIG_KEY: kind})
+        signature=declared, model_config={CONFIG_KEY: kind}, metadata={"input": INPUT})
 
 
 def log_weights_pyfunc(run_id: str, kind: str, meta: dict,
@@ -129,7 +133,8 @@ def log_weights_pyfunc(run_id: str, kind: str, meta: dict,
         meta_path.write_text(json.dumps(meta, indent=2))
         torch_save(weights, weights_path)
         return log_served_model(run_id, kind, {"weights": str(weights_path),
-                                               "meta": str(meta_path)}, signature)
+                                               "meta": str(meta_path)}, signature,
+                                meta.get("task"))
 
 
 def raw_images(data: LoadedDataset | ImageSet, index: Any) -> np.ndarray:

@@ -210,11 +210,13 @@ def log_pyfunc_model(run_id: str, python_model: str,
                      artifacts: Mapping[str, str], pip_requirements: list[str],
                      code_paths: list[str] | None = None, name: str = "model",
                      signature: ModelSignature | None = None,
-                     model_config: dict[str, Any] | None = None) -> str:
+                     model_config: dict[str, Any] | None = None,
+                     metadata: dict[str, Any] | None = None) -> str:
     """Logs a pyfunc model (a models-from-code file) as an MLflow logged model linked to the
     run (its page lists it under "Logged models"); returns its `models:/m-...` URI.
-    `signature`: what the model declares (its prediction parameters); `model_config`: what
-    its `load_context` reads as `context.model_config`.
+    `signature`: what the model declares (its outputs, its prediction parameters);
+    `model_config`: what its `load_context` reads as `context.model_config`; `metadata`: shown
+    with the model (what it takes).
 
     The logged model is created in the run's experiment first: left to `Model.log`, MLflow
     puts it in the active or Default experiment (0), where the run's page never finds it."""
@@ -225,7 +227,8 @@ def log_pyfunc_model(run_id: str, python_model: str,
     info = Model.log(artifact_path=None, name=name, flavor=mlflow.pyfunc, run_id=run_id,
                      model_id=logged.model_id, python_model=python_model,
                      artifacts=dict(artifacts), pip_requirements=pip_requirements,
-                     code_paths=code_paths, signature=signature, model_config=model_config)
+                     code_paths=code_paths, signature=signature, model_config=model_config,
+                     metadata=metadata)
     return info.model_uri
 
 
