@@ -19,7 +19,9 @@ from __future__ import annotations
 import base64
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field
 
@@ -50,23 +52,32 @@ class Freed(StrictConfig):
     results: int
 
 
-def _all_runs() -> list:
-    client = tracking.client()
-    runs, token = [], None
-    experiments = [e.experiment_id for e in client.search_experiments()]
-    while experiments:
-        page = client.search_runs(experiments, max_results=1000, page_token=token)
-        runs += list(page)
+def _every(search: Callable[..., Any]) -> list:
+    """Every item of a paged MLflow search."""
+    items, token = [], None
+    while True:
+        page = search(page_token=token)
+        items += list(page)
         token = page.token
         if not token:
-            break
-    return runs
+            return items
+
+
+def _all_runs() -> list:
+    client = tracking.client()
+    experiments = [e.experiment_id for e in _every(client.search_experiments)]
+    if not experiments:
+        return []
+    return _every(lambda page_token: client.search_runs(experiments, max_results=1000,
+                                                        page_token=page_token))
 
 
 def _registered_run_ids() -> set[str]:
     client = tracking.client()
-    return {version.run_id for model in client.search_registered_models()
-            for version in client.search_model_versions(f"name = '{model.name}'")
+    return {version.run_id for model in _every(client.search_registered_models)
+            for version in _every(lambda page_token, name=model.name:
+                                  client.search_model_versions(f"name = '{name}'",
+                                                               page_token=page_token))
             if version.run_id}
 
 

@@ -12,6 +12,7 @@ import re
 import subprocess
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -224,11 +225,14 @@ def log_pyfunc_model(run_id: str, python_model: str,
     logged = client().create_logged_model(
         experiment_id=run.info.experiment_id, name=name, source_run_id=run_id,
         params={key: str(value) for key, value in run.data.params.items()})
-    info = Model.log(artifact_path=None, name=name, flavor=mlflow.pyfunc, run_id=run_id,
-                     model_id=logged.model_id, python_model=python_model,
-                     artifacts=dict(artifacts), pip_requirements=pip_requirements,
-                     code_paths=code_paths, signature=signature, model_config=model_config,
-                     metadata=metadata)
+    with warnings.catch_warnings():
+        # our signatures declare outputs only (`serving.entry`): there is no input to exemplify
+        warnings.filterwarnings("ignore", message=".*input example was not provided")
+        info = Model.log(artifact_path=None, name=name, flavor=mlflow.pyfunc, run_id=run_id,
+                         model_id=logged.model_id, python_model=python_model,
+                         artifacts=dict(artifacts), pip_requirements=pip_requirements,
+                         code_paths=code_paths, signature=signature, model_config=model_config,
+                         metadata=metadata)
     return info.model_uri
 
 
