@@ -9,7 +9,8 @@ registered models themselves live in MLflow's artifact store and are never touch
 Everything else is removed where it is stored: the file and its `.dvc` pointer in the artifact
 store, its object in the store's DVC cache and on the DVC remote. A content hash that a kept
 run also records stays. A file no run records (a killed run's) goes only once it is older
-than `min_age_hours`, since a running task records its files when it ends. Prefect's
+than `min_age_hours` and no run is running, since a running task records its files when its
+run ends. Prefect's
 persisted task results that name a removed hash are dropped too, so a later run recomputes
 the task instead of being handed a file that no longer exists.
 """
@@ -37,7 +38,8 @@ class GcConfig(StrictConfig):
                       "experiment keep their artifacts (so do running runs and every registered "
                       "version's runs)")
     min_age_hours: float = Field(1.0, ge=0.0, description="a file that no run records is "
-                                 "removed only when older than this")
+                                 "removed only when older than this, and while no run is "
+                                 "running")
     dry_run: bool = Field(False, description="print what would be freed, remove nothing")
 
 
@@ -137,14 +139,17 @@ def collect(config: GcConfig, store: ArtifactStore | None = None) -> Freed:
     keep_hashes = set().union(*(recorded[run_id] for run_id in kept)) if kept else set()
     anyone = set().union(*recorded.values()) if recorded else set()
     old = time.time() - config.min_age_hours * 3600
+    # a running task records its files when its run ends: while any run is running, a file
+    # that no run records may be its, whatever its age
+    running = any(run.info.status == "RUNNING" for run in runs)
     files, size, removed_hashes = [], 0, set()
     for pointer in sorted(store.root.rglob("*.dvc")):
         if ".dvc" in pointer.relative_to(store.root).parts[:-1] or not pointer.is_file():
             continue  # DVC's own folder
         md5 = data_dvc_hash(pointer)
         target = pointer.with_suffix("")
-        orphan_young = md5 not in anyone and pointer.stat().st_mtime > old
-        if md5 in keep_hashes or orphan_young:
+        unrecorded_may_live = md5 not in anyone and (running or pointer.stat().st_mtime > old)
+        if md5 in keep_hashes or unrecorded_may_live:
             continue
         files.append(target.relative_to(store.root).as_posix())
         size += target.stat().st_size if target.is_file() else 0
