@@ -40,12 +40,17 @@ from tasks.data import load_dataset
 from tasks.distill import (
     DistillPlan,
     StudentConfig,
-    classifier_network,
     stage_ids,
     stage_round,
     student_network,
 )
-from tasks.training import eval_batches, make_optimizer, new_model, restore
+from tasks.training import (
+    classifier_network,
+    eval_batches,
+    make_optimizer,
+    new_model,
+    restore,
+)
 from training.device import place_model, resolve_device
 from training.distill.losses import TeacherStep, layer_shape
 from training.loops import NonFiniteLossError, evaluate

@@ -35,7 +35,6 @@ from tasks.configs.image_text import ImageTextConfig
 from tasks.image_text import Descriptions, ImageTextRound, describe_images, mix_heads
 from tasks.image_text_evaluation import register_image_text, test_image_text
 from tasks.training import TestResult
-from training.budget import fit_budget
 
 # What other flows and the benchmarks may import (tests/test_layering.py): the flow and its
 # summary.
@@ -98,9 +97,7 @@ def image_text(config: ImageTextConfig) -> ImageTextSummary:
                                           "captioner_bleu": captioned.bleu,
                                           "captioner_constant_bleu": captioned.constant_bleu})
         rounds = config.align_epochs + config.epochs
-        budget = fit_budget(described.train_images, config.optim.batch_size, rounds,
-                            config.optim.min_steps, config.optim.max_epochs, None,
-                            config.optim.min_steps_full_below)
+        budget = config.optim.budget(described.train_images, rounds)
         log_budget(run_id, budget)
         config = config.replace(batch_size=budget.batch_size)
 

@@ -25,7 +25,7 @@ from tasks.data import DatasetRef, load_dataset
 from tasks.rounds import Closed, Opened, RoundPlan, RoundResult, setup_device
 from tasks.training import configured_round, eval_batches, image_batches, run_key
 from training.batches import Batches, Normalize
-from training.budget import Budget, fit_budget
+from training.budget import Budget
 from training.cascade.learning import (
     CascadeNetwork,
     ModuleStep,
@@ -135,8 +135,7 @@ def read_table(ref: ArtifactRef) -> dict:
 
 def module_budget(config: CascadeConfig, images: int) -> Budget:
     """Module training's budget on its set of `images` (`training.budget.fit_budget`)."""
-    return fit_budget(images, config.optim.batch_size, config.epochs, config.optim.min_steps,
-                      config.optim.max_epochs, None, config.optim.min_steps_full_below)
+    return config.optim.budget(images, config.epochs)
 
 
 class ModuleRound(RoundPlan):

@@ -31,6 +31,7 @@ from tasks.configs.sections import (
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
 from tasks.rounds import Closed, Opened, RoundPlan, setup_device
 from tasks.training import (
+    classifier_network,
     configured_round,
     eval_batches,
     image_batches,
@@ -49,7 +50,6 @@ from training.distill.stages import draw_stage_ids, layer_features, stage_passes
 from training.loops import evaluate
 from training.recipe import optimizer_to
 from training.rounds import (
-    ClassifierNetwork,
     ClassifyStep,
     NetworkSpec,
     Round,
@@ -165,11 +165,6 @@ def stage_round(role: RoleConfig, dataset: DatasetRef, data: LoadedDataset, ids:
                                            stream_seed=role.run.seed * 1000 + stage),
         passes, schedule, role.optim.warmup_epochs * role.repeats,
         progress=f"{role.role} stage {stage}/{role.epochs}" if role.run.progress else None)
-
-
-def classifier_network(config: ClassifierConfig, dataset: DatasetRef) -> ClassifierNetwork:
-    return ClassifierNetwork(config.network.model, dataset.channels, len(dataset.classes),
-                             config.network.width)
 
 
 def stage_scores(round_: Round, model: nn.Module, dataset: DatasetRef, data: LoadedDataset,

@@ -18,7 +18,7 @@ from tasks.adapters.caching import computation_key
 from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint
 from tasks.adapters.reporting import figure_pyplot
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
-from tasks.configs.sections import ClassifierConfig, ModelSection, classifier_config
+from tasks.configs.sections import ClassifierConfig, classifier_config
 from tasks.configs.sparsify import SparsifyConfig, SparsitySpec
 from tasks.data import DatasetRef, load_dataset
 from tasks.rounds import setup_device
@@ -48,8 +48,7 @@ SPLIT_NAMES = {"val": "validation", "test": "test"}
 def sparsity_spec(config: SparsifyConfig, dataset: DatasetRef) -> SparsitySpec:
     """The config's sparsity term for its network on the data's images: each layer's lambda
     (`training.sparsify.term.layer_lambdas`, by the map areas the network really produces)."""
-    network = ModelSection(model=config.network_name(), width=config.network.width)
-    model = new_model(classifier_config(config, network), dataset)
+    model = new_model(classifier_config(config), dataset)
     example = torch.zeros(1, dataset.channels, dataset.image_size, dataset.image_size)
     shapes = layer_shapes(model, config.layers(), example)
     lambdas = layer_lambdas({name: map_area(shape) for name, shape in shapes.items()},

@@ -33,7 +33,7 @@ from tasks.configs.sparsify import SparsitySpec
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
 from tasks.rounds import Closed, Opened, RoundPlan, setup_device
 from training.batches import Batches, Normalize
-from training.budget import Budget, fit_budget
+from training.budget import Budget
 from training.device import inference_batch, place_model
 from training.features import WithEmbedding
 from training.loops import evaluate
@@ -129,9 +129,7 @@ def fit_to_data(config: ProfiledConfig | ClassifierConfig, dataset: DatasetRef, 
                 images_per_round: int | None = None) -> Budget:
     """The budget of a run of `rounds` configured epochs (or stages) of `config` on
     `dataset`'s training split (`training.budget.fit_budget`)."""
-    optim = config.optim
-    return fit_budget(dataset.sizes["train"], optim.batch_size, rounds, optim.min_steps,
-                      optim.max_epochs, images_per_round, optim.min_steps_full_below)
+    return config.optim.budget(dataset.sizes["train"], rounds, images_per_round)
 
 
 # The live model and optimizer of the last epoch this process finished, keyed by the checkpoint
@@ -182,6 +180,12 @@ def configured_round(config: ClassifierConfig, network: NetworkSpec | None, step
                  grad_clip=config.optim.grad_clip, **optional)
 
 
+def classifier_network(config: ClassifierConfig, dataset: DatasetRef) -> ClassifierNetwork:
+    """The network spec of `config`'s classifier for the data set (`new_model` builds it)."""
+    return ClassifierNetwork(config.network.model, dataset.channels, len(dataset.classes),
+                             config.network.width)
+
+
 def classifier_round(config: ClassifierConfig, dataset: DatasetRef, data: LoadedDataset,
                      passes: range, schedule: tuple[int, int], warmup_epochs: float = 0.0,
                      progress: str | None = None, average_decay: float | None = None,
@@ -191,9 +195,7 @@ def classifier_round(config: ClassifierConfig, dataset: DatasetRef, data: Loaded
     adds its activation-sparsity term to the loss (`training.sparsify.term`), `average_decay`
     a weight average."""
     return configured_round(
-        config, ClassifierNetwork(config.network.model, dataset.channels, len(dataset.classes),
-                                  config.network.width),
-        ClassifyStep(config.optim.label_smoothing),
+        config, classifier_network(config, dataset), ClassifyStep(config.optim.label_smoothing),
         image_batches(config, dataset, data, data.splits["train"], config.optim.batch_size, passes,
                       seeds=[config.run.seed * 1000 + n for n in passes]),
         passes, schedule, warmup_epochs, average_decay=average_decay,

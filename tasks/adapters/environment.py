@@ -37,11 +37,19 @@ def apply_project_env() -> None:
             os.environ.setdefault(key, value)
 
 
+# What an MLflow name made here may hold (registered models, experiments, their prefix).
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def safe_name(text: str) -> str:
+    """`text` with every character a name may not hold replaced by `-` (`NAME`)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", text).lstrip("-_.")
+
+
 def default_project() -> str:
     """The prefix of MLflow names when a config gives none: `COMPACTML_PROJECT` (empty: no
     prefix), else the project folder's name."""
-    return os.environ.get("COMPACTML_PROJECT",
-                          re.sub(r"[^A-Za-z0-9_.-]", "-", PROJECT_ROOT.name).lstrip("-_."))
+    return os.environ.get("COMPACTML_PROJECT", safe_name(PROJECT_ROOT.name))
 
 
 def data_dir() -> Path:

@@ -9,7 +9,6 @@ model (created on first use) while it does so; the next waits for it.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
@@ -18,13 +17,15 @@ from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
+from tasks.adapters.environment import safe_name
+
 WAIT_SECONDS = 3600.0  # a promotion scores two models on the test split: minutes at most
 
 
 def lock_name(model: str) -> str:
     """The concurrency limit of registered model `model` (Prefect's names allow no `/`, `%`,
     `&`, `>`, `<`)."""
-    return "registry-" + re.sub(r"[^A-Za-z0-9_.-]", "-", model)
+    return "registry-" + safe_name(model)
 
 
 def _ensure_limit(name: str) -> None:

@@ -21,8 +21,7 @@ TABLE_SUFFIXES = (".csv", ".parquet")
 
 
 class ImageTextNetwork(ModelSection):
-    """The image network (a registered one); its classifier becomes the projection into the
-    shared space."""
+    """`image_text`'s network section: `lenet` unless given."""
 
     model: str = Field("lenet", description="the image network (a registered one); its "
                        "classifier becomes the projection into the shared space")

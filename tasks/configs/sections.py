@@ -13,13 +13,15 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 from pydantic.fields import FieldInfo
 
 import models
-from tasks.adapters.environment import data_dir, default_project
+from tasks.adapters.environment import NAME, data_dir, default_project
+from training.budget import Budget, fit_budget
 from training.datasets import DataError, check_group_pattern, image_folder_listing
 
 Profile = Literal["smoke", "quick", "full"]
@@ -39,15 +41,17 @@ def project_field() -> Any:
                  "prefix), else the project folder's name", json_schema_extra=RUN_ONLY)
 
 
-def check_project(value: str | None) -> str | None:
-    """A project prefix: letters, digits, '_', '.', '-' (or none)."""
-    if value is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", value):
-        raise ValueError(f"project {value!r} may hold only letters, digits, '_', '.', '-'")
+def check_name(value: str | None, info: ValidationInfo) -> str | None:
+    """A name part of MLflow names (`model_name`, `project`): letters, digits, '_', '.', '-'
+    (or none)."""
+    if value is not None and not NAME.fullmatch(value):
+        what = info.field_name.replace("_", " ") if info.field_name else "name"
+        raise ValueError(f"{what} {value!r} may hold only letters, digits, '_', '.', '-'")
     return value
 
 
 # the `project` field's type
-Project = Annotated[str | None, AfterValidator(check_project)]
+Project = Annotated[str | None, AfterValidator(check_name)]
 
 
 def qualified(project: str | None, name: str) -> str:
@@ -209,6 +213,12 @@ class OptimSection(StrictConfig):
     max_epochs: int = Field(400, ge=1, le=100_000, description="never more passes over the "
                             "training images than this, however small the data set")
 
+    def budget(self, images: int, rounds: int, images_per_round: int | None = None) -> Budget:
+        """The budget of `rounds` configured epochs on `images` training images with these
+        settings (`training.budget.fit_budget`)."""
+        return fit_budget(images, self.batch_size, rounds, self.min_steps, self.max_epochs,
+                          images_per_round, self.min_steps_full_below)
+
     def flips(self) -> bool:
         """Whether the augmentation flips: `flip` as the flow resolved it from the data
         (`flows.skeleton.Prepared.apply`); `auto` reaching a task directly flips."""
@@ -247,12 +257,7 @@ class RunSection(StrictConfig):
                                          json_schema_extra=RUN_ONLY)
     project: Project = project_field()
 
-    @field_validator("model_name")
-    @classmethod
-    def _valid_name(cls, value: str | None) -> str | None:
-        if value is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", value):
-            raise ValueError(f"model name {value!r} may hold only letters, digits, '_', '.', '-'")
-        return value
+    _valid_name = field_validator("model_name")(check_name)
 
     def registered_name(self, flow_name: str) -> str:
         """The MLflow registered-model name: `model_name`, or the flow's name, in the
@@ -290,13 +295,18 @@ class SectionedConfig(StrictConfig):
     taken as it is.
     """
 
-    _owners: ClassVar[dict[str, str]] = {}  # field name -> its section's name
+    # set for each class when it is made: section name -> its type; field name -> its section
+    _sections: ClassVar[dict[str, type[StrictConfig]]] = {}
+    _owners: ClassVar[dict[str, str]] = {}
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
+        cls._sections = {name: field.annotation for name, field in cls.model_fields.items()
+                         if name in SECTION_NAMES and isinstance(field.annotation, type)
+                         and issubclass(field.annotation, StrictConfig)}
         seen: dict[str, str] = {}
-        for name, section in cls.sections().items():
+        for name, section in cls._sections.items():
             for field in section.model_fields:
                 if field in seen or field in cls.model_fields:
                     raise TypeError(f"{cls.__name__}: field {field!r} of section {name!r} is "
@@ -307,9 +317,7 @@ class SectionedConfig(StrictConfig):
     @classmethod
     def sections(cls) -> dict[str, type[StrictConfig]]:
         """The section fields and their types."""
-        return {name: field.annotation for name, field in cls.model_fields.items()
-                if name in SECTION_NAMES and isinstance(field.annotation, type)
-                and issubclass(field.annotation, StrictConfig)}
+        return cls._sections
 
     @classmethod
     def field_groups(cls) -> dict[str | None, dict[str, FieldInfo]]:
@@ -410,13 +418,13 @@ class ClassifierConfig(SectionedConfig, RoundsFields):
     run: RunSection = Field(default_factory=RunSection)
 
 
-def classifier_config(config: Any, network: ModelSection | None = None) -> ClassifierConfig:
-    """The classifier part of a flow config: its network (or `network`), optimizer, run, and
-    its rounds where it has them (PBT's stages and distillation's are their own fields)."""
+def classifier_config(config: Any) -> ClassifierConfig:
+    """The classifier part of a flow config: its network, optimizer, run, and its rounds where
+    it has them (PBT's stages and distillation's are their own fields)."""
     rounds = {name: getattr(config, name) for name in RoundsFields.model_fields
               if name in type(config).model_fields}
-    return ClassifierConfig(network=network or config.network, optim=config.optim,
-                            run=config.run, **rounds)
+    return ClassifierConfig(network=config.network, optim=config.optim, run=config.run,
+                            **rounds)
 
 
 class ProfiledConfig(SectionedConfig):
