@@ -12,7 +12,7 @@ DEBIAN_WORDNET := /usr/share/wordnet/data.noun  # image_text: class descriptions
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PROFILE ?= quick
 
-.PHONY: run test setup data browser lint ui bench deploy worker serve clean
+.PHONY: run test setup data browser lint ui bench gpu-check deploy worker serve clean
 
 run: setup data  ## the retraining pipeline on Fashion-MNIST: train, test, register, promote
 	$(PY) -m flows pipeline --profile $(PROFILE)
@@ -69,6 +69,9 @@ bench: setup data  ## the benchmarks (tables, then one JSON line each)
 	$(PY) -m bench.cascade
 	$(PY) -m bench.image_text
 	$(PY) -m bench.pipeline
+
+gpu-check: setup data  ## every flow on CUDA (DDP, Dask, throughput); one line and exit 0 without a GPU
+	$(PY) -m bench.gpu_check
 
 deploy: setup  ## register prefect.yaml's deployments with the server at PREFECT_API_URL
 	$(VENV)/bin/prefect work-pool create local --type process --overwrite

@@ -7,10 +7,12 @@ side: Fashion-MNIST's official 10,000 test images (some defaults were chosen on 
 sessions) and 10,000 report images that no choice ever read (`bench.report_set`: training-file
 images the runs leave unused, apart from every earlier validation and tuning set); on the test
 images also milliseconds per image of the served pyfuncs at batch 1 (the two models' calls
-interleaved, median), parameters, and the share of exact zeros in the feature maps the sparsity
-term regularizes (the train model's feature maps alike; measured on the test images). Then each
-step's model (teacher, distilled student, PBT's best, sparse student, the fallback cascade)
-with its accuracy on both sets and its change over the step before.
+interleaved, median) and at batch 64, parameters, and the share of exact zeros in the feature
+maps the sparsity term regularizes (the train model's feature maps alike; measured on the test
+images). Then each step's model (teacher, distilled student, PBT's best, sparse student, the
+fallback cascade) with its accuracy on both sets, its change over the step before and its time
+per image at batch 1 in the process (the run's `time-steps`), and whether the cascade's fitted
+predictor was kept (chosen on validation).
 
     python -m bench.pipeline                  # 3 seeds, about 10 minutes a seed on 2 cores
     python -m bench.pipeline --seeds 0 --set pbt_stages=3
@@ -59,16 +61,19 @@ def zeros_and_parameters(classifier, dataset, checkpoint: ArtifactRef, weights: 
     return statistics.fmean(stats.zero_fraction.values()), parameter_count(model)
 
 
-def served_ms(uris: dict[str, str], images) -> dict[str, float]:
-    """Each pyfunc's median milliseconds per image at batch 1, calls interleaved."""
+def served_ms(uris: dict[str, str], images, batch: int = 1) -> dict[str, float]:
+    """Each pyfunc's median milliseconds per image at `batch` images a call, calls
+    interleaved (`LATENCY_IMAGES` images in all after a warm-up call)."""
     models = {name: tracking.load_pyfunc(uri) for name, uri in uris.items()}
     times: dict[str, list[float]] = {name: [] for name in models}
-    for n in range(LATENCY_IMAGES + 5):
+    calls = max(LATENCY_IMAGES // batch, 10)
+    for n in range(calls + 1):
+        start = (n * batch) % max(len(images) - batch, 1)
         for name, model in models.items():
             started = time.perf_counter()
-            model.predict(images[n % len(images)][None])
-            if n >= 5:
-                times[name].append((time.perf_counter() - started) * 1e3)
+            model.predict(images[start:start + batch])
+            if n:
+                times[name].append((time.perf_counter() - started) * 1e3 / batch)
     return {name: statistics.median(values) for name, values in times.items()}
 
 
@@ -95,21 +100,28 @@ def run(seed: int, overrides: dict[str, str], report: ReportSet) -> dict:
     teacher = steps["teacher"]
     teacher_parameters = zeros_and_parameters(teacher.classifier, dataset, teacher.checkpoint)[1]
     images, _ = test_images(dataset)
-    ms = served_ms({"pipeline": summary.registration.model_uri,
-                    "train": trained.registration.model_uri}, images)
+    uris = {"pipeline": summary.registration.model_uri, "train": trained.registration.model_uri}
+    ms, ms64 = served_ms(uris, images), served_ms(uris, images, 64)
     metrics = summary.fallback.metrics
     return {"seconds": seconds,
             "steps": {name: step.test_accuracy for name, step in steps.items()},
             "report_steps": {name: report.checkpoint_accuracy(step.classifier, dataset,
                                                               step.checkpoint, step.weights)
                              for name, step in steps.items()},
+            "step_ms": {name: step.ms_per_image_b1 for name, step in steps.items()}
+            | {"cascade": metrics["steps_ms_per_image_b1"]},
+            "routing": {key: value for key, value in metrics.items()
+                        if key.startswith(("fixed_", "fitted_", "val_fixed", "val_fitted"))
+                        or key == "predictors_kept"},
             "pipeline": {"accuracy": summary.test_accuracy, "ms": ms["pipeline"],
+                         "ms_b64": ms64["pipeline"],
                          "report_accuracy": report.served_accuracy(
                              summary.registration.model_uri),
                          "zeros": student_zeros, "student_parameters": student_parameters,
                          "teacher_parameters": teacher_parameters,
                          "student_share": metrics["test_student_share"]},
             "train": {"accuracy": trained.test_accuracy, "ms": ms["train"],
+                      "ms_b64": ms64["train"],
                       "report_accuracy": report.served_accuracy(trained.registration.model_uri),
                       "zeros": train_zeros, "parameters": train_parameters}}
 
@@ -133,12 +145,14 @@ def main() -> None:
     pipe_acc, train_acc = stat(("pipeline", "accuracy")), stat(("train", "accuracy"))
     pipe_ms, train_ms = stat(("pipeline", "ms")), stat(("train", "ms"))
     print_table(["model", "report accuracy (never read)", "test accuracy (official)",
-                 "ms / image, batch 1 (served)", "parameters", "exact zeros (feature maps)"], [
+                 "ms / image, batch 1 (served)", "batch 64", "parameters",
+                 "exact zeros (feature maps)"], [
         ["`train` (resnet18, defaults)", cell(("train", "report_accuracy")),
-         cell(("train", "accuracy")), f"{train_ms[0]:.3f}",
+         cell(("train", "accuracy")), f"{train_ms[0]:.3f}", f"{stat(('train', 'ms_b64'))[0]:.3f}",
          f"{runs[0]['train']['parameters']:,}", f"{stat(('train', 'zeros'))[0]:.3f}"],
         ["`pipeline` (sparse student, teacher fallback)", cell(("pipeline", "report_accuracy")),
          cell(("pipeline", "accuracy")), f"{pipe_ms[0]:.3f}",
+         f"{stat(('pipeline', 'ms_b64'))[0]:.3f}",
          f"{runs[0]['pipeline']['student_parameters']:,} + "
          f"{runs[0]['pipeline']['teacher_parameters']:,}",
          f"{stat(('pipeline', 'zeros'))[0]:.3f} (student)"]])
@@ -154,10 +168,14 @@ def main() -> None:
             figures.append(mean_std(values))
         change = ("" if previous is None or name == "distill"
                   else f"{figures[0][0] - previous:+.4f}")
-        rows.append([name, *("{:.4f} ± {:.4f}".format(*f) for f in figures), change])
+        ms = mean_std([r["step_ms"][name] for r in runs])[0]
+        rows.append([name, *("{:.4f} ± {:.4f}".format(*f) for f in figures), change,
+                     f"{ms:.3f}"])
         previous = figures[0][0]
     print_table(["step", "report accuracy", "test accuracy", "change (report) over the step "
-                 "before"], rows)
+                 "before", "ms / image, batch 1 (in process)"], rows)
+    kept = sum(r["routing"].get("predictors_kept", 0) for r in runs)
+    print(f"\nthe fitted predictor was kept on {kept:.0f} of {len(runs)} seeds (validation)")
     print_json({"benchmark": "pipeline", "seeds": args.seeds, "overrides": overrides,
                 "report_images": len(report), "runs": runs})
 

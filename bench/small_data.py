@@ -53,11 +53,13 @@ from bench.common import mean_std, parse_overrides, print_json, print_table  # n
 from bench.report_set import REPORT_IMAGES, unread_positions  # noqa: E402
 from flows.distill import distill  # noqa: E402
 from flows.pbt import pbt  # noqa: E402
+from flows.pipeline import pipeline  # noqa: E402
 from flows.train import train  # noqa: E402
 from tasks.adapters.environment import data_dir  # noqa: E402
 from tasks.adapters.registration import pyfunc_accuracy  # noqa: E402
 from tasks.configs.distill import DistillConfig  # noqa: E402
 from tasks.configs.pbt import PBTConfig  # noqa: E402
+from tasks.configs.pipeline import PipelineConfig  # noqa: E402
 from tasks.configs.sections import DataSection  # noqa: E402
 from tasks.configs.train import TrainConfig  # noqa: E402
 from tasks.data import fashion_mnist_root, split_source  # noqa: E402
@@ -66,10 +68,11 @@ from training.datasets import load_fashion_mnist  # noqa: E402
 
 TUNING_SETS = ("500x28", "1500x28", "5000x28", "1500x8", "digits")  # the defaults were tuned here
 REPORT_SETS = ("1000x28", "2500x16")  # never tuned on: drawn apart from every tuning set
-FLOWS = ("train", "distill", "pbt")
+FLOWS = ("train", "distill", "pbt", "pipeline")
 NETWORKS = {"train": TrainConfig.flat_fields()["model"].default,  # each flow's final network
             "distill": DistillConfig.model_fields["student_model"].default,
-            "pbt": PBTConfig.PROFILES["quick"]["model"]}
+            "pbt": PBTConfig.PROFILES["quick"]["model"],
+            "pipeline": DistillConfig.model_fields["student_model"].default}
 
 
 def digits_folder() -> Path:
@@ -216,6 +219,9 @@ def run_flow(flow: str, folder: Path, size: int, seed: int, split_seed: int = 0,
         baselines = summary.baselines
     elif flow == "distill":
         summary = distill(DistillConfig(**common))
+        baselines = None
+    elif flow == "pipeline":  # every run trains: a benchmark must not skip an unchanged one
+        summary = pipeline(PipelineConfig(**common, skip_unchanged=False))
         baselines = None
     else:
         summary = pbt(PBTConfig(**common))

@@ -127,14 +127,25 @@ def pipeline(record: dict) -> str:
 
     train_ms, pipe_ms = pair("train", "ms")[0], pair("pipeline", "ms")[0]
     ratios = mean_std([run["pipeline"]["ms"] / run["train"]["ms"] for run in runs])
+    batch64 = "ms_b64" in runs[0]["train"]
+
+    def b64(model: str) -> str:
+        if not batch64:
+            return ""
+        ratio = "" if model == "train" else " ({:.2f} ± {:.2f})".format(*mean_std(
+            [run[model]["ms_b64"] / run["train"]["ms_b64"] for run in runs]))
+        return f" {pair(model, 'ms_b64')[0]:.3f}{ratio} |"
+
     lines = ["| model | report accuracy (unread) | test accuracy (official) | ms / image, "
-             "batch 1 (served) | parameters | exact zeros |", "| --- " * 6 + "|",
+             "batch 1 (served) |" + (" batch 64 |" if batch64 else "") + " parameters | "
+             "exact zeros |", "| --- " * (7 if batch64 else 6) + "|",
              f"| `train` (`resnet18`, its defaults) | {spread(*pair('train', 'report_accuracy'))} "
-             f"| {spread(*pair('train', 'accuracy'))} | {train_ms:.2f} | "
+             f"| {spread(*pair('train', 'accuracy'))} | {train_ms:.2f} |{b64('train')} "
              f"{runs[0]['train']['parameters']:,} | {pair('train', 'zeros')[0]:.2f} |",
              f"| `pipeline` | {spread(*pair('pipeline', 'report_accuracy'))} | "
              f"{spread(*pair('pipeline', 'accuracy'))} | {pipe_ms:.2f} ({ratios[0]:.2f} ± "
-             f"{ratios[1]:.2f} of `train`'s) | {runs[0]['pipeline']['student_parameters']:,} + "
+             f"{ratios[1]:.2f} of `train`'s) |{b64('pipeline')} "
+             f"{runs[0]['pipeline']['student_parameters']:,} + "
              f"{runs[0]['pipeline']['teacher_parameters']:,} | "
              f"{pair('pipeline', 'zeros')[0]:.2f} (student) |"]
     steps, previous = [], None
@@ -147,10 +158,15 @@ def pipeline(record: dict) -> str:
         previous = mean
     share = mean_std([run["pipeline"]["student_share"] for run in runs])[0]
     minutes = min(run["seconds"] for run in runs) / 60  # the others may have shared the cores
+    routing = ""
+    if "routing" in runs[0]:
+        kept = sum(run["routing"].get("predictors_kept", 0) for run in runs)
+        routing = (f" The cascade's fitted predictor was kept on {kept:.0f} of {len(runs)} "
+                   "seeds (chosen on validation).")
     return "\n".join(lines) + (
         f"\n\nEach step's model on the report images: {', '.join(steps)}; the student "
-        f"answers {share:.0%} of the test images; the fastest run took {minutes:.1f} minutes. "
-        f"{provenance(record)}\n")
+        f"answers {share:.0%} of the test images; the fastest run took {minutes:.1f} minutes."
+        f"{routing} {provenance(record)}\n")
 
 
 def pbt(record: dict) -> str:
@@ -179,6 +195,28 @@ def pbt(record: dict) -> str:
         f"{record['epochs_per_member']} epochs each ({settings}). {provenance(record)}\n")
 
 
+def newest_per_flow(name: str, results: Path = RESULTS) -> dict:
+    """`bench.small_data`'s newest row of each set and flow (a later run may add a flow on
+    the same sets, seeds and splits), the newest holdout baselines of each set, and the
+    records they came from (`sources`)."""
+    rows: dict[tuple[str, str], dict] = {}
+    held: dict[str, dict] = {}
+    sources: list[dict] = []
+    for record in records(name, results)[::-1]:
+        used = False
+        for row in record["results"]:
+            if "flow" in row and (row["set"], row["flow"]) not in rows:
+                rows[row["set"], row["flow"]], used = row, True
+            elif "holdout_baselines" in row and row["set"] not in held:
+                held[row["set"]] = row
+        if used:
+            sources.append(record)
+    order = {flow: n for n, flow in enumerate(("train", "distill", "pbt", "pipeline"))}
+    ordered = sorted(rows.values(), key=lambda row: order.get(row["flow"], len(order)))
+    newest = sources[0]
+    return newest | {"results": ordered + list(held.values()), "sources": sources[::-1]}
+
+
 def small_data(record: dict) -> str:
     """`bench.small_data`'s sets: each flow's accuracy on the holdout and on the set's own
     test split, beside the raw-pixel baselines (mean ± std over the seeds)."""
@@ -201,7 +239,8 @@ def small_data(record: dict) -> str:
     return "\n".join(lines) + (
         f"\n\nEach cell: accuracy on the {record['holdout']} holdout (10,000 images) / on "
         f"the set's own test split (20%); baselines on the holdout. Tuning sets, not reported "
-        f"here: {', '.join(record['tuning_sets'])}. {provenance(record)}\n")
+        f"here: {', '.join(record['tuning_sets'])}. "
+        f"{' '.join(provenance(source) for source in record.get('sources', [record]))}\n")
 
 
 def train_accuracy(record: dict) -> str:
@@ -291,7 +330,8 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"image_text": image_text, "cascad
                                                "inference_batch": inference_batch}
 
 
-PICKERS: dict[str, Callable[[str, Path], dict]] = {"sparsify": newest_per_task}
+PICKERS: dict[str, Callable[[str, Path], dict]] = {"sparsify": newest_per_task,
+                                                   "small_data": newest_per_flow}
 
 
 def render(name: str, results: Path = RESULTS) -> str:

@@ -49,7 +49,14 @@ from tasks.adapters.versioning import ArtifactRef
 from tasks.configs.pipeline import PipelineConfig
 from tasks.configs.sections import ClassifierConfig, classifier_config
 from tasks.pbt import SCORED_WEIGHTS
-from tasks.pipeline import Fallback, fit_fallback, hand_over, register_fallback
+from tasks.pipeline import (
+    Fallback,
+    StepModel,
+    fit_fallback,
+    hand_over,
+    register_fallback,
+    time_steps,
+)
 from tasks.sparsify import sparsity_spec, test_activations
 from tasks.training import TestResult, test_and_export
 
@@ -74,6 +81,9 @@ class StepResult(BaseModel):
     val_accuracy: float
     test_accuracy: float
     zero_fraction: float | None = None
+    program_bytes: int | None = None
+    ms_per_image_b1: float | None = None  # timed beside every other step (`time-steps`)
+    parameters: int | None = None
 
 
 class PipelineSummary(BaseModel):
@@ -116,7 +126,7 @@ def tested(step: str, classifier: ClassifierConfig, prepared: Prepared, checkpoi
     test = test_and_export(classifier, prepared.dataset, checkpoint, weights)
     result = StepResult(name=step, classifier=classifier, checkpoint=checkpoint, weights=weights,
                         val_accuracy=val_accuracy, test_accuracy=test.metrics["test_accuracy"],
-                        zero_fraction=zero_fraction)
+                        zero_fraction=zero_fraction, program_bytes=test.program.size)
     tracking.log_metrics(run_id, {f"step_{step}_val_accuracy": val_accuracy,
                                   f"step_{step}_test_accuracy": result.test_accuracy}
                          | ({} if zero_fraction is None
@@ -125,12 +135,53 @@ def tested(step: str, classifier: ClassifierConfig, prepared: Prepared, checkpoi
     return result, test
 
 
-def fallback_row(metrics: dict[str, float]) -> str:
+def fallback_row(fallback: Fallback) -> str:
     """The summary's line on the fallback cascade."""
+    metrics = fallback.metrics
     return (f"the student answers {metrics['test_student_share']:.0%} of the test images; "
             f"{metrics['ms_per_image_b1']:.3f} ms per image at batch 1 (teacher "
             f"{metrics['teacher_ms_per_image_b1']:.3f}, student "
             f"{metrics['student_ms_per_image_b1']:.3f})")
+
+
+def routing_row(fallback: Fallback) -> str:
+    """The summary's line on which routing validation kept."""
+    metrics = fallback.metrics
+    if "predictors_kept" not in metrics:
+        return "the confidence rule (`--fallback-predictor fixed`)"
+    compared = (f"on {metrics['val_images_compared']:.0f} validation images the predictor "
+                f"passes on at a cost of {metrics['val_fitted_mean_cost']:.3f} ms for accuracy "
+                f"{metrics['val_fitted_accuracy']:.4f}, the confidence rule "
+                f"{metrics['val_fixed_mean_cost']:.3f} ms for {metrics['val_fixed_accuracy']:.4f}")
+    if fallback.router is not None:
+        return f"the fitted predictor, kept: {compared}"
+    return f"the confidence rule; the fitted predictor was dropped: {compared}"
+
+
+def step_table(steps: list[StepResult], fallback: Fallback) -> str:
+    """The run's steps, each beside the one before: validation and test accuracy, time per
+    image at batch 1 (timed side by side), parameters, exported program, exact zeros."""
+    lines = ["| step | validation | test | test vs the step before | ms / image, batch 1 | "
+             "parameters | program | exact zeros |", "|---|---|---|---|---|---|---|---|"]
+    previous = None
+
+    def cell(value, form: str) -> str:
+        return "" if value is None else format(value, form)
+
+    rows = [(s.name, s.val_accuracy, s.test_accuracy, s.ms_per_image_b1, s.parameters,
+             None if s.program_bytes is None else s.program_bytes / 1e6, s.zero_fraction)
+            for s in steps]
+    metrics = fallback.metrics
+    rows.append((f"cascade ({fallback.routing} routing)", metrics["val_accuracy"],
+                 metrics["test_accuracy"], metrics.get("steps_ms_per_image_b1"),
+                 metrics.get("steps_parameters"), None, None))
+    for name, val, test, ms, parameters, megabytes, zeros in rows:
+        change = "" if previous is None else f"{test - previous:+.4f}"
+        lines.append(f"| {name} | {val:.4f} | {test:.4f} | {change} | {cell(ms, '.3f')} | "
+                     f"{cell(parameters, ',.0f')} | {cell(megabytes, '.2f')}"
+                     f"{'' if megabytes is None else ' MB'} | {cell(zeros, '.3f')} |")
+        previous = test
+    return "\n".join(lines)
 
 
 def run_distill(config: PipelineConfig, prepared: Prepared, run_id: str):
@@ -225,12 +276,27 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
         with tracking.tracked_run(FLOW_NAME, "fallback", parent_run_id=run_id) \
                 as fallback_run:  # 5.
             fallback = fit_fallback(sparse_classifier, teacher, dataset, sparse.checkpoint,
-                                    last.teacher.checkpoint, config.fallback_tolerance)
+                                    last.teacher.checkpoint, config.fallback_tolerance,
+                                    config.fallback_predictor, config.run.seed)
+            tracking.log_dict(fallback_run, fallback.latency, "cascade/latency.json")
+            tracking.set_tags(fallback_run, {"cascade.routing": fallback.routing})
+            timing = time_steps([StepModel(name=s.name, classifier=s.classifier,
+                                           checkpoint=s.checkpoint, weights=s.weights)
+                                 for s in steps], dataset, fallback, "sparsify", "teacher")
+            steps = [s.model_copy(update={"ms_per_image_b1": timing[s.name]["ms_per_image_b1"],
+                                          "parameters": int(timing[s.name]["parameters"])})
+                     for s in steps]
+            fallback = fallback.model_copy(update={"metrics": fallback.metrics | {
+                f"steps_{key}": value for key, value in timing["cascade"].items()}})
             tracking.log_metrics(fallback_run, fallback.metrics
                                  | {"tolerance": config.fallback_tolerance})
         tracking.log_metrics(run_id, {f"fallback_{k}": v for k, v in fallback.metrics.items()}
                              | {"test_accuracy": fallback.metrics["test_accuracy"],
-                                "val_accuracy": fallback.metrics["val_accuracy"]})
+                                "val_accuracy": fallback.metrics["val_accuracy"]}
+                             | {f"step_{s.name}_{key}": getattr(s, key) for s in steps
+                                for key in ("ms_per_image_b1", "parameters")})
+        table = step_table(steps, fallback)
+        tracking.log_text(run_id, table, "pipeline/steps.md")
         finished = conclude(  # 6.
             run_id, config.run, prepared, fallback.metrics["val_accuracy"],
             TestResult(metrics={"test_accuracy": fallback.metrics["test_accuracy"]},
@@ -247,6 +313,7 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
                    f"{s.val_accuracy:.4f}" + ("" if s.zero_fraction is None else
                                               f", exact zeros {s.zero_fraction:.3f}")
                    for s in steps},
-                "fallback cascade": fallback_row(fallback.metrics),
-            })
+                "fallback cascade": fallback_row(fallback),
+                "routing (chosen on validation)": routing_row(fallback),
+            }, table)
     return summary

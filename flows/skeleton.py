@@ -236,9 +236,9 @@ def conclude(run_id: str, run: RunSection, prepared: Prepared, val_accuracy: flo
 
 
 def publish(key: str, title: str, run_id: str, finished: Finished,
-            rows: dict[str, object]) -> str:
+            rows: dict[str, object], table: str = "") -> str:
     """Publishes and logs the run's summary: the flow's own `rows`, then the test accuracy
-    beside the baselines and the registry's decision."""
+    beside the baselines and the registry's decision; `table`: markdown after them."""
     registration, baseline = finished.registration, finished.baseline
     markdown = publish_summary(key, title, {
         "test accuracy": f"{finished.test_accuracy:.4f}",
@@ -250,6 +250,6 @@ def publish(key: str, title: str, run_id: str, finished: Finished,
         "model": registration.describe(),
         "decision": registration.decision,
         "MLflow run": run_id,
-    })
+    }, table)
     get_run_logger().info("summary\n%s", markdown)
     return markdown

@@ -1,9 +1,10 @@
 """The registered `pipeline` model: an MLflow pyfunc that runs the fallback cascade on raw images.
 
 Two `torch.export` programs travel with it, the sparse student (`program`) and the teacher
-(`fallback`), with the calibrated threshold in its meta JSON. Inputs as the classifier's
-(`serving.inputs`). The student answers every image; only those whose confidence
-is at most the threshold run through the teacher (`training.cascade.fallback.fallback_infer`). The
+(`fallback`), with the calibrated threshold in its meta JSON, and the fitted predictor's
+weights (`router`) where validation kept it. Inputs as the classifier's (`serving.inputs`).
+The student answers every image; only those whose confidence (or the predictor's score) is
+at most the threshold run through the teacher (`training.cascade.fallback.fallback_infer`). The
 output has one row per image: `label`, `confidence` and `exit` (1: the student, 2: the
 teacher). `embed` (`python -m flows features`) gives the student's embeddings.
 """
@@ -16,6 +17,7 @@ import torch
 from serving.classifier import ImageClassifierModel
 from serving.inputs import CHUNK, input_images
 from training.cascade.fallback import fallback_infer
+from training.cascade.routing import Router
 from training.preprocess import images_to_batch
 
 
@@ -33,6 +35,8 @@ class FallbackModel(ImageClassifierModel):
     def load_context(self, context):  # noqa: ANN001 (MLflow reads type hints as a schema)
         meta = self.read_meta(context)
         self.threshold = float(meta["threshold"])
+        state = meta.get("router")
+        self.router = None if state is None else Router.from_json(state)
         self.program = torch.export.load(context.artifacts["program"]).module()
         self.student = logits_of(self.program)  # `embed` gives the student's embeddings
         self.teacher = logits_of(torch.export.load(context.artifacts["fallback"]).module())
@@ -43,7 +47,7 @@ class FallbackModel(ImageClassifierModel):
         for start in range(0, len(images), CHUNK):
             batch = images_to_batch(images[start:start + CHUNK], self.size, self.channels)
             out = fallback_infer(self.student, self.teacher, self.normalize(batch),
-                                 self.threshold)
+                                 self.threshold, self.router)
             rows += [{"label": self.classes[label], "confidence": confidence, "exit": exit_ + 1}
                      for label, confidence, exit_ in zip(out.labels.tolist(),
                                                          out.confidence.tolist(),

@@ -1,17 +1,21 @@
 """The `pipeline` flow's own tasks: hand one step's weights to the next, fit the fallback
-cascade (the sparse student in front of the teacher, `training.cascade.fallback`), and register it.
-Every other step is a task or subflow of its own flow (`flows/pipeline.py`)."""
+cascade (the sparse student in front of the teacher, `training.cascade.fallback`, routed by the
+exit rule or a fitted predictor, `training.cascade.routing`), time every step's network side by
+side, and register the cascade. Every other step is a task or subflow of its own flow
+(`flows/pipeline.py`)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from prefect import task
 from pydantic import BaseModel, ConfigDict
+from torch import Tensor, nn
 
 from tasks.adapters.caching import computation_key
 from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint
@@ -28,9 +32,12 @@ from tasks.data import DatasetRef, load_dataset
 from tasks.rounds import setup_device
 from tasks.training import eval_batches, split_batches, trained_model
 from training.cascade.fallback import calibrate_fallback, fallback_infer, fallback_table
+from training.cascade.learning import split_disjoint
+from training.cascade.routing import Router, choose_routing, fit_router, stands
 from training.device import place_model
 from training.latency import interleaved_ms_per_image
 from training.loops import predict
+from training.sparsify.pruning import parameter_count
 
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="hand-over-{entry}")
@@ -47,22 +54,52 @@ def hand_over(checkpoint: ArtifactRef, entry: str, step: str) -> ArtifactRef:
 
 
 class Fallback(BaseModel):
-    """The fallback cascade's calibrated threshold and what it measured (`fit_fallback`)."""
+    """The fallback cascade's calibrated threshold, its routing and what it measured
+    (`fit_fallback`): `router` holds the fitted predictor's weights where validation kept it
+    (`training.cascade.routing.Router.to_json`), else None (the exit rule); `latency` the
+    latency table, each part's milliseconds per image at batch 1 on this machine."""
 
     model_config = ConfigDict(frozen=True)
 
     threshold: float
     metrics: dict[str, float]
+    router: dict | None = None
+    latency: dict[str, float] = {}
+
+    @property
+    def routing(self) -> str:
+        return "fixed" if self.router is None else "fitted"
+
+
+def timing_calls(small: nn.Module, large: nn.Module, router: Router | None,
+                 thresholds: dict[str, float] | None = None
+                 ) -> dict[str, Callable[[Tensor], object]]:
+    """What is timed: each network alone and the student with the predictor (the latency
+    table), or (`thresholds`) the real cascade of each routing beside the networks alone."""
+    calls: dict[str, Callable[[Tensor], object]] = {"teacher": large, "student": small}
+    if thresholds is None:
+        if router is not None:
+            calls["student_predictor"] = lambda x: router(small(x))
+        return calls
+    calls["fixed"] = lambda x: fallback_infer(small, large, x, thresholds["fixed"])
+    if "fitted" in thresholds:
+        calls["fitted"] = lambda x: fallback_infer(small, large, x, thresholds["fitted"],
+                                                   router)
+    return calls
 
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="fit-fallback")
 def fit_fallback(student: ClassifierConfig, teacher: ClassifierConfig, dataset: DatasetRef,
                  student_checkpoint: ArtifactRef, teacher_checkpoint: ArtifactRef,
-                 tolerance: float, latency_images: int = 1000) -> Fallback:
-    """Times the student and the teacher at batch 1 (passes interleaved), calibrates the
-    student's confidence threshold on the validation split (`training.cascade.fallback`), then
-    measures the real cascade on the test split: accuracy, the share the student answers,
-    and milliseconds per image at batch 1 beside the teacher's and the student's alone."""
+                 tolerance: float, predictor: str = "fitted", seed: int = 0,
+                 latency_images: int = 1000) -> Fallback:
+    """Times the student and the teacher at batch 1 (passes interleaved: the latency table),
+    and chooses the cascade's routing on the validation split (`training.cascade.routing`):
+    with `predictor` "fitted", a predictor is fitted on one half and both routings are
+    calibrated on the other, the predictor kept only where it is cheaper at the goal; the
+    exit rule, when it stays, is calibrated on the whole split (`training.cascade.fallback`).
+    Then measures the real cascade of each routing on the test split: accuracy, the share the
+    student answers, and milliseconds per image at batch 1 beside each network's alone."""
     device = setup_device(student)
     small = place_model(trained_model(student, dataset, student_checkpoint), device).eval()
     large = place_model(trained_model(teacher, dataset, teacher_checkpoint), device).eval()
@@ -73,30 +110,106 @@ def fit_fallback(student: ClassifierConfig, teacher: ClassifierConfig, dataset: 
                 predict(large, eval_batches(data, dataset, split, device), device)[0])
 
     sample = next(iter(split_batches(data, dataset, "test", latency_images, device)))[1]
-    alone = interleaved_ms_per_image({"student": small, "teacher": large}, sample, 1)
     (val_small, val_labels), val_large = logits("val")
-    table = fallback_table(val_small, val_large, val_labels, alone["student"], alone["teacher"])
-    threshold = calibrate_fallback(table, tolerance)
-    val = table.outcome(torch.tensor([threshold]))
     (test_small, test_labels), test_large = logits("test")
-    test_table = fallback_table(test_small, test_large, test_labels, alone["student"],
-                                alone["teacher"])
-    test = test_table.outcome(torch.tensor([threshold]))
-    timed = interleaved_ms_per_image({
-        "fallback": lambda x: fallback_infer(small, large, x, threshold),
-        "teacher": large, "student": small}, sample, 1)
-    metrics = {"val_accuracy": val["accuracy"], "val_student_share": val["exit_share_0"],
-               "val_teacher_accuracy": table.full_accuracy(),
-               "val_student_accuracy": table.correct[:, 0].float().mean().item(),
-               "test_accuracy": test["accuracy"], "test_student_share": test["exit_share_0"],
-               "test_teacher_accuracy": test_table.full_accuracy(),
-               "test_student_accuracy": test_table.correct[:, 0].float().mean().item(),
-               "ms_per_image_b1": timed["fallback"],
-               "teacher_ms_per_image_b1": timed["teacher"],
-               "student_ms_per_image_b1": timed["student"],
-               "speedup_over_teacher_b1": timed["teacher"] / timed["fallback"],
-               "threshold": threshold}
-    return Fallback(threshold=threshold, metrics=metrics)
+    router, choice = None, None
+    if predictor == "fitted":
+        fit_rows, rows = split_disjoint(len(val_labels), 0.5, seed)
+        router = fit_router(val_small[fit_rows], stands(val_small[fit_rows], val_large[fit_rows],
+                                                        val_labels[fit_rows]), seed)
+        router.to(device)
+    with torch.no_grad():
+        alone = interleaved_ms_per_image(timing_calls(small, large, router), sample, 1)
+        router_cost = None if router is None else alone["student_predictor"]
+
+        def scores(student_logits: Tensor) -> Tensor | None:
+            return None if router is None else router(student_logits.to(device)).cpu()
+
+        def table(student_logits, teacher_logits, labels, routed: bool):
+            return fallback_table(student_logits, teacher_logits, labels,
+                                  router_cost if routed else alone["student"], alone["teacher"],
+                                  scores(student_logits) if routed else None)
+
+        full = table(val_small, val_large, val_labels, False)
+        thresholds = {"fixed": calibrate_fallback(full, tolerance)}
+        metrics: dict[str, float] = {}
+        if router is not None:
+            choice = choose_routing(table(val_small[rows], val_large[rows], val_labels[rows],
+                                          False),
+                                    table(val_small[rows], val_large[rows], val_labels[rows],
+                                          True), tolerance)
+            thresholds["fitted"] = choice.fitted_threshold
+            metrics |= {"predictors_kept": float(choice.fitted_kept),
+                        "val_images_predictor": float(len(fit_rows)),
+                        "val_images_compared": float(len(rows))} | {
+                f"val_{name}_{key}": value for name, outcome in
+                (("fixed", choice.fixed), ("fitted", choice.fitted))
+                for key, value in outcome.items() if key in ("accuracy", "mean_cost")}
+        kept = "fitted" if choice is not None and choice.fitted_kept else "fixed"
+        timed = interleaved_ms_per_image(timing_calls(small, large, router, thresholds),
+                                         sample, 1)
+        val = (table(val_small[rows], val_large[rows], val_labels[rows], True)
+               if kept == "fitted" else full).outcome(torch.tensor([thresholds[kept]]))
+        for name, threshold in thresholds.items():
+            outcome = table(test_small, test_large, test_labels, name == "fitted").outcome(
+                torch.tensor([threshold]))
+            metrics |= {f"{name}_test_accuracy": outcome["accuracy"],
+                        f"{name}_test_student_share": outcome["exit_share_0"],
+                        f"{name}_ms_per_image_b1": timed[name], f"{name}_threshold": threshold}
+    test_table = table(test_small, test_large, test_labels, False)
+    metrics |= {"val_accuracy": val["accuracy"], "val_student_share": val["exit_share_0"],
+                "val_teacher_accuracy": full.full_accuracy(),
+                "val_student_accuracy": full.correct[:, 0].float().mean().item(),
+                "test_accuracy": metrics[f"{kept}_test_accuracy"],
+                "test_student_share": metrics[f"{kept}_test_student_share"],
+                "test_teacher_accuracy": test_table.full_accuracy(),
+                "test_student_accuracy": test_table.correct[:, 0].float().mean().item(),
+                "ms_per_image_b1": timed[kept],
+                "teacher_ms_per_image_b1": timed["teacher"],
+                "student_ms_per_image_b1": timed["student"],
+                "speedup_over_teacher_b1": timed["teacher"] / timed[kept],
+                "threshold": thresholds[kept]}
+    return Fallback(threshold=thresholds[kept], metrics=metrics,
+                    router=None if kept == "fixed" else router.cpu().to_json(),
+                    latency=alone)
+
+
+class StepModel(BaseModel):
+    """One step's network as the latency table times it: its classifier config, checkpoint
+    and weights entry."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    classifier: ClassifierConfig
+    checkpoint: ArtifactRef
+    weights: str = "model"
+
+
+@task(task_run_name="time-steps")
+def time_steps(steps: list[StepModel], dataset: DatasetRef, fallback: Fallback,
+               student: str, teacher: str, latency_images: int = 300
+               ) -> dict[str, dict[str, float]]:
+    """Every step's network and the cascade (`student` in front of `teacher`, with
+    `fallback`'s routing) timed side by side at batch 1 on test images (passes interleaved,
+    so they compare on one machine at one moment): `ms_per_image_b1` and `parameters` per
+    name, the cascade's parameters both networks'. Not cached: times belong to the machine
+    the run is on."""
+    device = setup_device(steps[0].classifier)
+    models = {step.name: place_model(trained_model(step.classifier, dataset, step.checkpoint,
+                                                   step.weights), device).eval()
+              for step in steps}
+    router = None if fallback.router is None else Router.from_json(fallback.router).to(device)
+    data = load_dataset(dataset)
+    sample = next(iter(split_batches(data, dataset, "test", latency_images, device)))[1]
+    calls: dict[str, Callable[[Tensor], object]] = dict(models)
+    calls["cascade"] = lambda x: fallback_infer(models[student], models[teacher], x,
+                                                fallback.threshold, router)
+    with torch.no_grad():
+        timed = interleaved_ms_per_image(calls, sample, 1)
+    sizes = {name: float(parameter_count(model)) for name, model in models.items()}
+    sizes["cascade"] = sizes[student] + sizes[teacher]
+    return {name: {"ms_per_image_b1": timed[name], "parameters": sizes[name]} for name in calls}
 
 
 @task(task_run_name="register-and-promote", retries=2, retry_delay_seconds=10,
@@ -111,7 +224,7 @@ def register_fallback(run_id: str, name: str, dataset: DatasetRef, student_progr
     store = ArtifactStore()
     meta = {"classes": dataset.classes, "image_size": dataset.image_size,
             "channels": dataset.channels, "mean": dataset.mean, "std": dataset.std,
-            "threshold": fallback.threshold}
+            "threshold": fallback.threshold, "router": fallback.router}
     with tempfile.TemporaryDirectory() as folder:
         meta_path = Path(folder) / "meta.json"
         meta_path.write_text(json.dumps(meta, indent=2))
@@ -119,6 +232,7 @@ def register_fallback(run_id: str, name: str, dataset: DatasetRef, student_progr
             "program": str(store.fetch(student_program)),
             "fallback": str(store.fetch(teacher_program)), "meta": str(meta_path)})
     identity = hashlib.md5(json.dumps([student_program.md5, teacher_program.md5,
-                                       fallback.threshold]).encode()).hexdigest()
+                                       fallback.threshold, fallback.router]).encode()
+                           ).hexdigest()
     return promote_on_test_images(run_id, name, model_uri, dataset, identity, policy, refusal,
                                   tags)

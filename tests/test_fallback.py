@@ -1,12 +1,17 @@
-"""The fallback cascade's pure parts (`training.cascade.fallback`) on hand-made logits."""
+"""The fallback cascade's pure parts (`training.cascade.fallback`, `training.cascade.routing`)
+on hand-made logits."""
 
 from __future__ import annotations
 
+import json
 import math
 
+import pytest
 import torch
 
 from training.cascade.fallback import calibrate_fallback, fallback_infer, fallback_table
+from training.cascade.learning import split_disjoint
+from training.cascade.routing import Router, choose_routing, fit_router, stands
 
 
 def logits_for(probabilities: list[list[float]]) -> torch.Tensor:
@@ -74,3 +79,76 @@ def test_the_teacher_is_consulted_only_where_it_buys_accuracy():
     table = fallback_table(STUDENT, complement, LABELS, 0.5, 2.0)
     threshold = calibrate_fallback(table, 0.0)
     assert table.outcome(torch.tensor([threshold]))["accuracy"] == 1.0
+
+
+# --- the routing (`training.cascade.routing`): the confidence rule or a fitted predictor
+
+
+def class_dependent(count: int = 400, seed: int = 0):
+    """Student logits whose confidence is the same (0.7) everywhere and says nothing: the
+    student is right on every image it calls class 0 and wrong on every image it calls class
+    1, where the teacher is right; so only the predicted class tells where the teacher helps."""
+    generator = torch.Generator().manual_seed(seed)
+    predicted = torch.randint(0, 2, (count,), generator=generator)
+    student = torch.where(predicted[:, None] == 0, logits_for([[0.7, 0.3]]),
+                          logits_for([[0.3, 0.7]]))
+    labels = torch.zeros(count, dtype=torch.long)  # every image is class 0
+    teacher = logits_for([[0.8, 0.2]]).expand(count, 2)
+    return student, teacher, labels, predicted
+
+
+def test_the_routing_target_is_the_teacher_only_where_it_alone_is_right():
+    student = logits_for([[0.9, 0.1], [0.2, 0.8], [0.2, 0.8], [0.9, 0.1]])
+    teacher = logits_for([[0.2, 0.8], [0.9, 0.1], [0.2, 0.8], [0.2, 0.8]])
+    labels = torch.tensor([0, 0, 0, 0])
+    # 0: student right; 1: student wrong, teacher right; 2: both wrong; 3: student right
+    assert stands(student, teacher, labels).tolist() == [True, False, True, True]
+
+
+def test_a_fitted_predictor_is_kept_where_it_passes_on_fewer_images_for_the_same_accuracy():
+    student, teacher, labels, predicted = class_dependent()
+    fit, rows = split_disjoint(len(labels), 0.5, 0)
+    router = fit_router(student[fit], stands(student[fit], teacher[fit], labels[fit]), seed=0)
+    scores = router(student[rows])
+    # the predictor ranks every image the teacher must answer below every other one
+    assert scores[predicted[rows] == 1].max() < scores[predicted[rows] == 0].min()
+    fixed = fallback_table(student[rows], teacher[rows], labels[rows], 0.5, 2.0)
+    fitted = fallback_table(student[rows], teacher[rows], labels[rows], 0.6, 2.0, scores)
+    choice = choose_routing(fixed, fitted, tolerance=0.0)
+    assert choice.fitted_kept
+    # the rule must pass on every image to reach the teacher's accuracy; the predictor the
+    # half that needs it, paying 0.1 more per image for itself
+    assert choice.fixed == pytest.approx({"accuracy": 1.0, "mean_cost": 2.5, "exit_share_0": 0.0,
+                                          "exit_share_1": 1.0})
+    share = (predicted[rows] == 0).float().mean().item()
+    assert choice.fitted["accuracy"] == 1.0
+    assert choice.fitted["exit_share_0"] == pytest.approx(share)
+    assert choice.fitted["mean_cost"] == pytest.approx(0.6 + 2.0 * (1 - share))
+
+
+def test_a_predictor_no_cheaper_than_the_confidence_rule_is_dropped():
+    # the confidence already tells the images apart: a predictor can only tie and adds its time
+    table = fallback_table(STUDENT, TEACHER, LABELS, 0.5, 2.0)
+    scored = fallback_table(STUDENT, TEACHER, LABELS, 0.6, 2.0,
+                            score=torch.tensor([0.9, 0.9, 0.6, 0.55]))
+    choice = choose_routing(table, scored, tolerance=0.0)
+    assert not choice.fitted_kept
+    assert choice.fitted["accuracy"] == choice.fixed["accuracy"] == 1.0
+    assert choice.fitted["mean_cost"] > choice.fixed["mean_cost"]
+
+
+def test_inference_with_a_router_passes_on_what_it_scores_low_and_it_travels_as_json():
+    student, teacher, labels, predicted = class_dependent(count=200)
+    router = fit_router(student, stands(student, teacher, labels), seed=0)
+    restored = Router.from_json(json.loads(json.dumps(router.to_json())))
+    with torch.no_grad():
+        assert torch.equal(restored(student), router(student))
+        threshold = float((router(student[predicted == 1]).max()
+                           + router(student[predicted == 0]).min()) / 2)
+    images = torch.arange(len(labels)).float()[:, None]
+    out = fallback_infer(lambda x: student[x[:, 0].long()], lambda x: teacher[x[:, 0].long()],
+                         images, threshold, restored)
+    assert out.exits.tolist() == predicted.tolist()  # the teacher answers exactly class 1's
+    assert (out.labels == labels).all()
+    # its confidence column is the answer's probability, not the router's score
+    assert torch.allclose(out.confidence, torch.where(predicted == 0, 0.7, 0.8))

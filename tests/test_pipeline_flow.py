@@ -4,6 +4,10 @@ pyfunc runs the real fallback cascade, and a rerun on unchanged data trains noth
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -48,6 +52,24 @@ def test_every_step_is_tracked_under_one_parent_run(run):
     assert parent.data.tags["pipeline.key"] == tracking.version_tags(
         NAME, run.registration.version)["pipeline.key"]
     assert metrics["test_accuracy"] == run.fallback.metrics["test_accuracy"] > 0.2
+    # each step's size and time beside the others, and the table of steps on the run
+    steps = {step.name: step for step in run.steps}
+    assert steps["teacher"].parameters > steps["sparsify"].parameters == steps["pbt"].parameters
+    assert all(step.ms_per_image_b1 > 0 and step.program_bytes > 0 for step in run.steps)
+    assert metrics["step_sparsify_parameters"] == steps["sparsify"].parameters
+    assert run.fallback.metrics["steps_parameters"] == (steps["teacher"].parameters
+                                                        + steps["sparsify"].parameters)
+    table = client.download_artifacts(run.run_id, "pipeline/steps.md")
+    rows = [line.split(" | ")[0].strip("| ") for line in Path(table).read_text().splitlines()[2:]]
+    assert rows == ["teacher", "distill", "pbt", "sparsify",
+                    f"cascade ({run.fallback.routing} routing)"]
+    # the cascade's routing and latency table on its own run
+    fallback = next(c for c in children if c.data.tags["mlflow.runName"] == "fallback")
+    assert fallback.data.tags["cascade.routing"] == run.fallback.routing
+    assert fallback.data.metrics["predictors_kept"] == float(run.fallback.router is not None)
+    latency = json.loads(Path(client.download_artifacts(fallback.info.run_id,
+                                                        "cascade/latency.json")).read_text())
+    assert set(latency) == {"student", "teacher", "student_predictor"}
     # the logged model sits in the run's experiment, so the run's page lists it
     model = client.get_logged_model(run.registration.model_uri.removeprefix("models:/"))
     assert (model.experiment_id, model.source_run_id) == (parent.info.experiment_id, run.run_id)
@@ -96,6 +118,46 @@ def test_the_registered_pyfunc_runs_the_fallback_cascade(run):
     accuracy = float((np.array(out["label"]) == np.array(labels)).mean())
     assert accuracy == pytest.approx(run.fallback.metrics["test_accuracy"], abs=0.02)
     assert run.registration.accuracy == pytest.approx(accuracy)
+
+
+def test_the_served_cascade_routes_by_a_fitted_predictor_where_one_is_kept(run, tmp_path):
+    """The registered pyfunc built again with a predictor in its meta (as when validation keeps
+    one): the teacher answers exactly the images the predictor scores at most the threshold."""
+    import mlflow
+
+    from serving.fallback import FallbackModel
+    from serving.inputs import input_images
+    from tasks.adapters.registration import test_images
+    from tasks.data import prepare_dataset, source_version
+    from training.cascade.routing import fit_router
+    from training.preprocess import images_to_batch
+
+    config = smoke_pipeline()
+    images = test_images(prepare_dataset(config.dataset, source_version(config.dataset)))[0]
+    folder = Path(mlflow.artifacts.download_artifacts(
+        f"models:/{NAME}/{run.registration.version}", dst_path=str(tmp_path / "model")))
+    flavor = mlflow.models.Model.load(str(folder)).flavors["python_function"]
+    artifacts = {name: str(folder / entry["path"])
+                 for name, entry in flavor["artifacts"].items()}
+    plain = FallbackModel()
+    plain.load_context(SimpleNamespace(artifacts=artifacts))
+    batch = plain.normalize(images_to_batch(input_images(images[:200]), plain.size,
+                                            plain.channels))
+    logits = plain.student(batch)
+    # a predictor that wants the teacher on the images the student is least sure of
+    confidence = logits.softmax(1).amax(1)
+    router = fit_router(logits, confidence > confidence.median(), seed=0)
+    meta = json.loads(Path(artifacts["meta"]).read_text()) | {"router": router.to_json(),
+                                                         "threshold": 0.5}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    routed = FallbackModel()
+    routed.load_context(SimpleNamespace(artifacts=artifacts | {"meta": str(tmp_path /
+                                                                           "meta.json")}))
+    out = routed.predict(None, images[:200])
+    with torch.no_grad():
+        expected = (router(logits) <= 0.5).long() + 1
+    assert out["exit"].tolist() == expected.tolist()
+    assert 0 < (expected == 2).sum() < len(expected)
 
 
 def test_a_rerun_on_unchanged_data_trains_nothing_and_changed_data_retrains(run):

@@ -13,17 +13,19 @@ def ui_commands() -> str:
             "http://127.0.0.1:5000")
 
 
-def summary_markdown(title: str, rows: dict[str, object]) -> str:
-    """A two-column markdown table with a title and the commands to open the UIs."""
+def summary_markdown(title: str, rows: dict[str, object], table: str = "") -> str:
+    """A two-column markdown table with a title, then `table` (more markdown, if any) and the
+    commands to open the UIs."""
     lines = [f"# {title}", "", "| | |", "|---|---|"]
     lines += [f"| {key} | {value} |" for key, value in rows.items()]
+    lines += ["", table] if table else []
     lines += ["", f"Tracking URI: `{tracking.tracking_uri()}`", "", f"`{ui_commands()}`"]
     return "\n".join(lines)
 
 
-def publish_summary(key: str, title: str, rows: dict[str, object]) -> str:
+def publish_summary(key: str, title: str, rows: dict[str, object], table: str = "") -> str:
     """Creates the Prefect markdown artifact of a run and returns the markdown."""
-    markdown = summary_markdown(title, rows)
+    markdown = summary_markdown(title, rows, table)
     create_markdown_artifact(markdown=markdown, key=key, description=title)
     return markdown
 

@@ -197,6 +197,11 @@ def log_dict(run_id: str, values: Mapping[str, Any], artifact_file: str) -> None
     client().log_dict(run_id, dict(values), artifact_file)
 
 
+def log_text(run_id: str, text: str, artifact_file: str) -> None:
+    """Stores `text` as a text artifact of the run (markdown, say)."""
+    client().log_text(run_id, text, artifact_file)
+
+
 def log_figure(run_id: str, figure: Any, artifact_file: str) -> None:
     """Stores a matplotlib figure as an image artifact of the run."""
     client().log_figure(run_id, figure, artifact_file)

@@ -63,6 +63,11 @@ class PipelineConfig(DistillConfig):
                                       "threshold, calibrated on validation as the cheapest "
                                       "that loses at most this fraction of the images the "
                                       "teacher gets right; 1: the student alone")
+    fallback_predictor: Literal["fitted", "fixed"] = Field(
+        "fitted", description="which images the student passes on: fitted, a predictor on "
+        "the student's outputs fitted on half the validation split competes with the "
+        "confidence rule on the other half and is kept only where it is cheaper at the same "
+        "accuracy (as `cascade --predictor fitted`); fixed: the confidence rule")
     skip_unchanged: bool = Field(True, description="when the registered champion was trained "
                                  "by this pipeline on the same data version with the same "
                                  "config and code, finish at once without training (scheduled "

@@ -23,10 +23,15 @@ from training.cascade.learning import ExitTable, threshold_grid
 
 
 def fallback_table(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor,
-                   student_cost: float, teacher_cost: float) -> ExitTable:
+                   student_cost: float, teacher_cost: float, score: Tensor | None = None
+                   ) -> ExitTable:
     """The two exits' confidence, correctness and cumulative cost for every image: exit 0
-    is the student alone, exit 1 the student then the teacher."""
+    is the student alone, exit 1 the student then the teacher. `score`: what decides at exit
+    0 instead of the student's confidence (a fitted predictor's, `training.cascade.routing`;
+    its time belongs in `student_cost`)."""
     student_conf, student_pred = confidence_of(student_logits)
+    if score is not None:
+        student_conf = score.to(student_conf.device).float()
     teacher_conf, teacher_pred = confidence_of(teacher_logits)
     count = len(labels)
     cost = torch.tensor([student_cost, student_cost + teacher_cost]).expand(count, 2)
@@ -59,12 +64,16 @@ class FallbackOutput:
 
 @torch.no_grad()
 def fallback_infer(student: Callable[[Tensor], Tensor], teacher: Callable[[Tensor], Tensor],
-                   images: Tensor, threshold: float) -> FallbackOutput:
-    """Runs the student on `images`; the images whose confidence is at most `threshold` (1:
-    all of them) run through the teacher, whose answer replaces the student's."""
-    confidence, labels = confidence_of(student(images))
+                   images: Tensor, threshold: float,
+                   router: Callable[[Tensor], Tensor] | None = None) -> FallbackOutput:
+    """Runs the student on `images`; the images whose confidence (with a `router`: its score
+    of the student's logits) is at most `threshold` (1: all of them) run through the teacher,
+    whose answer replaces the student's."""
+    logits = student(images)
+    confidence, labels = confidence_of(logits)
+    decision = confidence if router is None else router(logits)
     exits = torch.zeros_like(labels)
-    passed = (confidence <= threshold).nonzero().flatten()
+    passed = (decision <= threshold).nonzero().flatten()
     if len(passed):
         late_conf, late_labels = confidence_of(teacher(images[passed]))
         confidence, labels = confidence.clone(), labels.clone()
