@@ -21,6 +21,7 @@ from prefect import flow
 from pydantic import BaseModel, ConfigDict
 
 from flows.skeleton import (
+    Prepared,
     conclude,
     log_budget,
     prepare,
@@ -34,11 +35,13 @@ from tasks.adapters.versioning import ArtifactRef
 from tasks.configs.image_text import ImageTextConfig
 from tasks.image_text import Descriptions, ImageTextRound, describe_images, mix_heads
 from tasks.image_text_evaluation import register_image_text, test_image_text
+from tasks.rounds import RoundResult
 from tasks.training import TestResult
+from training.budget import Budget
 
 # What other flows and the benchmarks may import (tests/test_layering.py): the flow and its
 # summary.
-__all__ = ["FLOW_NAME", "ImageTextSummary", "image_text"]
+__all__ = ["FLOW_NAME", "ImageTextSummary", "image_text", "train_image_text"]
 
 FLOW_NAME = "image_text"
 
@@ -64,6 +67,57 @@ class ImageTextSummary(BaseModel):
         return self.test_metrics["test_accuracy"]
 
 
+def train_image_text(config: ImageTextConfig, prepared: Prepared, run_id: str,
+                     start: ArtifactRef | None = None
+                     ) -> tuple[ImageTextConfig, Descriptions, Budget, ArtifactRef | None,
+                                RoundResult]:
+    """The descriptions (logged on `run_id`), the budget, the alignment rounds and the joint
+    rounds with early stopping, the image side starting from `start`'s weights when given (a
+    classifier of the same network); the config with the budget's batch size, the
+    descriptions, the budget, the aligned checkpoint and the best round."""
+    dataset = prepared.dataset
+    described = describe_images(config, dataset)
+    tracking.log_artifact_refs(run_id, {"captions": described.captions,
+                                        "class_descriptions": described.classes,
+                                        "text_features": described.texts})
+    tracking.log_metrics(run_id, {"described_images": described.described_images,
+                                  "texts_per_image": described.texts_per_image,
+                                  "train_images": described.train_images,
+                                  "labelled_images": described.labelled_images,
+                                  "val_images": described.val_images}
+                         | described.matching)
+    if described.pool is not None:
+        tracking.log_artifact_refs(run_id, {"pool": described.pool})
+    captioned = described.captioned
+    if captioned is not None:
+        tracking.log_artifact_refs(run_id, {"generated_captions": captioned.captions,
+                                            "captioner": captioned.captioner})
+        tracking.log_metrics(run_id, {"generated_descriptions": captioned.generated,
+                                      "captioner_bleu": captioned.bleu,
+                                      "captioner_constant_bleu": captioned.constant_bleu})
+    rounds = config.align_epochs + config.epochs
+    budget = config.optim.budget(described.train_images, rounds)
+    log_budget(run_id, budget)
+    config = config.replace(batch_size=budget.batch_size)
+
+    def plan(phase: str, epoch: int) -> ImageTextRound:
+        return ImageTextRound(config=config, dataset=dataset, described=described,
+                              phase=phase, epoch=epoch, rounds=rounds,
+                              repeats=budget.repeats, start=start)
+
+    aligned = None
+    if config.align_epochs:  # the alignment phase's last round is where `joint` starts
+        aligned = run_rounds(config.align_epochs,
+                             lambda epoch, _previous: plan("align", epoch), run_id, None,
+                             described.val_images, round_name="align",
+                             metrics_prefix="align_", keep_last=True).checkpoint
+
+    best = run_rounds(config.epochs,
+                      lambda epoch, _previous: plan("joint", config.align_epochs + epoch),
+                      run_id, config.patience, described.val_images, previous=aligned)
+    return config, described, budget, aligned, best
+
+
 @flow(name=FLOW_NAME, description="Train an image network from images and their "
       "descriptions (contrastive + cross-entropy, a text-initialized classifier), test it, "
       "register it and promote it if it beats the champion and the raw-pixel baselines.")
@@ -77,45 +131,8 @@ def image_text(config: ImageTextConfig) -> ImageTextSummary:
         prepared = prepare(config, run_id)
         config = prepared.apply(config)
         dataset = prepared.dataset
-        described = describe_images(config, dataset)
-        tracking.log_artifact_refs(run_id, {"captions": described.captions,
-                                            "class_descriptions": described.classes,
-                                            "text_features": described.texts})
-        tracking.log_metrics(run_id, {"described_images": described.described_images,
-                                      "texts_per_image": described.texts_per_image,
-                                      "train_images": described.train_images,
-                                      "labelled_images": described.labelled_images,
-                                      "val_images": described.val_images}
-                             | described.matching)
-        if described.pool is not None:
-            tracking.log_artifact_refs(run_id, {"pool": described.pool})
+        config, described, budget, aligned, best = train_image_text(config, prepared, run_id)
         captioned = described.captioned
-        if captioned is not None:
-            tracking.log_artifact_refs(run_id, {"generated_captions": captioned.captions,
-                                                "captioner": captioned.captioner})
-            tracking.log_metrics(run_id, {"generated_descriptions": captioned.generated,
-                                          "captioner_bleu": captioned.bleu,
-                                          "captioner_constant_bleu": captioned.constant_bleu})
-        rounds = config.align_epochs + config.epochs
-        budget = config.optim.budget(described.train_images, rounds)
-        log_budget(run_id, budget)
-        config = config.replace(batch_size=budget.batch_size)
-
-        def plan(phase: str, epoch: int) -> ImageTextRound:
-            return ImageTextRound(config=config, dataset=dataset, described=described,
-                                  phase=phase, epoch=epoch, rounds=rounds,
-                                  repeats=budget.repeats)
-
-        aligned = None
-        if config.align_epochs:  # the alignment phase's last round is where `joint` starts
-            aligned = run_rounds(config.align_epochs,
-                                 lambda epoch, _previous: plan("align", epoch), run_id, None,
-                                 described.val_images, round_name="align",
-                                 metrics_prefix="align_", keep_last=True).checkpoint
-
-        best = run_rounds(config.epochs,
-                          lambda epoch, _previous: plan("joint", config.align_epochs + epoch),
-                          run_id, config.patience, described.val_images, previous=aligned)
         final, val_accuracy, alpha = best.checkpoint, best.metrics["val_accuracy"], None
         if config.head_mixing:
             mixed = mix_heads(config, dataset, described, best.checkpoint)

@@ -6,19 +6,27 @@
 2. `distill`'s stages (its subflow): the recency data queue draws each stage's images, the
    teacher trains stage by stage, its features fill the multi-state bank, the student learns
    from the bank and the labels.
-3. `pbt`'s population (its subflow) on the distilled student: every member starts from the
-   student's weights, trains a burn-in epoch and `--pbt-stages` stages with evaluation, weight
-   copy and hyperparameter exploration, then the greedy soup.
+   Where the run has descriptions (`--captions`, `--class-descriptions`), `image_text`'s rounds
+   train the student's image side against them (contrastive + cross-entropy, the classifier
+   started from the class descriptions), and the result, as a plain student
+   (`as-classifier`), goes on only if it beats the distilled student on validation.
+3. `pbt`'s population (its subflow) on the distilled student (or the image-text step's):
+   every member starts from the student's weights, trains a burn-in epoch and `--pbt-stages`
+   stages with evaluation, weight copy and hyperparameter exploration, then the greedy soup.
 4. `sparsify`'s rounds on PBT's best: fine-tuning with the activation-sparsity term, then the
    activation thresholds (`--zero-threshold-tolerance`).
 5. The fallback cascade (`training.cascade.fallback`): the sparse student answers the images it is
-   confident about, the teacher the rest, the threshold fitted on validation with the measured
-   time of each network as the cost.
+   confident about, the teacher the rest. Which images it passes on is the exit rule (its
+   confidence) or a predictor fitted on half the validation split, whichever is cheaper for the
+   same accuracy on the other half (`training.cascade.routing`), the threshold fitted on
+   validation with the measured time of each network as the cost; then every step's network
+   and the cascade are timed side by side (`time-steps`).
 6. Registration and promotion of the cascade as one pyfunc, as in every flow.
 
-One MLflow run holds it all: each step's metrics on a nested run (`teacher`, `student`, `pbt`
-with its members, `sparsify`, `fallback`), and on the parent each step's validation and test
-accuracy (`step_<name>_test_accuracy`, ...), so what each step adds or costs is in one place.
+One MLflow run holds it all: each step's metrics on a nested run (`teacher`, `student`,
+`image_text`, `pbt` with its members, `sparsify`, `fallback`), and on the parent each step's
+validation and test accuracy, time and size (`step_<name>_test_accuracy`, ...) and the table
+of steps (`pipeline/steps.md`), so what each step adds or costs is in one place.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
 from flows.distill import distill_stages, fitted_plan
+from flows.image_text import train_image_text
 from flows.pbt import run_population
 from flows.skeleton import (
     Prepared,
@@ -48,6 +57,7 @@ from tasks.adapters.runners import task_runner
 from tasks.adapters.versioning import ArtifactRef
 from tasks.configs.pipeline import PipelineConfig
 from tasks.configs.sections import ClassifierConfig, classifier_config
+from tasks.image_text import AsClassifier, as_classifier
 from tasks.pbt import SCORED_WEIGHTS
 from tasks.pipeline import (
     Fallback,
@@ -81,6 +91,7 @@ class StepResult(BaseModel):
     val_accuracy: float
     test_accuracy: float
     zero_fraction: float | None = None
+    kept: bool = True  # False: the step lost on validation and the next one starts before it
     program_bytes: int | None = None
     ms_per_image_b1: float | None = None  # timed beside every other step (`time-steps`)
     parameters: int | None = None
@@ -168,7 +179,8 @@ def step_table(steps: list[StepResult], fallback: Fallback) -> str:
     def cell(value, form: str) -> str:
         return "" if value is None else format(value, form)
 
-    rows = [(s.name, s.val_accuracy, s.test_accuracy, s.ms_per_image_b1, s.parameters,
+    rows = [(s.name if s.kept else f"{s.name} (not kept)", s.val_accuracy, s.test_accuracy,
+             s.ms_per_image_b1, s.parameters,
              None if s.program_bytes is None else s.program_bytes / 1e6, s.zero_fraction)
             for s in steps]
     metrics = fallback.metrics
@@ -195,6 +207,20 @@ def run_distill(config: PipelineConfig, prepared: Prepared, run_id: str):
         stages = distill_stages.with_options(task_runner=runner)(
             config, plan, prepared.dataset, run_id, teacher_run, student_run)
     return plan, stages[-1]
+
+
+def run_image_text(config: PipelineConfig, prepared: Prepared, run_id: str,
+                   start: ArtifactRef) -> AsClassifier:
+    """Step 2b: `image_text`'s rounds from the distilled student's weights, then the trained
+    network as a plain classifier of the student's network (`as-classifier`), what PBT would
+    start from."""
+    text = prepared.apply(config.image_text_config())
+    with tracking.tracked_run(FLOW_NAME, "image_text", text, parent_run_id=run_id) as text_run:
+        text, described, _, _, best = train_image_text(text, prepared, text_run, start)
+        plain = as_classifier(text, prepared.dataset, described, best.checkpoint)
+        tracking.log_metrics(text_run, {"val_accuracy_as_classifier": plain.val_accuracy})
+        tracking.log_artifact_refs(text_run, {"checkpoint.as_classifier": plain.checkpoint})
+    return plain
 
 
 def run_pbt(config: PipelineConfig, prepared: Prepared, run_id: str, start: ArtifactRef):
@@ -260,6 +286,23 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
         steps += [teacher_step, student_step]
         handed = hand_over(last.student.checkpoint, "model", "distill")
         tracking.log_artifact_refs(run_id, {"handover.distill": handed})
+        if config.has_descriptions:  # 2b.
+            plain = run_image_text(config, prepared, run_id, handed)
+            kept = plain.val_accuracy > student_step.val_accuracy
+            text_step, _ = tested("image_text", student_step.classifier, prepared,
+                                  plain.checkpoint, plain.val_accuracy, run_id)
+            steps.append(text_step.model_copy(update={"kept": kept}))
+            text_decision = (f"{'kept' if kept else 'not kept'}: validation "
+                             f"{plain.val_accuracy:.4f} against the distilled student's "
+                             f"{student_step.val_accuracy:.4f}")
+            if kept:
+                handed = plain.checkpoint
+        else:
+            text_decision = "skipped: the run has no descriptions (--captions, " \
+                            "--class-descriptions)"
+        logger.info("image-text step %s", text_decision)
+        tracking.set_tags(run_id, {"pipeline.image_text": text_decision})
+        tracking.log_artifact_refs(run_id, {"start.pbt": handed})
         pbt_classifier, best = run_pbt(config, prepared, run_id, handed)  # 3.
         pbt_step, _ = tested("pbt", pbt_classifier, prepared, best.checkpoint,
                              best.metrics["val_accuracy"], run_id, SCORED_WEIGHTS)
@@ -313,6 +356,7 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
                    f"{s.val_accuracy:.4f}" + ("" if s.zero_fraction is None else
                                               f", exact zeros {s.zero_fraction:.3f}")
                    for s in steps},
+                "image-text step": text_decision,
                 "fallback cascade": fallback_row(fallback),
                 "routing (chosen on validation)": routing_row(fallback),
             }, table)

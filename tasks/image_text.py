@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
 from models.image_text import ImageTextNet, build_image_text, encode_texts
+from models.registry import build_model
 from tasks.adapters.caching import computation_key
 from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint, torch_save
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
@@ -41,11 +42,18 @@ from tasks.configs.image_text import ImageTextConfig, seen_training_positions, u
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
 from tasks.pool import folder_pool, match_training_images, own_pool
 from tasks.rounds import Closed, Opened, RoundPlan, setup_device
-from tasks.training import configured_round, image_batches, position_batches, run_key
+from tasks.training import (
+    configured_round,
+    eval_batches,
+    image_batches,
+    position_batches,
+    run_key,
+)
 from training.datasets import labelled_images, validation_images
 from training.device import place_model
 from training.image_text.losses import ImageTextStep, TextBank
 from training.image_text.text_side import TextSide, mix_head, score_split, start_classifier
+from training.loops import evaluate
 from training.recipe import optimizer_to, sgd
 from training.rounds import Trainee
 
@@ -225,7 +233,9 @@ class ImageTextRound(RoundPlan):
     `--no-text-init`). Scores the validation split: the classifier's accuracy
     (`val_accuracy`; zero-shot while aligning) and zero-shot accuracy from the class
     descriptions (`val_zero_shot_accuracy`) on the validation images the choices read
-    (`validation_images`)."""
+    (`validation_images`). `start`: a classifier checkpoint of the same network (the
+    pipeline's distilled student) whose weights but its classifier the image side starts
+    from."""
 
     config: ImageTextConfig
     dataset: DatasetRef
@@ -234,6 +244,7 @@ class ImageTextRound(RoundPlan):
     epoch: int
     rounds: int
     repeats: int
+    start: ArtifactRef | None = None
 
     @property
     def number(self) -> int:
@@ -253,6 +264,8 @@ class ImageTextRound(RoundPlan):
         if before:
             model.load_state_dict(before["model"])
             optimizer.load_state_dict(before["optimizer"])
+        elif self.start is not None:
+            start_backbone(model, load_checkpoint(store, self.start)["model"])
         model = place_model(model, device)
         optimizer_to(optimizer, device)
         if self.phase == "joint" and before.get("phase") != "joint":
@@ -285,8 +298,66 @@ class ImageTextRound(RoundPlan):
         return Closed(metrics, payload)
 
     def relpath(self) -> str:
-        return (f"checkpoints/image_text/{run_key(self.config, self.dataset)}/"
+        start = "" if self.start is None else f"from-{self.start.md5[:12]}/"
+        return (f"checkpoints/image_text/{run_key(self.config, self.dataset)}/{start}"
                 f"{self.phase}-{self.epoch + 1:03d}.pt")
+
+
+def start_backbone(model: ImageTextNet, weights: dict[str, Tensor]) -> None:
+    """The image side starts from a classifier's `weights` (the same network): every one but
+    its classifier (`fc`), which the image-text network replaces."""
+    kept = {k: v for k, v in weights.items() if not k.startswith("fc.")}
+    missing, unexpected = model.backbone.load_state_dict(kept, strict=False)
+    if unexpected or [k for k in missing if not k.startswith("fc.")]:
+        raise ValueError(f"the start checkpoint is another network's: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+
+
+class AsClassifier(BaseModel):
+    """The image-text network as a plain classifier of its image network (`as_classifier`):
+    its checkpoint and validation accuracy."""
+
+    model_config = ConfigDict(frozen=True)
+
+    checkpoint: ArtifactRef
+    val_accuracy: float
+
+
+@task(cache_key_fn=computation_key, persist_result=True, task_run_name="as-classifier")
+def as_classifier(config: ImageTextConfig, dataset: DatasetRef, described: Descriptions,
+                  checkpoint: ArtifactRef) -> AsClassifier:
+    """The trained image-text network as its image network alone (`config.network.model`,
+    the weights a classifier flow trains): the backbone as trained, and for the classifier
+    `fc` the text-initialized head through the projection, `head(proj(x)) / s`. The
+    image-text classifier normalizes `proj(x)` before its head; dividing by one positive
+    number per image does not change the top class, so the plain network predicts what the
+    image-text classifier predicts; `s`, the mean norm of `proj(x)` over the validation
+    images, keeps its logits at the same scale on average. Written as a `model` checkpoint
+    (the pipeline's next step starts from it), with its validation accuracy."""
+    device = setup_device(config)
+    store = ArtifactStore()
+    data = load_dataset(dataset)
+    model = new_network(config, dataset, described)
+    model.load_state_dict(load_checkpoint(store, checkpoint)["model"])
+    model.eval()
+    plain = build_model(config.network.model, dataset.channels, len(dataset.classes),
+                        config.network.width)
+    plain.load_state_dict(dict(model.backbone.state_dict())
+                          | {"fc.weight": plain.fc.weight, "fc.bias": plain.fc.bias})
+    with torch.no_grad():
+        norms = [model.image_proj(model.backbone(x.cpu())).norm(dim=1)
+                 for _, x, _ in eval_batches(data, dataset, "val", torch.device("cpu"))]
+        scale = torch.cat(norms).mean().clamp_min(1e-6)
+        head, proj = model.head.weight, model.image_proj
+        plain.fc.weight.copy_(head @ proj.weight / scale)
+        plain.fc.bias.copy_(head @ proj.bias / scale)
+    plain = place_model(plain, device)
+    accuracy = evaluate(plain, eval_batches(data, dataset, "val", device), device)["accuracy"]
+    relpath = (f"checkpoints/image_text/{run_key(config, dataset)}/"
+               f"as-classifier-{checkpoint.md5[:12]}.pt")
+    saved = save_checkpoint(store, relpath, {"model": {k: v.cpu() for k, v in
+                                                       plain.state_dict().items()}})
+    return AsClassifier(checkpoint=saved, val_accuracy=accuracy)
 
 
 class MixedHead(BaseModel):

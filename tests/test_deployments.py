@@ -196,6 +196,9 @@ def test_the_nightly_pipeline_retrains_only_when_the_data_changed(deployed, mlfl
 
     first = nightly()
     assert tracking.alias_version("nightly", "champion") == "1"
+    # no descriptions given: the image-text step is skipped and the run says why
+    assert first.data.tags["pipeline.image_text"].startswith("skipped: the run has no "
+                                                             "descriptions")
     assert "step_sparsify_test_accuracy" in first.data.metrics
     second = nightly()  # the same images: nothing trained, nothing registered
     assert second.data.tags["registry.decision"].startswith(

@@ -18,11 +18,13 @@ from tasks.configs.pipeline import PipelineConfig
 from tests.conftest import run_cli, task_states
 
 NAME = "smoke-pipeline"
+# descriptions of Fashion-MNIST's classes, so the image-text step runs
+CLASS_DESCRIPTIONS = str(Path(__file__).parent / "data" / "fashion_classes.csv")
 
 
 def smoke_pipeline(**overrides) -> PipelineConfig:
     return PipelineConfig(**{"profile": "smoke", "registry": True, "model_name": NAME,
-                             **overrides})
+                             "class_descriptions": CLASS_DESCRIPTIONS, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,8 @@ def test_every_step_is_tracked_under_one_parent_run(run):
     client = MlflowClient()
     parent = client.get_run(run.run_id)
     metrics = parent.data.metrics
-    assert [s.name for s in run.steps] == ["teacher", "distill", "pbt", "sparsify"]
+    assert [s.name for s in run.steps] == ["teacher", "distill", "image_text", "pbt",
+                                           "sparsify"]
     for step in run.steps:
         assert metrics[f"step_{step.name}_test_accuracy"] == step.test_accuracy
         assert len(tracking.artifact_refs(run.run_id)[f"program.{step.name}"]["md5"]) == 32
@@ -44,7 +47,7 @@ def test_every_step_is_tracked_under_one_parent_run(run):
     children = client.search_runs([parent.info.experiment_id],
                                   f"tags.mlflow.parentRunId = '{run.run_id}'")
     assert sorted(c.data.tags["mlflow.runName"] for c in children) == [
-        "fallback", "pbt", "sparsify", "student", "teacher"]
+        "fallback", "image_text", "pbt", "sparsify", "student", "teacher"]
     pbt = next(c for c in children if c.data.tags["mlflow.runName"] == "pbt")
     members = client.search_runs([parent.info.experiment_id],
                                  f"tags.mlflow.parentRunId = '{pbt.info.run_id}'")
@@ -61,8 +64,9 @@ def test_every_step_is_tracked_under_one_parent_run(run):
                                                         + steps["sparsify"].parameters)
     table = client.download_artifacts(run.run_id, "pipeline/steps.md")
     rows = [line.split(" | ")[0].strip("| ") for line in Path(table).read_text().splitlines()[2:]]
-    assert rows == ["teacher", "distill", "pbt", "sparsify",
-                    f"cascade ({run.fallback.routing} routing)"]
+    text = steps["image_text"]
+    assert rows == ["teacher", "distill", "image_text" + ("" if text.kept else " (not kept)"),
+                    "pbt", "sparsify", f"cascade ({run.fallback.routing} routing)"]
     # the cascade's routing and latency table on its own run
     fallback = next(c for c in children if c.data.tags["mlflow.runName"] == "fallback")
     assert fallback.data.tags["cascade.routing"] == run.fallback.routing
@@ -97,6 +101,43 @@ def test_each_step_starts_from_the_last_ones_weights(run):
     for key, value in student_weights.items():
         assert torch.equal(handed["distill"]["model"][key], value), key
     assert "program.pbt" in refs
+
+
+def test_the_image_text_step_goes_on_only_where_it_beats_the_student_on_validation(run):
+    """The image-text step trains from the distilled student and, as a plain student network,
+    predicts what its image-text classifier predicts; PBT starts from it only where it beats
+    the distilled student on validation."""
+    from tasks.adapters.versioning import ArtifactStore
+    from tasks.data import load_dataset, prepare_dataset, source_version
+    from tasks.image_text import describe_images, new_network
+    from tasks.training import eval_batches, trained_model
+
+    steps = {step.name: step for step in run.steps}
+    text, student = steps["image_text"], steps["distill"]
+    assert text.kept == (text.val_accuracy > student.val_accuracy)
+    refs = tracking.artifact_refs(run.run_id)
+    assert refs["start.pbt"]["md5"] == (text.checkpoint.md5 if text.kept
+                                        else refs["handover.distill"]["md5"])
+    decision = MlflowClient().get_run(run.run_id).data.tags["pipeline.image_text"]
+    assert decision.startswith("kept" if text.kept else "not kept")
+    # the plain network predicts what the image-text network it came from predicts
+    client = MlflowClient()
+    text_run = next(c for c in client.search_runs(
+        [client.get_run(run.run_id).info.experiment_id],
+        f"tags.mlflow.parentRunId = '{run.run_id}' and tags.mlflow.runName = 'image_text'"))
+    # the smoke profile trains one joint round: the last is the one converted
+    trained = max(k for k in tracking.artifact_refs(text_run.info.run_id)
+                  if k.startswith("checkpoint.epoch-"))
+    config = smoke_pipeline().image_text_config()
+    dataset = prepare_dataset(config.dataset, source_version(config.dataset))
+    network = new_network(config, dataset, describe_images(config, dataset))
+    network.load_state_dict(torch.load(ArtifactStore().path_of(tracking.artifact_refs(
+        text_run.info.run_id)[trained]["path"]), weights_only=True)["model"])
+    plain = trained_model(text.classifier, dataset, text.checkpoint)
+    _, images, _ = next(iter(eval_batches(load_dataset(dataset), dataset, "test",
+                                          torch.device("cpu"))))
+    with torch.no_grad():
+        assert torch.equal(plain.eval()(images).argmax(1), network.eval()(images).argmax(1))
 
 
 def test_the_registered_pyfunc_runs_the_fallback_cascade(run):
@@ -184,6 +225,7 @@ def test_a_rerun_on_unchanged_data_trains_nothing_and_changed_data_retrains(run)
     (["--sparse-layers", "nope"], "sparse_layers ['nope'] are not modules of cnn2"),
     (["--pbt-lr-range", "0.1,0.01"], "lr_range: low 0.1 must be below high 0.01"),
     (["--fallback-tolerance", "2"], "fallback_tolerance"),
+    (["--class-descriptions", "/no/such/file.csv"], "no such file"),
 ])
 def test_bad_input_is_one_error_line_before_any_work(flags, message, capsys):
     code, _, err = run_cli(capsys, "pipeline", "--profile", "smoke", *flags)

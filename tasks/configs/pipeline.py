@@ -1,7 +1,8 @@
 """The `pipeline` flow's config (`flows/pipeline.py`): the `distill` flow's fields, then one
-group per later step (PBT on the student, sparsity fine-tuning, the teacher fallback). Each
-step runs on the config of its own flow, built here (`pbt_config`, `sparsify_config`), so a
-step trains exactly as its flow would."""
+group per later step (the image-text step where descriptions are given, PBT on the student,
+sparsity fine-tuning, the teacher fallback). Each step runs on the config of its own flow,
+built here (`image_text_config`, `pbt_config`, `sparsify_config`), so a step trains exactly as
+its flow would."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from tasks.configs.distill import DistillConfig
+from tasks.configs.image_text import ImageTextConfig, ImageTextNetwork
 from tasks.configs.pbt import PBTConfig
 from tasks.configs.sections import CommaList, ModelSection
 from tasks.configs.sparsify import SparsifyConfig, SparsifyNetwork
@@ -23,12 +25,31 @@ class PipelineConfig(DistillConfig):
 
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
         "smoke": {**DistillConfig.PROFILES["smoke"], "pbt_members": 2, "pbt_stages": 1,
-                  "sparse_epochs": 1, "zero_threshold_tolerance": None},
+                  "sparse_epochs": 1, "zero_threshold_tolerance": None,
+                  "text_encoder": "builtin", "text_epochs": 1},
         "quick": {},
         "full": {**DistillConfig.PROFILES["full"], "pbt_members": 8, "pbt_stages": 6,
                  "pbt_round_epochs": 3, "sparse_epochs": 8},
     }
 
+    # the image-text step, only where the run has descriptions (`image_text`'s fields)
+    captions: str | None = Field(None, description="image-text step: a table of descriptions "
+                                 "(CSV or Parquet: columns image, text, and optionally "
+                                 "weight); with it or --class-descriptions, the distilled "
+                                 "student's image side trains against the texts before PBT "
+                                 "and is kept only where it helps on validation; with "
+                                 "neither, the step is skipped")
+    class_descriptions: str | None = Field(None, description="image-text step: a table of "
+                                           "class descriptions (CSV or Parquet: columns class, "
+                                           "text, and optionally weight); each image gets its "
+                                           "class's and phrases measured from it")
+    text_encoder: Literal["minilm", "builtin"] = Field("minilm", description="image-text step: "
+                                                       "the text encoder (see `image-text "
+                                                       "--help`)")
+    text_epochs: int = Field(3, ge=1, le=1000, description="image-text step: rounds of "
+                             "contrastive + cross-entropy (after one alignment round)")
+    text_lr: float = Field(0.01, gt=0.0, le=10.0, description="image-text step: peak "
+                           "learning rate (a fine-tuning of the student)")
     # PBT on the distilled student (`pbt`'s fields of the same meaning)
     pbt_members: int = Field(3, ge=2, le=256, description="PBT: networks in the population, "
                              "each starting from the distilled student")
@@ -75,10 +96,27 @@ class PipelineConfig(DistillConfig):
 
     @model_validator(mode="after")
     def _steps_valid(self) -> PipelineConfig:
-        # each step's own config validates its fields (layers of the student, ranges, ...)
+        # each step's own config validates its fields (layers of the student, tables, ...)
         self.pbt_config()
         self.sparsify_config()
+        if self.has_descriptions:
+            self.image_text_config()
         return self
+
+    @property
+    def has_descriptions(self) -> bool:
+        """Whether the run has descriptions, so the image-text step runs."""
+        return self.captions is not None or self.class_descriptions is not None
+
+    def image_text_config(self) -> ImageTextConfig:
+        """The image-text step's config: the student's network, the descriptions given, one
+        alignment round and `text_epochs` joint ones at `text_lr`."""
+        return ImageTextConfig(
+            profile=self.profile, dataset=self.dataset, run=self.run,
+            network=ImageTextNetwork(**self.student_network().model_dump()),
+            optim=self.optim.replace(lr=self.text_lr), epochs=self.text_epochs,
+            align_epochs=1, captions=self.captions, class_descriptions=self.class_descriptions,
+            text_encoder=self.text_encoder)
 
     def student_network(self) -> ModelSection:
         """The distilled student's network, which every later step trains."""
