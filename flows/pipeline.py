@@ -57,6 +57,7 @@ from tasks.adapters.runners import task_runner
 from tasks.adapters.versioning import ArtifactRef
 from tasks.configs.pipeline import PipelineConfig
 from tasks.configs.sections import ClassifierConfig, classifier_config
+from tasks.data import DatasetRef
 from tasks.image_text import AsClassifier, as_classifier
 from tasks.pbt import SCORED_WEIGHTS
 from tasks.pipeline import (
@@ -223,6 +224,25 @@ def run_image_text(config: PipelineConfig, prepared: Prepared, run_id: str,
     return plain
 
 
+def image_text_step(config: PipelineConfig, prepared: Prepared, run_id: str,
+                    student_checkpoint: ArtifactRef, student: StepResult
+                    ) -> tuple[StepResult | None, ArtifactRef, str]:
+    """Step 2b where the run has descriptions: the image-text step, tested; the checkpoint PBT
+    starts from (the step's only where it beats the distilled `student` on validation); and
+    the decision in words (also when skipped)."""
+    if not config.has_descriptions:
+        return None, student_checkpoint, ("skipped: the run has no descriptions (--captions, "
+                                          "--class-descriptions)")
+    plain = run_image_text(config, prepared, run_id, student_checkpoint)
+    kept = plain.val_accuracy > student.val_accuracy
+    step, _ = tested("image_text", student.classifier, prepared, plain.checkpoint,
+                     plain.val_accuracy, run_id)
+    decision = (f"{'kept' if kept else 'not kept'}: validation {plain.val_accuracy:.4f} "
+                f"against the distilled student's {student.val_accuracy:.4f}")
+    return (step.model_copy(update={"kept": kept}),
+            plain.checkpoint if kept else student_checkpoint, decision)
+
+
 def run_pbt(config: PipelineConfig, prepared: Prepared, run_id: str, start: ArtifactRef):
     """Step 3: `pbt`'s population from the distilled student's weights; the best member's
     classifier config and result."""
@@ -245,6 +265,33 @@ def run_sparsify(config: PipelineConfig, prepared: Prepared, run_id: str, start:
         tracking.log_dict(sparse_run, test_report.model_dump(), "sparsity/test_report.json")
         tracking.log_metrics(sparse_run, test_report.split_metrics())
     return classifier, best, test_report
+
+
+def run_cascade(config: PipelineConfig, dataset: DatasetRef, run_id: str,
+                steps: list[StepResult]) -> tuple[Fallback, list[StepResult]]:
+    """Step 5 on its nested run `fallback`: the cascade of the sparse student and the teacher
+    (`fit-fallback`: its routing and threshold), its latency table, then every step's network
+    and the cascade timed side by side (`time-steps`); the cascade and the steps with their
+    times and sizes."""
+    by_name = {step.name: step for step in steps}
+    sparse, teacher = by_name["sparsify"], by_name["teacher"]
+    with tracking.tracked_run(FLOW_NAME, "fallback", parent_run_id=run_id) as fallback_run:
+        fallback = fit_fallback(sparse.classifier, teacher.classifier, dataset, sparse.checkpoint,
+                                teacher.checkpoint, config.fallback_tolerance,
+                                config.fallback_predictor, config.run.seed)
+        tracking.log_dict(fallback_run, fallback.latency, "cascade/latency.json")
+        tracking.set_tags(fallback_run, {"cascade.routing": fallback.routing})
+        timing = time_steps([StepModel(name=s.name, classifier=s.classifier,
+                                       checkpoint=s.checkpoint, weights=s.weights)
+                             for s in steps], dataset, fallback, "sparsify", "teacher")
+        steps = [s.model_copy(update={"ms_per_image_b1": timing[s.name]["ms_per_image_b1"],
+                                      "parameters": int(timing[s.name]["parameters"])})
+                 for s in steps]
+        fallback = fallback.model_copy(update={"metrics": fallback.metrics | {
+            f"steps_{key}": value for key, value in timing["cascade"].items()}})
+        tracking.log_metrics(fallback_run, fallback.metrics
+                             | {"tolerance": config.fallback_tolerance})
+    return fallback, steps
 
 
 @flow(name=FLOW_NAME, description="The retraining pipeline: data check, distillation from a "
@@ -286,20 +333,9 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
         steps += [teacher_step, student_step]
         handed = hand_over(last.student.checkpoint, "model", "distill")
         tracking.log_artifact_refs(run_id, {"handover.distill": handed})
-        if config.has_descriptions:  # 2b.
-            plain = run_image_text(config, prepared, run_id, handed)
-            kept = plain.val_accuracy > student_step.val_accuracy
-            text_step, _ = tested("image_text", student_step.classifier, prepared,
-                                  plain.checkpoint, plain.val_accuracy, run_id)
-            steps.append(text_step.model_copy(update={"kept": kept}))
-            text_decision = (f"{'kept' if kept else 'not kept'}: validation "
-                             f"{plain.val_accuracy:.4f} against the distilled student's "
-                             f"{student_step.val_accuracy:.4f}")
-            if kept:
-                handed = plain.checkpoint
-        else:
-            text_decision = "skipped: the run has no descriptions (--captions, " \
-                            "--class-descriptions)"
+        text_step, handed, text_decision = image_text_step(  # 2b.
+            config, prepared, run_id, handed, student_step)
+        steps += [] if text_step is None else [text_step]
         logger.info("image-text step %s", text_decision)
         tracking.set_tags(run_id, {"pipeline.image_text": text_decision})
         tracking.log_artifact_refs(run_id, {"start.pbt": handed})
@@ -316,23 +352,7 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
                                           sparse.checkpoint, sparse.metrics["val_accuracy"],
                                           run_id, zero_fraction=zeros)
         steps.append(sparse_step)
-        with tracking.tracked_run(FLOW_NAME, "fallback", parent_run_id=run_id) \
-                as fallback_run:  # 5.
-            fallback = fit_fallback(sparse_classifier, teacher, dataset, sparse.checkpoint,
-                                    last.teacher.checkpoint, config.fallback_tolerance,
-                                    config.fallback_predictor, config.run.seed)
-            tracking.log_dict(fallback_run, fallback.latency, "cascade/latency.json")
-            tracking.set_tags(fallback_run, {"cascade.routing": fallback.routing})
-            timing = time_steps([StepModel(name=s.name, classifier=s.classifier,
-                                           checkpoint=s.checkpoint, weights=s.weights)
-                                 for s in steps], dataset, fallback, "sparsify", "teacher")
-            steps = [s.model_copy(update={"ms_per_image_b1": timing[s.name]["ms_per_image_b1"],
-                                          "parameters": int(timing[s.name]["parameters"])})
-                     for s in steps]
-            fallback = fallback.model_copy(update={"metrics": fallback.metrics | {
-                f"steps_{key}": value for key, value in timing["cascade"].items()}})
-            tracking.log_metrics(fallback_run, fallback.metrics
-                                 | {"tolerance": config.fallback_tolerance})
+        fallback, steps = run_cascade(config, dataset, run_id, steps)  # 5.
         tracking.log_metrics(run_id, {f"fallback_{k}": v for k, v in fallback.metrics.items()}
                              | {"test_accuracy": fallback.metrics["test_accuracy"],
                                 "val_accuracy": fallback.metrics["val_accuracy"]}
@@ -352,10 +372,6 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
                                   registration=finished.registration)
     publish("pipeline-summary", f"pipeline: {config.teacher_model} -> {config.student_model} "
             f"on {config.dataset.data}", run_id, finished, {
-                **{f"step {s.name}": f"test {s.test_accuracy:.4f}, validation "
-                   f"{s.val_accuracy:.4f}" + ("" if s.zero_fraction is None else
-                                              f", exact zeros {s.zero_fraction:.3f}")
-                   for s in steps},
                 "image-text step": text_decision,
                 "fallback cascade": fallback_row(fallback),
                 "routing (chosen on validation)": routing_row(fallback),
