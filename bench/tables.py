@@ -132,7 +132,7 @@ def pipeline(record: dict) -> str:
     def b64(model: str) -> str:
         if not batch64:
             return ""
-        ratio = "" if model == "train" else " ({:.2f} ± {:.2f})".format(*mean_std(
+        ratio = "" if model == "train" else " ({:.2f} ± {:.2f} of `train`'s)".format(*mean_std(
             [run[model]["ms_b64"] / run["train"]["ms_b64"] for run in runs]))
         return f" {pair(model, 'ms_b64')[0]:.3f}{ratio} |"
 
@@ -154,7 +154,9 @@ def pipeline(record: dict) -> str:
                   else run["pipeline"]["report_accuracy"] for run in runs]
         mean = mean_std(values)[0]
         change = "" if previous is None or name == "distill" else f" ({mean - previous:+.4f})"
-        steps.append(f"{label} {mean:.4f}{change}")
+        ms = ("" if "step_ms" not in runs[0] else
+              f", {mean_std([run['step_ms'][name] for run in runs])[0]:.2f} ms")
+        steps.append(f"{label} {mean:.4f}{change}{ms}")
         previous = mean
     share = mean_std([run["pipeline"]["student_share"] for run in runs])[0]
     minutes = min(run["seconds"] for run in runs) / 60  # the others may have shared the cores
@@ -164,7 +166,8 @@ def pipeline(record: dict) -> str:
         routing = (f" The cascade's fitted predictor was kept on {kept:.0f} of {len(runs)} "
                    "seeds (chosen on validation).")
     return "\n".join(lines) + (
-        f"\n\nEach step's model on the report images: {', '.join(steps)}; the student "
+        f"\n\nEach step's model on the report images (and its time per image at batch 1, in "
+        f"the process, all timed side by side): {'; '.join(steps)}; the student "
         f"answers {share:.0%} of the test images; the fastest run took {minutes:.1f} minutes."
         f"{routing} {provenance(record)}\n")
 
