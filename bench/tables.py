@@ -232,8 +232,9 @@ def small_data(record: dict) -> str:
     for name in dict.fromkeys(r["set"] for r in rows):
         cells = []
         for flow in flows:
-            row = next(r for r in rows if r["set"] == name and r["flow"] == flow)
-            cells.append(f"{spread(row['holdout_accuracy_mean'], row['holdout_accuracy_std'])}"
+            row = next((r for r in rows if r["set"] == name and r["flow"] == flow), None)
+            cells.append("-" if row is None else
+                         f"{spread(row['holdout_accuracy_mean'], row['holdout_accuracy_std'])}"
                          f" / {row['test_accuracy_mean']:.3f}")
         for kind in ("knn", "linear"):
             values = [b[kind] for b in held.get(name) or []]
