@@ -109,7 +109,8 @@ def test_a_fitted_predictor_is_kept_where_it_passes_on_fewer_images_for_the_same
     student, teacher, labels, predicted = class_dependent()
     fit, rows = split_disjoint(len(labels), 0.5, 0)
     router = fit_router(student[fit], stands(student[fit], teacher[fit], labels[fit]), seed=0)
-    scores = router(student[rows])
+    with torch.no_grad():
+        scores = router(student[rows])
     # the predictor ranks every image the teacher must answer below every other one
     assert scores[predicted[rows] == 1].max() < scores[predicted[rows] == 0].min()
     fixed = fallback_table(student[rows], teacher[rows], labels[rows], 0.5, 2.0)
