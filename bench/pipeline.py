@@ -97,8 +97,7 @@ def run(seed: int, overrides: dict[str, str], report: ReportSet) -> dict:
     sparse = steps["sparsify"]
     student_zeros, student_parameters = zeros_and_parameters(sparse.classifier, dataset,
                                                              sparse.checkpoint, sparse.weights)
-    teacher = steps["teacher"]
-    teacher_parameters = zeros_and_parameters(teacher.classifier, dataset, teacher.checkpoint)[1]
+    teacher_parameters = steps["teacher"].parameters  # counted by the run's `time-steps`
     images, _ = test_images(dataset)
     uris = {"pipeline": summary.registration.model_uri, "train": trained.registration.model_uri}
     ms, ms64 = served_ms(uris, images), served_ms(uris, images, 64)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from bench.common import print_json, print_table
@@ -28,7 +27,7 @@ from tasks.data import load_dataset, prepare_dataset, source_version
 from tasks.training import eval_batches
 from training.cascade.fallback import calibrate_fallback, fallback_table
 from training.cascade.learning import split_disjoint
-from training.cascade.routing import Router, choose_routing, router_features, stands
+from training.cascade.routing import Router, choose_routing, stands, train_router
 
 FITS = {  # name: (steps, lr, weight decay, hidden units (0: linear), outcomes weighted equally)
     "400 steps, wd 1e-3, balanced": (400, 0.01, 1e-3, 32, True),
@@ -46,21 +45,11 @@ def fitted(logits: torch.Tensor, target: torch.Tensor, seed: int, steps: int, lr
     router = Router(logits.shape[1], max(hidden, 1))
     if not hidden:
         router.net = nn.Sequential(nn.Linear(logits.shape[1] + 3, 1))
-    features = router_features(logits)
-    router.mean.copy_(features.mean(0))
-    router.std.copy_(features.std(0).clamp_min(1e-6))
     y = target.float()
-    weight = torch.ones_like(y)
+    weight = None
     if balanced:
         weight = torch.where(y > 0.5, len(y) / (2 * y.sum()), len(y) / (2 * (len(y) - y.sum())))
-    optimizer = torch.optim.AdamW(router.net.parameters(), lr=lr, weight_decay=decay)
-    inputs = (features - router.mean) / router.std
-    for _ in range(steps):
-        optimizer.zero_grad()
-        F.binary_cross_entropy_with_logits(router.net(inputs).squeeze(1), y,
-                                           weight=weight).backward()
-        optimizer.step()
-    return router.eval()
+    return train_router(router, logits, target, steps, lr, decay, weight)
 
 
 def auc(score: torch.Tensor, needs: torch.Tensor) -> float:

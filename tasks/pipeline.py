@@ -134,10 +134,9 @@ def fit_fallback(student: ClassifierConfig, teacher: ClassifierConfig, dataset: 
         thresholds = {"fixed": calibrate_fallback(full, tolerance)}
         metrics: dict[str, float] = {}
         if router is not None:
+            compared = table(val_small[rows], val_large[rows], val_labels[rows], True)
             choice = choose_routing(table(val_small[rows], val_large[rows], val_labels[rows],
-                                          False),
-                                    table(val_small[rows], val_large[rows], val_labels[rows],
-                                          True), tolerance)
+                                          False), compared, tolerance)
             thresholds["fitted"] = choice.fitted_threshold
             metrics |= {"predictors_kept": float(choice.fitted_kept),
                         "val_images_predictor": float(len(fit_rows)),
@@ -148,15 +147,15 @@ def fit_fallback(student: ClassifierConfig, teacher: ClassifierConfig, dataset: 
         kept = "fitted" if choice is not None and choice.fitted_kept else "fixed"
         timed = interleaved_ms_per_image(timing_calls(small, large, router, thresholds),
                                          sample, 1)
-        val = (table(val_small[rows], val_large[rows], val_labels[rows], True)
-               if kept == "fitted" else full).outcome(torch.tensor([thresholds[kept]]))
+        val = (compared if kept == "fitted" else full).outcome(torch.tensor([thresholds[kept]]))
+        test_table = table(test_small, test_large, test_labels, False)
         for name, threshold in thresholds.items():
-            outcome = table(test_small, test_large, test_labels, name == "fitted").outcome(
-                torch.tensor([threshold]))
+            routed = test_table if name == "fixed" else table(test_small, test_large,
+                                                              test_labels, True)
+            outcome = routed.outcome(torch.tensor([threshold]))
             metrics |= {f"{name}_test_accuracy": outcome["accuracy"],
                         f"{name}_test_student_share": outcome["exit_share_0"],
                         f"{name}_ms_per_image_b1": timed[name], f"{name}_threshold": threshold}
-    test_table = table(test_small, test_large, test_labels, False)
     metrics |= {"val_accuracy": val["accuracy"], "val_student_share": val["exit_share_0"],
                 "val_teacher_accuracy": full.full_accuracy(),
                 "val_student_accuracy": full.correct[:, 0].float().mean().item(),

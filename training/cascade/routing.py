@@ -85,8 +85,15 @@ def fit_router(student_logits: Tensor, target: Tensor, seed: int, steps: int = 2
     Fashion-MNIST students, 400 steps at 1e-3, or the two outcomes weighted equally, ranked
     the images worse than the confidence alone did (docs/pipeline.md)."""
     torch.manual_seed(seed)
+    router = Router(student_logits.shape[1])
+    return train_router(router, student_logits, target, steps, lr, weight_decay)
+
+
+def train_router(router: Router, student_logits: Tensor, target: Tensor, steps: int,
+                 lr: float, weight_decay: float, weight: Tensor | None = None) -> Router:
+    """Sets `router`'s standardization from the logits' features and trains its `net` on
+    them (`fit_router`; `weight`: per image, for other fits measured beside it)."""
     logits = student_logits.detach().float().cpu()
-    router = Router(logits.shape[1])
     features = router_features(logits)
     router.mean.copy_(features.mean(0))
     router.std.copy_(features.std(0).clamp_min(1e-6))
@@ -95,7 +102,8 @@ def fit_router(student_logits: Tensor, target: Tensor, seed: int, steps: int = 2
     optimizer = torch.optim.AdamW(router.net.parameters(), lr=lr, weight_decay=weight_decay)
     for _ in range(steps):
         optimizer.zero_grad()
-        F.binary_cross_entropy_with_logits(router.net(inputs).squeeze(1), y).backward()
+        F.binary_cross_entropy_with_logits(router.net(inputs).squeeze(1), y,
+                                           weight=weight).backward()
         optimizer.step()
     return router.eval()
 
