@@ -34,37 +34,12 @@ import time
 os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
 
 from bench.common import mean_std, parse_overrides, print_json, print_table  # noqa: E402
-from bench.report_set import REPORT_IMAGES, ReportSet  # noqa: E402
-from bench.small_data import Holdout, image_folder, set_positions  # noqa: E402
+from bench.two_sets import SETS, DataSet  # noqa: E402
 from flows.sparsify import sparsify  # noqa: E402
 from tasks.configs.sparsify import SparsifyConfig  # noqa: E402
 
-SETS = ("fashion-mnist", "2500x16")
 RULE = {"lambda_gamma": 0.5}  # the default, at the default lambda
 FIRST_GUESS = 1.4  # the uniform lambda's first try, as a multiple of the rule's base lambda
-
-
-class DataSet:
-    """One data set of the comparison: its config fields per seed and its unread images."""
-
-    def __init__(self, name: str, overrides: dict):
-        self.name = name
-        smoke = overrides.get("profile") == "smoke"
-        if name == "fashion-mnist":
-            settings = SparsifyConfig(**{"progress": False, **overrides})
-            self.fields = {}
-            self.unread = ReportSet(settings.dataset, 500 if smoke else REPORT_IMAGES)
-            self.score = self.unread.served_accuracy
-        else:
-            images, size = (int(part) for part in name.split("x"))
-            self.fields = {"data": str(image_folder(images, size)), "image_size": size}
-            self.unread = Holdout(size, "unread", set_positions(name))
-            self.score = self.unread.model_accuracy
-
-    def config(self, seed: int) -> dict:
-        """The fields of a run on `seed` (an ImageFolder: the seed's own split)."""
-        return {**self.fields, "seed": seed,
-                **({"split_seed": seed} if "data" in self.fields else {})}
 
 
 def run(data: DataSet, seed: int, variant: dict, overrides: dict) -> dict:
@@ -132,7 +107,8 @@ def main() -> None:
     base = SparsifyConfig(**{"progress": False, **overrides}).sparsity_lambda
     results, rows = [], []
     for name in args.sets:
-        data = DataSet(name, overrides)
+        data = DataSet(name, SparsifyConfig(**{"progress": False, **overrides}).dataset,
+                       overrides.get("profile") == "smoke")
         rule = []
         for seed in args.seeds:
             rule.append(run(data, seed, RULE, overrides))

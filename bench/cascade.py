@@ -25,6 +25,8 @@ points of accuracy lost, and (c)'s cost within 1.3 times the oracle's (by the ta
 measured times decisions use; in FLOPs beside it).
 
     python -m bench.cascade                    # 3 seeds, about 15 minutes on 2 cores
+    python -m bench.cascade --data-set 2500x16  # the second data set (`bench.two_sets`)
+    python -m bench.cascade --set routing_target=cost route_offsets=0   # the earlier predictor
     python -m bench.cascade --seeds 0 --set predictor=fixed
     python -m bench.cascade --seeds 0 --set profile=smoke   # a check that it runs: a minute
 """
@@ -39,6 +41,7 @@ import time
 os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
 
 from bench.common import mean_std, parse_overrides, print_json, print_table  # noqa: E402
+from bench.two_sets import SETS, small_data_fields  # noqa: E402
 from flows.cascade import cascade  # noqa: E402
 from tasks.configs.cascade import CascadeConfig  # noqa: E402
 
@@ -54,7 +57,7 @@ ROWS: dict[str, tuple[str, str | None]] = {
 ROUTING_ROWS = {"fixed": "c1", "fitted": "c2", "most_expensive": "b"}
 
 
-def run(seed: int, overrides: dict[str, str]) -> dict:
+def run(seed: int, overrides: dict) -> dict:
     """One flow run: its test metrics, sweep, thresholds and what its calibration registered
     (`routing`: fixed, fitted, most_expensive; None where nothing was chosen)."""
     started = time.perf_counter()
@@ -102,13 +105,16 @@ def variant_figures(runs: list[dict], prefix: str) -> dict | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--data-set", default=SETS[0], choices=SETS,
+                        help="Fashion-MNIST (the `quick` profile's images) or the ImageFolder "
+                             "report set of `bench.two_sets` (each seed its own split)")
     parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
                         help="config fields for every run (e.g. predictor=fixed)")
     args = parser.parse_args()
     overrides = parse_overrides(args.set)
     runs = []
     for seed in args.seeds:
-        runs.append(run(seed, overrides))
+        runs.append(run(seed, overrides | small_data_fields(args.data_set, seed)))
         print(f"seed {seed}: {runs[-1]}", flush=True)
 
     def stat(key: str) -> tuple[float, float]:
@@ -116,7 +122,7 @@ def main() -> None:
 
     registered = {seed: r["routing"] for seed, r in zip(args.seeds, runs, strict=True)}
     rows, figures = [], {"benchmark": "cascade", "runs": runs, "overrides": overrides,
-                         "registered": registered}
+                         "data_set": args.data_set, "registered": registered}
     full_accuracy = stat("full_test_accuracy")[0]
     for name, (prefix, routing) in ROWS.items():
         figure = variant_figures(runs, prefix)

@@ -107,6 +107,10 @@ class SuperModule(nn.Module):
 
     `fixed` (a buffer, so checkpoints carry it) is -1 while the predictor chooses; a
     sub-network's index when one was chosen for good (`training.cascade.learning.fixed_choice`).
+    `route_offset` (a buffer too) is added to the predictor's score of the most expensive
+    sub-network before the choice: the predictor's operating point, set by the calibration on
+    validation (`training.cascade.calibration`); 0 until then, and in checkpoints written
+    before it existed.
     """
 
     def __init__(self, subnets: list[nn.Module], in_channels: int) -> None:
@@ -117,6 +121,11 @@ class SuperModule(nn.Module):
                                        nn.Linear(32, len(subnets)))
         self.reset_predictor()
         self.register_buffer("fixed", torch.tensor(-1))
+        self.register_buffer("route_offset", torch.tensor(0.0))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        state_dict.setdefault(prefix + "route_offset", torch.tensor(0.0))  # older checkpoints
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def reset_predictor(self) -> None:
         """A fresh predictor whose last layer is zero: every sub-network equally likely, so
@@ -132,7 +141,17 @@ class SuperModule(nn.Module):
         """The sub-network index for each image (the fixed one, or the predictor's choice)."""
         if int(self.fixed) >= 0:
             return torch.full((len(x),), int(self.fixed), dtype=torch.long, device=x.device)
-        return self.predictor(x).argmax(1)
+        return self.scores(x).argmax(1)
+
+    def scores(self, x: Tensor) -> Tensor:
+        """The predictor's score per sub-network (N x S), `route_offset` added to the most
+        expensive one's (the last: cheapest first)."""
+        scores = self.predictor(x)
+        if float(self.route_offset) == 0.0:
+            return scores
+        offset = torch.zeros(scores.shape[1], dtype=scores.dtype, device=scores.device)
+        offset[-1] = self.route_offset
+        return scores + offset
 
     def forward(self, x: Tensor, choice: Tensor | int) -> Tensor:
         """Each image through its chosen sub-network only (`choice`: one index for all, or

@@ -239,7 +239,8 @@ def fit_predictor(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
         batches = image_batches(config, dataset, data, second, batch, passes,
                                 seeds=[config.run.seed * 1000 + 7 * n + 1 for n in passes])
         losses = train_round(stage, optimizer, batches.for_passes(device, SINGLE),
-                             predictor_step(net, k, relative, config.latency_weight), device,
+                             predictor_step(net, k, relative, config.latency_weight,
+                                            config.routing_target), device,
                              passes, config.optim.lr, (0, config.predictor_epochs))
         metrics |= {f"predictor{k}_{name}": value for name, value in losses.items()}
     net.eval()

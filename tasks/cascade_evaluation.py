@@ -93,7 +93,8 @@ def calibrate_thresholds(config: CascadeConfig, dataset: DatasetRef, latency: Ar
     goal = CalibrationGoal(calibrate=config.calibrate,
                            accuracy_tolerance=config.accuracy_tolerance,
                            latency_budget=config.latency_budget,
-                           count_gains=config.count_gains, thresholds=config.thresholds)
+                           count_gains=config.count_gains, thresholds=config.thresholds,
+                           route_offsets=config.route_offsets)
     costs = part_costs(read_table(latency))
     done = calibrate_cascade(
         net, lambda fixed: validation_table(config, dataset, net, costs, fixed=fixed), costs,

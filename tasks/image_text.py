@@ -273,7 +273,7 @@ class ImageTextRound(RoundPlan):
         passes = range(self.epoch * self.repeats, (self.epoch + 1) * self.repeats)
         step = ImageTextStep(side.bank, side.labelled, config.contrastive_weight,
                              config.ce_weight if self.phase == "joint" else 0.0,
-                             config.optim.label_smoothing)
+                             config.optim.label_smoothing, config.agreement_temperature())
         round_ = configured_round(  # no network spec: one process (`ImageTextStep`)
             config, None, step,
             image_batches(config, dataset, data, side.train, config.optim.batch_size, passes,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from models.cascade import CascadeSpec, build_cascade, confidence_of
+from training.cascade.calibration import best_offset
 from training.cascade.learning import (
     ExitTable,
     StageModel,
@@ -23,9 +24,12 @@ from training.cascade.learning import (
     exit_table,
     module_step,
     oracle,
+    oracle_choice,
+    oracle_routing_loss,
     oracles,
     routing_loss,
     split_disjoint,
+    threshold_grid,
 )
 from training.latency import check_device, latency_table, part_costs, path_costs
 
@@ -129,6 +133,71 @@ def test_routing_loss_is_the_expected_error_plus_weighted_time():
     logits.requires_grad_(True)
     routing_loss(logits, errors, time, 0.1).backward()
     assert logits.grad[1, 0] < 0 < logits.grad[1, 1]
+
+
+def test_the_oracle_choice_is_the_cheapest_sub_network_that_is_right():
+    errors = torch.tensor([[0.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 1.0]])
+    time = torch.tensor([0.5, 1.0])
+    # both right: the cheap one; only the expensive right: it; none right: the cheap one
+    assert oracle_choice(errors, time).tolist() == [0, 1, 0, 0]
+    logits = torch.zeros(4, 2, requires_grad=True)
+    loss = oracle_routing_loss(logits, errors, time)
+    assert loss.item() == pytest.approx(math.log(2))  # undecided: -log(1/2) on every image
+    loss.backward()
+    assert logits.grad[1, 1] < 0 < logits.grad[1, 0]  # image 1 is pushed to the expensive one
+    assert logits.grad[0, 0] < 0 < logits.grad[0, 1]
+
+
+def test_a_route_offset_sends_images_to_the_expensive_sub_network_and_old_checkpoints_load():
+    net = small_net()
+    module = net.blocks[1]
+    torch.manual_seed(1)
+    with torch.no_grad():
+        module.predictor[-1].weight.normal_()
+    x = torch.randn(64, 4, 14, 14)
+    with torch.no_grad():
+        margin = module.predictor(x)[:, 1] - module.predictor(x)[:, 0]
+        before = module.route(x)
+        module.route_offset.fill_(1.0)
+        after = module.route(x)
+    assert torch.equal(before, (margin > 0).long())
+    assert torch.equal(after, (margin + 1.0 > 0).long())  # the offset adds to the last score
+    assert int(after.sum()) > int(before.sum())
+    state = net.state_dict()
+    assert float(state["blocks.1.route_offset"]) == 1.0
+    older = {k: v for k, v in state.items() if not k.endswith("route_offset")}
+    fresh = small_net(seed=3)
+    fresh.load_state_dict(older)  # a checkpoint written before the offset existed
+    assert float(fresh.blocks[1].route_offset) == 0.0
+
+
+def test_the_predictors_operating_point_is_the_offset_whose_calibrated_cascade_is_cheapest():
+    # one early exit, four images; what the routed tables look like at each offset of module 1
+    confidence = torch.tensor([[0.9, 1.0], [0.8, 1.0], [0.7, 1.0], [0.6, 1.0]])
+    right = torch.tensor([[True, True], [False, True], [True, True], [True, True]])
+    tables = {0.0: ExitTable(confidence, right & torch.tensor([True, False]), torch.tensor(
+                  [[1.0, 2.0]] * 4)),  # the last exit loses images: misses the target
+              1.0: ExitTable(confidence, right, torch.tensor([[1.0, 3.0]] * 4)),
+              2.0: ExitTable(confidence, right, torch.tensor([[1.0, 5.0]] * 4))}
+    net = small_net(super_modules=(1,))
+    target = 1.0
+
+    def table_for(fixed):
+        assert fixed is None
+        return tables[float(net.blocks[1].route_offset)]
+
+    def calibrate(grid):
+        return grid.cheapest(target)
+
+    def rank(outcome):
+        return outcome["accuracy"] < target - 1e-9, outcome["mean_cost"]
+
+    zero = tables[0.0], threshold_grid(tables[0.0]), calibrate(threshold_grid(tables[0.0]))
+    offset, table, _, thresholds = best_offset(net, [1], (0.0, 2.0, 1.0), table_for, zero,
+                                               threshold_grid, calibrate, rank)
+    assert offset == 1.0 and table is tables[1.0]
+    assert float(net.blocks[1].route_offset) == 1.0  # the net is left at its operating point
+    assert table.outcome(thresholds)["accuracy"] == pytest.approx(1.0)
 
 
 def hand_table() -> ExitTable:

@@ -26,6 +26,7 @@ from training.image_text.descriptions import image_measures, image_phrases, tert
 from training.image_text.losses import (
     UNLABELLED,
     TextBank,
+    agreement_weights,
     choose_mixing,
     class_text_weights,
     contrastive_loss,
@@ -77,6 +78,20 @@ def test_known_classes_are_never_negatives_of_each_other():
     assert loss(labels=(3, 3)) == pytest.approx(0.0, abs=1e-7)  # nothing left to push away
     assert loss(labels=(3, 4)) == pytest.approx(loss())  # different classes: as unlabelled
     assert loss(labels=(3, UNLABELLED)) == pytest.approx(loss())  # one unknown: as unlabelled
+
+
+def test_agreement_weights_follow_each_images_own_cosines_by_hand():
+    # image 0's cosines with its texts 1 and 0.6: at temperature 0.1, 2 x e^10 / (e^10 + e^6)
+    # and 2 x e^6 / (e^10 + e^6); image 1's only text keeps 1
+    first = 2 * math.exp(10) / (math.exp(10) + math.exp(6))
+    assert agreement_weights(IMAGES, TEXTS, OWNER, 0.1).tolist() == pytest.approx(
+        [first, 2 - first, 1.0], rel=1e-5)
+    # the loss weighs each row by its kind's weight times its agreement
+    agreed = WEIGHTS * torch.tensor([first, 2 - first, 1.0])
+    assert float(contrastive_loss(IMAGES, TEXTS, OWNER, torch.tensor([0, 1, 2]), WEIGHTS,
+                                  torch.tensor([UNLABELLED] * 2), SCALE, 0.1)) == \
+        pytest.approx(float(contrastive_loss(IMAGES, TEXTS, OWNER, torch.tensor([0, 1, 2]),
+                                             agreed, torch.tensor([UNLABELLED] * 2), SCALE)))
 
 
 def test_the_scale_is_clamped_at_100_and_gradients_are_finite():

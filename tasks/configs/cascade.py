@@ -68,6 +68,15 @@ class CascadeConfig(ProfiledConfig, RoundsFields):
                                       "fitting); the modules never train on it")
     predictor_epochs: int = Field(4, ge=1, le=1000, description="passes over the second "
                                   "training set that fit a predictor")
+    routing_target: Literal["oracle", "cost"] = Field(
+        "oracle", description="what a fitted predictor learns: oracle, the cross-entropy "
+        "toward the cheapest sub-network that gets the image right, its operating point then "
+        "set on validation (`--route-offsets`); cost, the expected error plus "
+        "--latency-weight x time of its choice")
+    route_offsets: CommaList[tuple[float, ...]] = Field(
+        (0.0, -3.0, -2.0, -1.0, -0.5, 0.5, 1.0, 2.0, 3.0), description="comma-separated "
+        "offsets added to the fitted predictors' score of the most expensive sub-network, each "
+        "calibrated on validation and the cheapest kept (ties: the first); 0 alone: argmax")
     latency_weight: float = Field(0.002, ge=0.0, le=100.0, description="the latency-aware "
                                   "loss: how many errors the most expensive sub-network's time "
                                   "is worth (above 0.005 every image went to the cheapest "

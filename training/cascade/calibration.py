@@ -9,6 +9,10 @@ are calibrated alike and compared: each routed module's most frequent choice fix
 predictors. The one that meets the goal and is cheapest (accuracy goal) or most accurate
 (budget) wins, the predictors only when strictly better: a predictor must pay for its own time,
 and the super-network's choice must not make the cascade worse than the plain one.
+
+The predictors are calibrated at several operating points first (`route_offsets`: an offset
+added to each routed module's score of its most expensive sub-network, so that it takes more
+or fewer images), each with its own thresholds; the best of them is the predictors' candidate.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class CalibrationGoal:
     latency_budget: float | None = None
     count_gains: bool = False
     thresholds: tuple[float, ...] | None = None
+    route_offsets: tuple[float, ...] = (0.0,)
 
 
 @dataclass
@@ -67,13 +72,48 @@ def full_network(net: CascadeNet) -> dict[int, int]:
 
 def routed_variant(net: CascadeNet, chosen: dict) -> CascadeNet:
     """`net` as one routing the calibration chose between (`fixed`: the most frequent
-    sub-networks fixed for good; `fitted`: the predictors route, fixed -1), with that
-    routing's own thresholds: a copy, `net` unchanged."""
+    sub-networks fixed for good; `fitted`: the predictors route, fixed -1, at their
+    calibrated `route_offset`), with that routing's own thresholds: a copy, `net` unchanged."""
     variant = copy.deepcopy(net)
     for k, choice in chosen["fixed"].items():
         variant.blocks[k].fixed.fill_(choice)
+        if choice < 0:
+            variant.blocks[k].route_offset.fill_(chosen.get("route_offset", 0.0))
     variant.thresholds.copy_(chosen["thresholds"])
     return variant.eval()
+
+
+def set_route_offset(net: CascadeNet, modules: list[int], offset: float) -> None:
+    """Every routed module's `route_offset` to `offset`."""
+    for k in modules:
+        net.blocks[k].route_offset.fill_(offset)
+
+
+def best_offset(net: CascadeNet, routed: list[int], offsets: tuple[float, ...],
+                table_for: Callable[[dict[int, int] | None], ExitTable],
+                at_zero: tuple[ExitTable, ThresholdGrid, Tensor],
+                scored: Callable[[ExitTable], ThresholdGrid],
+                calibrate: Callable[[ThresholdGrid], Tensor],
+                rank: Callable[[dict[str, float]], tuple]
+                ) -> tuple[float, ExitTable, ThresholdGrid, Tensor]:
+    """The predictors' operating point: of `offsets` (`at_zero`: offset 0's table, grid and
+    thresholds, already made), the one whose calibrated cascade ranks best (the first among
+    ties), with its table, grid and thresholds; `net`'s routed modules are left at it."""
+    best: tuple[tuple, float, ExitTable, ThresholdGrid, Tensor] | None = None
+    for offset in offsets or (0.0,):
+        set_route_offset(net, routed, offset)
+        if offset == 0.0:
+            table, grid, thresholds = at_zero
+        else:
+            table = table_for(None)
+            grid = scored(table)
+            thresholds = calibrate(grid)
+        score = rank(table.outcome(thresholds))
+        if best is None or score < best[0]:
+            best = (score, offset, table, grid, thresholds)
+    assert best is not None
+    set_route_offset(net, routed, best[1])
+    return best[1], best[2], best[3], best[4]
 
 
 def calibrate_cascade(net: CascadeNet, table_for: Callable[[dict[int, int] | None], ExitTable],
@@ -88,7 +128,8 @@ def calibrate_cascade(net: CascadeNet, table_for: Callable[[dict[int, int] | Non
         """The table's grid, on its net accuracy or (by default) its losses alone."""
         return threshold_grid(table if goal.count_gains else table.losses_only())
 
-    table = table_for(None)
+    set_route_offset(net, [k for k in range(net.modules_count) if net.is_super(k)], 0.0)
+    table = table_for(None)  # the predictors' argmax: the calibration sets any offset anew
     full = full_network(net)
     plain = table_for(full)
     full_accuracy = plain.full_accuracy()
@@ -119,13 +160,17 @@ def calibrate_cascade(net: CascadeNet, table_for: Callable[[dict[int, int] | Non
         # (A most frequent choice can lose more than the tolerance by itself: the target is
         # the most expensive network's accuracy; then no exit at all would be "calibrated".)
         majority = {k: int(table.paths[:, k].mode().values) for k in routed}
+        offset, fitted_table, fitted_grid, fitted_thresholds = best_offset(
+            net, routed, goal.route_offsets, table_for, (table, grid, thresholds), scored,
+            calibrate, rank)
         choices = {"most frequent": (majority, table_for(majority)),
                    "most expensive": ({k: full[k] for k in routed}, plain),
-                   "predictors": (None, table)}
-        calibrated = {}
+                   "predictors": (None, fitted_table)}
+        calibrated = {"predictors": (fitted_grid, fitted_thresholds)}
         for choice, (fixed, candidate) in choices.items():
-            candidate_grid = grid if fixed is None else scored(candidate)
-            calibrated[choice] = (candidate_grid, calibrate(candidate_grid))
+            if fixed is not None:
+                candidate_grid = scored(candidate)
+                calibrated[choice] = (candidate_grid, calibrate(candidate_grid))
         outcomes = {choice: choices[choice][1].outcome(calibrated[choice][1])
                     for choice in choices}
         best = min(choices, key=lambda choice: rank(outcomes[choice]))  # first among ties
@@ -136,9 +181,10 @@ def calibrate_cascade(net: CascadeNet, table_for: Callable[[dict[int, int] | Non
                       "val_accuracy_predictors_fixed": theirs["accuracy"],
                       "val_cost_ratio_predictors_fixed": theirs["mean_cost"] / full_cost,
                       "val_accuracy_predictors_fitted": fitted["accuracy"],
-                      "val_cost_ratio_predictors_fitted": fitted["mean_cost"] / full_cost}
+                      "val_cost_ratio_predictors_fitted": fitted["mean_cost"] / full_cost,
+                      "route_offset": offset}
         routing = {"fixed": {"fixed": majority, "thresholds": calibrated["most frequent"][1]},
-                   "fitted": {"fixed": dict.fromkeys(routed, -1),
+                   "fitted": {"fixed": dict.fromkeys(routed, -1), "route_offset": offset,
                               "thresholds": calibrated["predictors"][1]}}
         fixed, table = choices[best]
         grid, thresholds = calibrated[best]

@@ -123,6 +123,20 @@ def routing_loss(route_logits: Tensor, errors: Tensor, relative_time: Tensor, we
     return (route_logits.float().softmax(1) * cost).sum(1).mean()
 
 
+def oracle_choice(errors: Tensor, relative_time: Tensor) -> Tensor:
+    """Per image, the oracle's sub-network: the cheapest that gets it right, or the cheapest
+    of all where none does (N). `errors` (N, S) as in `routing_loss`, `relative_time` (S,)
+    at most 1, so an error outweighs any difference in time."""
+    return (2 * errors + relative_time.to(errors.device)[None, :]).argmin(1)
+
+
+def oracle_routing_loss(route_logits: Tensor, errors: Tensor, relative_time: Tensor) -> Tensor:
+    """The predictor's cross-entropy toward `oracle_choice`: it learns which sub-network each
+    image needs, and the calibration then sets how readily it sends an image to the expensive
+    one (`SuperModule.route_offset`), instead of a latency weight fixed before training."""
+    return F.cross_entropy(route_logits.float(), oracle_choice(errors, relative_time))
+
+
 class StageModel(nn.Module):
     """Module `k` of a cascade for training. `frozen`: the modules before it stay as they are,
     in eval mode (their BatchNorm statistics untouched), and module k's block, exit and
@@ -273,17 +287,19 @@ class ModuleStep:
         return whole_step(stage, step, device, place)
 
 
-def predictor_step(net: CascadeNet, k: int, relative_time: Tensor, latency_weight: float
-                   ) -> Step:
-    """The step that fits module k's predictor alone (`StageModel(predictor_only=True)`) by
-    `routing_loss`, the sub-networks' errors computed with everything else frozen."""
+def predictor_step(net: CascadeNet, k: int, relative_time: Tensor, latency_weight: float,
+                   target: str = "cost") -> Step:
+    """The step that fits module k's predictor alone (`StageModel(predictor_only=True)`), the
+    sub-networks' errors computed with everything else frozen: by `routing_loss` (`target`
+    `cost`) or by `oracle_routing_loss` (`oracle`)."""
 
     def step(_model: nn.Module, _ids: Tensor, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         with torch.no_grad():
             features = net.prefix(x, k)
             _, errors = _sub_outputs(net, k, features, y)
-        route = routing_loss(net.blocks[k].predictor(features), errors, relative_time,
-                             latency_weight)
+        logits = net.blocks[k].predictor(features)
+        route = (oracle_routing_loss(logits, errors, relative_time) if target == "oracle"
+                 else routing_loss(logits, errors, relative_time, latency_weight))
         return {"loss": route, "loss_route": route}
 
     return step

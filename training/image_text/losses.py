@@ -14,6 +14,13 @@ one text (`text_id`). In a batch of B images and T text rows:
 
 The loss is the mean of both directions, each the weighted mean of its terms; the similarity
 is the cosine times a learned scale `exp(logit_scale)`, clamped to at most 100 as CLIP does.
+
+With `agreement` (a temperature over cosines) a row's weight is also multiplied by how well the
+image agrees with that text, relative to its other texts: `n_i x softmax over i's own texts of
+cos(i, t) / agreement`, computed without gradient (1 for an image's only text, and the mean
+over an image's rows stays 1). A description that does not fit the image (a measured phrase
+shared with other classes, a captioner's mistake) then pulls less than one that does, whatever
+weight its kind was given.
 """
 
 from __future__ import annotations
@@ -45,9 +52,25 @@ def _positive_terms(logits: Tensor, positive: Tensor, excluded: Tensor) -> Tenso
     return (both - logits)[positive]
 
 
+def agreement_weights(image_features: Tensor, text_features: Tensor, owner: Tensor,
+                      temperature: float) -> Tensor:
+    """Each text row's agreement with its image among that image's texts (T): `n_i x softmax
+    over image i's rows of cos / temperature`, i the row's owner and n_i its row count; no
+    gradient flows through it."""
+    with torch.no_grad():
+        cosine = (image_features[owner] * text_features).sum(1).float() / temperature
+        images = len(image_features)
+        top = torch.full((images,), float("-inf"), device=cosine.device).scatter_reduce(
+            0, owner, cosine, reduce="amax")
+        scores = (cosine - top[owner]).exp()
+        totals = torch.zeros(images, device=cosine.device).index_add(0, owner, scores)
+        counts = torch.bincount(owner, minlength=images).to(scores.dtype)
+        return scores / totals[owner] * counts[owner]
+
+
 def contrastive_loss(image_features: Tensor, text_features: Tensor, owner: Tensor,
                      text_ids: Tensor, weights: Tensor, labels: Tensor,
-                     logit_scale: Tensor) -> Tensor:
+                     logit_scale: Tensor, agreement: float = 0.0) -> Tensor:
     """The symmetric weighted multi-description contrastive loss (see the module docstring).
 
     Args:
@@ -58,7 +81,10 @@ def contrastive_loss(image_features: Tensor, text_features: Tensor, owner: Tenso
         weights: T, each row's weight (> 0).
         labels: B, the images' classes, `UNLABELLED` where unknown.
         logit_scale: the log of the similarity scale (clamped to at most log 100 here).
+        agreement: above 0, each row's weight times `agreement_weights` at this temperature.
     """
+    if agreement > 0:
+        weights = weights * agreement_weights(image_features, text_features, owner, agreement)
     batch = len(image_features)
     scale = logit_scale.clamp(max=MAX_LOGIT_SCALE).exp()
     logits = scale * image_features @ text_features.T  # B x T
@@ -174,11 +200,11 @@ class TextBank:
 
 
 def image_text_step(bank: TextBank, labelled: Tensor, contrastive_weight: float,
-                    ce_weight: float, label_smoothing: float = 0.0):
+                    ce_weight: float, label_smoothing: float = 0.0, agreement: float = 0.0):
     """The training step (`training.loops.Step`) of an `ImageTextNet`: `ce_weight` x the
     classifier's CE on the labelled images of the batch (`labelled[position]`) plus
-    `contrastive_weight` x `contrastive_loss` on every image that has texts. A term with
-    weight 0 is not computed."""
+    `contrastive_weight` x `contrastive_loss` on every image that has texts (its rows weighted
+    by agreement too where `agreement` > 0). A term with weight 0 is not computed."""
 
     def step(model: nn.Module, ids: Tensor, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         image_features = model.image_features(x)
@@ -198,7 +224,7 @@ def image_text_step(bank: TextBank, labelled: Tensor, contrastive_weight: float,
                 text_features = model.text_features(bank.features[unique])[inverse]
                 labels = torch.where(labelled[ids], y, torch.full_like(y, UNLABELLED))
                 contrast = contrastive_loss(image_features, text_features, owner, text_ids,
-                                            weights, labels, model.logit_scale)
+                                            weights, labels, model.logit_scale, agreement)
             else:
                 contrast = image_features.sum() * 0
             losses["loss_contrastive"] = contrast
@@ -221,6 +247,7 @@ class ImageTextStep(ModelStep):
     contrastive_weight: float
     ce_weight: float
     label_smoothing: float = 0.0
+    agreement: float = 0.0
 
     def open(self, model: nn.Module, extras: dict[str, nn.Module], device: torch.device,
              place: Distributed, stack: ExitStack) -> tuple[nn.Module, Step]:
@@ -228,4 +255,4 @@ class ImageTextStep(ModelStep):
             raise ValueError("an image-text round trains in one process only")
         return model, image_text_step(self.bank.to(device), self.labelled.to(device),
                                       self.contrastive_weight, self.ce_weight,
-                                      self.label_smoothing)
+                                      self.label_smoothing, self.agreement)
