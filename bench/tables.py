@@ -72,7 +72,26 @@ CASCADE_ROWS = {"(a) full network": None, "(b) early exits alone": "most_expensi
 CASCADE_SHORT = {"fixed": "c1", "fitted": "c2", "most_expensive": "b"}
 
 
-def cascade(record: dict) -> str:
+def newest_per_set(name: str, results: Path = RESULTS) -> dict:
+    """The newest record of each data set (`data_set`; a record without one: Fashion-MNIST),
+    in `bench.two_sets.SETS` order: `{"sets": {set: record}}`."""
+    newest_first = records(name, results)[::-1]
+    picked = {}
+    for data_set in ("fashion-mnist", "2500x16"):
+        found = next((r for r in newest_first
+                      if r.get("data_set", "fashion-mnist") == data_set), None)
+        if found is not None:
+            picked[data_set] = found
+    return {"sets": picked}
+
+
+def cascade(picked: dict) -> str:
+    """`bench.cascade`'s newest record of each data set (`newest_per_set`), one table each."""
+    return "\n".join(f"**{data_set}**\n\n{cascade_set(record)}"
+                     for data_set, record in picked["sets"].items())
+
+
+def cascade_set(record: dict) -> str:
     """`bench.cascade`'s rows: test accuracy, speed-up over (a) at batch 1, cost over the
     oracle's (latency table; FLOPs), exit shares, and the seeds whose calibration registered
     the row (mean ± std over the seeds); the oracle's accuracy below."""
@@ -311,6 +330,44 @@ def sparsify(record: dict) -> str:
         f"{'; '.join(layers)}. {runs}\n")
 
 
+def area_rule(record: dict) -> str:
+    """`bench.area_rule`: per data set, the area rule and the uniform lambda matched to its
+    validation zeros, on the unread images and the test split, with their zeros."""
+    lines = ["| data set | lambda per map | unread accuracy | test accuracy | zeros, all maps "
+             "(test) | zeros (validation, matched) |", "| --- " * 6 + "|"]
+    for entry in record["results"]:
+        for key in ("rule", "uniform"):
+            figures = entry[key]
+            lambdas = figures["runs"][0]["lambdas"]
+            shown = ", ".join(f"`{layer}` {value:.3g}" for layer, value in lambdas.items())
+            label = ("area rule (gamma 0.5, the default)" if key == "rule"
+                     else "uniform (gamma 0)")
+            lines.append(f"| {entry['set'] if key == 'rule' else ''} | {label}: {shown} | "
+                         f"{spread(*figures['unread_accuracy'])} | "
+                         f"{spread(*figures['test_accuracy'])} | "
+                         f"{figures['test_zeros'][0]:.3f} | {figures['val_zeros'][0]:.3f} |")
+    return "\n".join(lines) + f"\n\n{provenance(record)}\n"
+
+
+def descriptions(record: dict) -> str:
+    """`bench.descriptions`: per data set and variant, accuracy on the unread images, the test
+    split and the 100 validation images, and the paired difference to one description."""
+    lines = ["| data set | descriptions per image | unread accuracy | test accuracy | "
+             "validation (100 images) | unread, minus one description (paired) |",
+             "| --- " * 6 + "|"]
+    for entry in record["results"]:
+        shown = None
+        for variant, figures in entry["variants"].items():
+            paired = figures["minus_one_unread"]
+            lines.append(f"| {entry['set'] if entry['set'] != shown else ''} | {variant} | "
+                         f"{spread(*figures['unread_accuracy'])} | "
+                         f"{spread(*figures['test_accuracy'])} | "
+                         f"{spread(*figures['val_accuracy'])} | "
+                         f"{'-' if paired is None else f'{paired[0]:+.4f} ± {paired[1]:.4f}'} |")
+            shown = entry["set"]
+    return "\n".join(lines) + f"\n\n{provenance(record)}\n"
+
+
 def inference_batch(record: dict) -> str:
     """`bench.inference_batch`'s networks: images per second of a scoring pass at the device's
     batch and at the baseline batch (median over the rounds), and their paired ratio."""
@@ -331,10 +388,13 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"image_text": image_text, "cascad
                                                "small_data": small_data,
                                                "train_accuracy": train_accuracy,
                                                "sparsify": sparsify,
-                                               "inference_batch": inference_batch}
+                                               "inference_batch": inference_batch,
+                                               "area_rule": area_rule,
+                                               "descriptions": descriptions}
 
 
 PICKERS: dict[str, Callable[[str, Path], dict]] = {"sparsify": newest_per_task,
+                                                   "cascade": newest_per_set,
                                                    "small_data": newest_per_flow}
 
 

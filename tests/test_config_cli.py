@@ -175,7 +175,9 @@ def test_a_prefect_server_that_does_not_start_in_time_ends_in_one_error_line(tmp
 def test_each_sparsify_task_has_its_defaults_below_the_profile_and_the_given_values():
     from tasks.configs.sparsify import SparsifyConfig
 
-    assert SparsifyConfig().sparsity_lambda == 0.3  # classification
+    classification = SparsifyConfig()  # one lambda for both maps (bench.area_rule)
+    assert (classification.sparsity_lambda, classification.lambda_gamma) == (0.42, 0.0)
+    assert SparsifyConfig(lambda_gamma=0.5).lambda_gamma == 0.5
     contour = SparsifyConfig(task="contour")
     assert (contour.sparsity_lambda, contour.optim.batch_size, contour.epochs) == (0.02, 16, 6)
     assert SparsifyConfig(task="contour", sparsity_lambda=0.3).sparsity_lambda == 0.3

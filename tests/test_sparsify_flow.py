@@ -22,17 +22,19 @@ def smoke_sparsify(**overrides) -> SparsifyConfig:
 
 @pytest.fixture(scope="module")
 def sparse():
-    """lambda 0.5, and a sweep point without the term (a nested run)."""
+    """lambda 0.5 by the area rule, and a sweep point without the term (a nested run)."""
     from flows.sparsify import sparsify
 
-    return sparsify(smoke_sparsify(sparsity_lambda=0.5, lambda_sweep="0,0.5", registry=True))
+    return sparsify(smoke_sparsify(sparsity_lambda=0.5, lambda_gamma=0.5, lambda_sweep="0,0.5",
+                                   registry=True))
 
 
 def test_the_term_raises_the_zeros_of_every_regularized_layer(sparse):
     plain = sparse.sweep[0.0]
     assert set(sparse.sweep) == {0.0, 0.5} and sparse.sweep[0.5] == sparse.report
     assert list(sparse.spec.lambdas) == ["block1", "block2"]  # lenet's feature maps
-    # gamma 0.5: block2's 7 x 7 map weighs (196 / 49) ** 0.5 = 2 times block1's 14 x 14
+    # the area rule at gamma 0.5 (classification's default is gamma 0, one lambda): block2's
+    # 7 x 7 map weighs (196 / 49) ** 0.5 = 2 times block1's 14 x 14
     assert sparse.spec.lambdas == pytest.approx({"block1": 0.5, "block2": 1.0})
     for layer in ("block1", "block2"):
         assert sparse.report.layers[layer].zero_fraction > \
