@@ -46,6 +46,9 @@ class CascadeSpec:
         exit_hidden: the early exits' classifier is a hidden layer of `exit_hidden` units
             (ReLU) and a linear layer; 0: a linear layer. The last exit's is always linear,
             so the full network is the same whatever the early exits are.
+        route_context: a super-network module's predictor also reads the class
+            probabilities of the exit before it (computed anyway where the cascade runs; a
+            module at the input has none), not only its pooled incoming map.
     """
 
     widths: tuple[int, ...] = (16, 64, 128)
@@ -54,6 +57,7 @@ class CascadeSpec:
     confidence: str = "max_softmax"
     exit_pool: int = 4
     exit_hidden: int = 64
+    route_context: bool = False
 
     def __post_init__(self) -> None:
         if len(self.widths) < 2:
@@ -101,6 +105,27 @@ class ExitHead(nn.Module):
         return self.fc(self.pool(x))
 
 
+class RoutePredictor(nn.Sequential):
+    """A super-network module's predictor: the incoming map averaged over 2 x 2 cells, with
+    `context` more values appended (the previous exit's class probabilities; zeros where none
+    are given), a hidden layer of 32 (ReLU) and one score per sub-network. Its layers are
+    numbered as the plain sequence before `context` existed, so older checkpoints load."""
+
+    def __init__(self, in_channels: int, outputs: int, context: int = 0) -> None:
+        super().__init__(nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+                         nn.Linear(4 * in_channels + context, 32), nn.ReLU(inplace=True),
+                         nn.Linear(32, outputs))
+        self.context = context
+
+    def forward(self, x: Tensor, context: Tensor | None = None) -> Tensor:
+        pooled = self[1](self[0](x))
+        if self.context:
+            if context is None:
+                context = pooled.new_zeros(len(pooled), self.context)
+            pooled = torch.cat([pooled, context.to(pooled.dtype)], 1)
+        return self[4](self[3](self[2](pooled)))
+
+
 class SuperModule(nn.Module):
     """Interchangeable sub-networks (same input and output shapes, different cost, cheapest
     first) and a predictor that picks one per image from the incoming feature map.
@@ -113,12 +138,10 @@ class SuperModule(nn.Module):
     before it existed.
     """
 
-    def __init__(self, subnets: list[nn.Module], in_channels: int) -> None:
+    def __init__(self, subnets: list[nn.Module], in_channels: int, context: int = 0) -> None:
         super().__init__()
         self.subnets = nn.ModuleList(subnets)
-        self.predictor = nn.Sequential(nn.AdaptiveAvgPool2d(2), nn.Flatten(),
-                                       nn.Linear(4 * in_channels, 32), nn.ReLU(inplace=True),
-                                       nn.Linear(32, len(subnets)))
+        self.predictor = RoutePredictor(in_channels, len(subnets), context)
         self.reset_predictor()
         self.register_buffer("fixed", torch.tensor(-1))
         self.register_buffer("route_offset", torch.tensor(0.0))
@@ -137,16 +160,17 @@ class SuperModule(nn.Module):
         nn.init.zeros_(self.predictor[-1].weight)
         nn.init.zeros_(self.predictor[-1].bias)
 
-    def route(self, x: Tensor) -> Tensor:
-        """The sub-network index for each image (the fixed one, or the predictor's choice)."""
+    def route(self, x: Tensor, context: Tensor | None = None) -> Tensor:
+        """The sub-network index for each image (the fixed one, or the predictor's choice;
+        `context`: what `RoutePredictor` appends, where it reads any)."""
         if int(self.fixed) >= 0:
             return torch.full((len(x),), int(self.fixed), dtype=torch.long, device=x.device)
-        return self.scores(x).argmax(1)
+        return self.scores(x, context).argmax(1)
 
-    def scores(self, x: Tensor) -> Tensor:
+    def scores(self, x: Tensor, context: Tensor | None = None) -> Tensor:
         """The predictor's score per sub-network (N x S), `route_offset` added to the most
         expensive one's (the last: cheapest first)."""
-        scores = self.predictor(x)
+        scores = self.predictor(x, context)
         if float(self.route_offset) == 0.0:
             return scores
         offset = torch.zeros(scores.shape[1], dtype=scores.dtype, device=scores.device)
@@ -208,7 +232,8 @@ class CascadeNet(ImageClassifier):
             if k in spec.super_modules:
                 subnets = [block(channels, max(1, round(out * m)), out, 2)
                            for m in spec.sub_widths]
-                blocks.append(SuperModule(subnets, channels))
+                context = num_classes if spec.route_context and k > 0 else 0
+                blocks.append(SuperModule(subnets, channels, context))
             else:
                 blocks.append(block(channels, out, out, 2))
             last = k == len(spec.widths) - 1
@@ -238,7 +263,34 @@ class CascadeNet(ImageClassifier):
         module = self.blocks[k]
         if not isinstance(module, SuperModule):
             return module(x)
-        return module(x, module.route(x) if choice is None else choice)
+        return module(x, self.route(k, x) if choice is None else choice)
+
+    def route_context(self, k: int, x: Tensor, previous: Tensor | None = None) -> Tensor | None:
+        """What module k's predictor reads beside its map `x`: the class probabilities of exit
+        k - 1 (its logits `previous` where already computed, else computed here, without
+        gradient), or None where it reads none."""
+        module = self.blocks[k]
+        if not isinstance(module, SuperModule) or not module.predictor.context:
+            return None
+        with torch.no_grad():
+            logits = self.exits[k - 1](x) if previous is None else previous
+            return logits.float().softmax(1)
+
+    def predictor_scores(self, k: int, x: Tensor, previous: Tensor | None = None) -> Tensor:
+        """Module k's predictor's raw scores on its map `x` (no offset: what it is trained
+        on)."""
+        module = self.blocks[k]
+        assert isinstance(module, SuperModule)
+        return module.predictor(x, self.route_context(k, x, previous))
+
+    def route(self, k: int, x: Tensor, previous: Tensor | None = None) -> Tensor:
+        """Module k's sub-network for each image of its map `x` (`previous`: exit k - 1's
+        logits, where already computed)."""
+        module = self.blocks[k]
+        assert isinstance(module, SuperModule)
+        if int(module.fixed) >= 0:
+            return module.route(x)
+        return module.route(x, self.route_context(k, x, previous))
 
     def most_expensive(self, k: int) -> int:
         return self.sub_count(k) - 1
@@ -281,6 +333,7 @@ class CascadeNet(ImageClassifier):
         routed: list[tuple[Tensor | None, int | Tensor, int]] = []  # rows, choice, module
         x = self.fit_input(x)
         last = self.modules_count - 1
+        logits: Tensor | None = None  # the last exit's, for a predictor that reads them
         for k in range(self.modules_count):
             module = self.blocks[k]
             if isinstance(module, SuperModule):
@@ -289,12 +342,13 @@ class CascadeNet(ImageClassifier):
                 elif int(module.fixed) >= 0:  # chosen for good: no predictor to run
                     choice = int(module.fixed)
                 else:
-                    choice = module.route(x)
+                    choice = self.route(k, x, logits)
                 routed.append((alive, choice, k))
                 x = module(x, choice)
             else:
                 x = module(x)
-            conf, pred = confidence_of(self.exits[k](x), self.spec.confidence)
+            logits = self.exits[k](x)
+            conf, pred = confidence_of(logits, self.spec.confidence)
             leave = None if k == last else conf > limits[k]
             leaving = len(conf) if leave is None else int(leave.sum())
             if leaving == len(conf):
@@ -304,6 +358,7 @@ class CascadeNet(ImageClassifier):
                 rows, stay = leave.nonzero().squeeze(1), (~leave).nonzero().squeeze(1)
                 left.append((rows if alive is None else alive[rows], pred[rows], conf[rows], k))
                 alive, x = (stay if alive is None else alive[stay]), x.index_select(0, stay)
+                logits = logits.index_select(0, stay)
         return self._gather(count, device, left, routed)
 
     def _gather(self, count: int, device: torch.device,

@@ -27,7 +27,8 @@ class CascadeModel(ImageClassifierModel):
             widths=tuple(spec["widths"]), super_modules=tuple(spec["super_modules"]),
             sub_widths=tuple(spec["sub_widths"]), confidence=spec["confidence"],
             exit_pool=spec.get("exit_pool", 1),  # models registered before them: 1, 0
-            exit_hidden=spec.get("exit_hidden", 0)),
+            exit_hidden=spec.get("exit_hidden", 0),
+            route_context=spec.get("route_context", False)),
             self.channels, len(self.classes))
         self.network.load_state_dict(torch.load(context.artifacts["weights"],
                                                 map_location="cpu", weights_only=True))

@@ -247,7 +247,7 @@ def fit_predictor(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
     routed = []
     with torch.no_grad():
         for _, x, _ in eval_batches(data, dataset, "val", device):
-            routed.append(net.blocks[k].route(net.prefix(x, k)).cpu())
+            routed.append(net.route(k, net.prefix(x, k)).cpu())
     shares = torch.bincount(torch.cat(routed), minlength=net.sub_count(k)).float()
     metrics |= {f"predictor{k}_share_{s}": v for s, v in enumerate(
         (shares / shares.sum()).tolist())}

@@ -390,15 +390,19 @@ def middle(values: torch.Tensor) -> float:
     return ((ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2).item()
 
 
-def test_a_batch_and_its_images_one_by_one_get_the_same_cascade():
+@pytest.mark.parametrize("route_context", [False, True])
+def test_a_batch_and_its_images_one_by_one_get_the_same_cascade(route_context):
     # one image at a time takes the no-regrouping path (all stay or all leave at each exit);
     # a batch regroups: both must give every image the same exit, class and sub-networks
-    net = small_net(seed=3)
+    # (with `route_context` the predictor also reads exit 0's probabilities, kept for the
+    # images still in play)
+    net = small_net(seed=3, route_context=route_context)
     x = torch.randn(48, 1, 28, 28)
     predictor = net.blocks[1].predictor  # made to split the batch between its sub-networks
+    assert predictor[2].in_features == 4 * 4 + (3 if route_context else 0)
     torch.nn.init.normal_(predictor[-1].weight)
     with torch.no_grad():
-        scores = predictor(net.blocks[0](x))
+        scores = net.predictor_scores(1, net.blocks[0](x))
         predictor[-1].bias[1] -= middle(scores[:, 1] - scores[:, 0])
     first, _ = confidence_of(net.exits[0](net.blocks[0](x)))
     second = net.infer(x, torch.tensor([middle(first), 0.0]))
@@ -412,6 +416,9 @@ def test_a_batch_and_its_images_one_by_one_get_the_same_cascade():
     assert batch.labels.tolist() == [int(a.labels) for a in alone]
     assert batch.choices.tolist() == [a.choices[0].tolist() for a in alone]
     assert torch.allclose(batch.confidence, torch.cat([a.confidence for a in alone]), atol=1e-5)
+    with torch.no_grad():  # the choices are the predictor's on the whole batch, where it ran
+        routed = batch.exits > 0
+        assert torch.equal(batch.choices[routed, 1], net.route(1, net.blocks[0](x))[routed])
 
 
 def test_the_distillation_loss_by_hand():

@@ -46,6 +46,9 @@ class CascadeConfig(ProfiledConfig, RoundsFields):
     exit_hidden: int = Field(64, ge=0, le=4096, description="the early exits' classifier: a "
                              "hidden ReLU layer of this many units, then a linear layer (0: "
                              "linear; the last exit is always linear)")
+    route_context: bool = Field(False, description="a super-network module's predictor also "
+                                "reads the class probabilities of the exit before it, not only "
+                                "its pooled incoming map")
     difficulty: Literal["loss", "margin"] = Field("loss", description="per-image difficulty: a "
                                                   "linear classifier on the raw pixels, fitted on "
                                                   "the other half of the images, its cross-entropy "
@@ -187,7 +190,8 @@ class CascadeConfig(ProfiledConfig, RoundsFields):
         """The network's shape (`models.cascade.CascadeSpec`)."""
         return CascadeSpec(widths=self.widths, super_modules=tuple(sorted(set(
             self.super_modules))), sub_widths=self.sub_widths, confidence=self.confidence,
-            exit_pool=self.exit_pool, exit_hidden=self.exit_hidden)
+            exit_pool=self.exit_pool, exit_hidden=self.exit_hidden,
+            route_context=self.route_context)
 
     def parts(self) -> list[str]:
         """The names of the parts a latency table must time."""

@@ -232,7 +232,7 @@ def module_step(net: CascadeNet, k: int, relative_time: Tensor | None, latency_w
         else:
             losses, errors = _sub_outputs(net, k, features, y)
             own = losses.mean()
-            route = routing_loss(net.blocks[k].predictor(features.detach()), errors,
+            route = routing_loss(net.predictor_scores(k, features.detach()), errors,
                                  relative_time, latency_weight)
         ce = own if frozen else (earlier + own) / (k + 1)
         result = {"loss": ce if route is None else ce + route, "loss_ce": ce}
@@ -297,7 +297,7 @@ def predictor_step(net: CascadeNet, k: int, relative_time: Tensor, latency_weigh
         with torch.no_grad():
             features = net.prefix(x, k)
             _, errors = _sub_outputs(net, k, features, y)
-        logits = net.blocks[k].predictor(features)
+        logits = net.predictor_scores(k, features)
         route = (oracle_routing_loss(logits, errors, relative_time) if target == "oracle"
                  else routing_loss(logits, errors, relative_time, latency_weight))
         return {"loss": route, "loss_route": route}
@@ -333,8 +333,7 @@ def exit_inputs(net: CascadeNet, batches: Batches) -> tuple[list[Tensor], Tensor
     for _, x, y in batches:
         features = net.fit_input(x)
         for k in range(net.modules_count):
-            choice = net.blocks[k].route(features) if net.is_super(k) else None
-            features = net.run_module(k, features, choice)
+            features = net.run_module(k, features)
             if k < last:
                 pooled[k].append(net.exits[k].pool(features).float())
         final.append(net.exits[last](features).float())
@@ -453,14 +452,16 @@ def exit_table(net: CascadeNet, batches: Batches, costs: dict[str, float],
         features = net.fit_input(x)
         path = torch.zeros(len(y), modules, dtype=torch.long)
         conf_k, correct_k = [], []
+        logits = None  # the last exit's
         for k in range(modules):
             choice = None
             if net.is_super(k):
-                choice = (net.blocks[k].route(features) if fixed is None or k not in fixed
+                choice = (net.route(k, features, logits) if fixed is None or k not in fixed
                           else torch.full((len(y),), fixed[k], device=features.device))
                 path[:, k] = choice.cpu()
             features = net.run_module(k, features, choice)
-            conf, pred = confidence_of(net.exits[k](features), net.spec.confidence)
+            logits = net.exits[k](features)
+            conf, pred = confidence_of(logits, net.spec.confidence)
             conf_k.append(conf.cpu())
             correct_k.append((pred == y).cpu())
         confidence.append(torch.stack(conf_k, 1))
