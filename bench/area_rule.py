@@ -15,7 +15,7 @@ Zeros are reported on the test images; validation's chose the lambda. A differen
 is the rule's gain at equal zeros; the classification default keeps the rule only where it wins
 (it did not: one lambda, 0.42, is the default now).
 
-    python -m bench.area_rule                      # both data sets, seeds 0-2: ~35 minutes
+    python -m bench.area_rule                      # both data sets, seeds 0-2: ~17 minutes
     python -m bench.area_rule --sets 2500x16 --seeds 0 --search-runs 1 --set profile=smoke
 """
 

@@ -26,7 +26,7 @@ measured times decisions use; in FLOPs beside it).
 
     python -m bench.cascade                    # 3 seeds, about 15 minutes on 2 cores
     python -m bench.cascade --data-set 2500x16  # the second data set (`bench.two_sets`)
-    python -m bench.cascade --set routing_target=cost route_offsets=0   # the earlier predictor
+    python -m bench.cascade --set routing_target=cost route_shares=0   # the earlier predictor
     python -m bench.cascade --seeds 0 --set predictor=fixed
     python -m bench.cascade --seeds 0 --set profile=smoke   # a check that it runs: a minute
 """

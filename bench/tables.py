@@ -332,21 +332,28 @@ def sparsify(record: dict) -> str:
 
 def area_rule(record: dict) -> str:
     """`bench.area_rule`: per data set, the area rule and the uniform lambda matched to its
-    validation zeros, on the unread images and the test split, with their zeros."""
+    validation zeros, on the unread images and the test split, with their zeros, and the
+    rule's paired difference on the unread images."""
     lines = ["| data set | lambda per map | unread accuracy | test accuracy | zeros, all maps "
              "(test) | zeros (validation, matched) |", "| --- " * 6 + "|"]
+    paired = []
     for entry in record["results"]:
         for key in ("rule", "uniform"):
             figures = entry[key]
             lambdas = figures["runs"][0]["lambdas"]
             shown = ", ".join(f"`{layer}` {value:.3g}" for layer, value in lambdas.items())
-            label = ("area rule (gamma 0.5, the default)" if key == "rule"
-                     else "uniform (gamma 0)")
+            label = "area rule (gamma 0.5)" if key == "rule" else "one lambda (gamma 0)"
             lines.append(f"| {entry['set'] if key == 'rule' else ''} | {label}: {shown} | "
                          f"{spread(*figures['unread_accuracy'])} | "
                          f"{spread(*figures['test_accuracy'])} | "
                          f"{figures['test_zeros'][0]:.3f} | {figures['val_zeros'][0]:.3f} |")
-    return "\n".join(lines) + f"\n\n{provenance(record)}\n"
+        gains = [r["unread_accuracy"] - u["unread_accuracy"] for r, u in
+                 zip(entry["rule"]["runs"], entry["uniform"]["runs"], strict=True)]
+        mean, std = mean_std(gains)
+        paired.append(f"{entry['set']} {mean:+.4f} ± {std:.4f} (ahead on "
+                      f"{sum(g > 0 for g in gains)} of {len(gains)} seeds)")
+    return "\n".join(lines) + (f"\n\nRule minus one lambda, unread, paired: "
+                               f"{'; '.join(paired)}. {provenance(record)}\n")
 
 
 def descriptions(record: dict) -> str:

@@ -94,7 +94,7 @@ def calibrate_thresholds(config: CascadeConfig, dataset: DatasetRef, latency: Ar
                            accuracy_tolerance=config.accuracy_tolerance,
                            latency_budget=config.latency_budget,
                            count_gains=config.count_gains, thresholds=config.thresholds,
-                           route_offsets=config.route_offsets)
+                           route_shares=config.route_shares)
     costs = part_costs(read_table(latency))
     done = calibrate_cascade(
         net, lambda fixed: validation_table(config, dataset, net, costs, fixed=fixed), costs,

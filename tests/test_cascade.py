@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from models.cascade import CascadeSpec, build_cascade, confidence_of
-from training.cascade.calibration import best_offset
+from training.cascade.calibration import best_offsets, share_offsets
 from training.cascade.learning import (
     ExitTable,
     StageModel,
@@ -171,20 +171,24 @@ def test_a_route_offset_sends_images_to_the_expensive_sub_network_and_old_checkp
     assert float(fresh.blocks[1].route_offset) == 0.0
 
 
-def test_the_predictors_operating_point_is_the_offset_whose_calibrated_cascade_is_cheapest():
-    # one early exit, four images; what the routed tables look like at each offset of module 1
+def test_the_predictors_operating_point_is_the_share_whose_calibrated_cascade_is_cheapest():
+    # one early exit, four images; module 1's predictor margins (expensive minus cheap) are
+    # -4, -3, -2, -1: its argmax sends none to the expensive sub-network, an offset sending a
+    # quarter sends the last image, half the last two
     confidence = torch.tensor([[0.9, 1.0], [0.8, 1.0], [0.7, 1.0], [0.6, 1.0]])
     right = torch.tensor([[True, True], [False, True], [True, True], [True, True]])
-    tables = {0.0: ExitTable(confidence, right & torch.tensor([True, False]), torch.tensor(
-                  [[1.0, 2.0]] * 4)),  # the last exit loses images: misses the target
-              1.0: ExitTable(confidence, right, torch.tensor([[1.0, 3.0]] * 4)),
-              2.0: ExitTable(confidence, right, torch.tensor([[1.0, 5.0]] * 4))}
+    margins = torch.tensor([[float("nan"), -4.0], [float("nan"), -3.0],
+                            [float("nan"), -2.0], [float("nan"), -1.0]])
+    tables = {0: ExitTable(confidence, right & torch.tensor([True, False]),
+                           torch.tensor([[1.0, 2.0]] * 4), margins=margins),  # misses
+              1: ExitTable(confidence, right, torch.tensor([[1.0, 3.0]] * 4)),
+              2: ExitTable(confidence, right, torch.tensor([[1.0, 5.0]] * 4))}
     net = small_net(super_modules=(1,))
     target = 1.0
 
     def table_for(fixed):
         assert fixed is None
-        return tables[float(net.blocks[1].route_offset)]
+        return tables[int((margins[:, 1] + net.blocks[1].route_offset > 0).sum())]
 
     def calibrate(grid):
         return grid.cheapest(target)
@@ -192,12 +196,16 @@ def test_the_predictors_operating_point_is_the_offset_whose_calibrated_cascade_i
     def rank(outcome):
         return outcome["accuracy"] < target - 1e-9, outcome["mean_cost"]
 
-    zero = tables[0.0], threshold_grid(tables[0.0]), calibrate(threshold_grid(tables[0.0]))
-    offset, table, _, thresholds = best_offset(net, [1], (0.0, 2.0, 1.0), table_for, zero,
-                                               threshold_grid, calibrate, rank)
-    assert offset == 1.0 and table is tables[1.0]
-    assert float(net.blocks[1].route_offset) == 1.0  # the net is left at its operating point
+    assert share_offsets(margins, [1], 0.25)[1] == pytest.approx(1.75)  # -quantile(m, 0.75)
+    zero = tables[0], threshold_grid(tables[0]), calibrate(threshold_grid(tables[0]))
+    share, offsets, table, _, thresholds = best_offsets(
+        net, [1], (0.5, 0.25), table_for, zero, threshold_grid, calibrate, rank)
+    assert share == 0.25 and table is tables[1]
+    assert float(net.blocks[1].route_offset) == pytest.approx(offsets[1])  # left there
     assert table.outcome(thresholds)["accuracy"] == pytest.approx(1.0)
+    # no share given: the argmax, offsets 0
+    assert best_offsets(net, [1], (), table_for, zero, threshold_grid, calibrate, rank)[:2] \
+        == (0.0, {1: 0.0})
 
 
 def hand_table() -> ExitTable:

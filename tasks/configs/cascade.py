@@ -74,12 +74,13 @@ class CascadeConfig(ProfiledConfig, RoundsFields):
     routing_target: Literal["oracle", "cost"] = Field(
         "oracle", description="what a fitted predictor learns: oracle, the cross-entropy "
         "toward the cheapest sub-network that gets the image right, its operating point then "
-        "set on validation (`--route-offsets`); cost, the expected error plus "
+        "set on validation (`--route-shares`); cost, the expected error plus "
         "--latency-weight x time of its choice")
-    route_offsets: CommaList[tuple[float, ...]] = Field(
-        (0.0, -3.0, -2.0, -1.0, -0.5, 0.5, 1.0, 2.0, 3.0), description="comma-separated "
-        "offsets added to the fitted predictors' score of the most expensive sub-network, each "
-        "calibrated on validation and the cheapest kept (ties: the first); 0 alone: argmax")
+    route_shares: CommaList[tuple[float, ...]] = Field(
+        (0.02, 0.05, 0.1, 0.2, 0.35, 0.5), description="comma-separated shares of the "
+        "validation images the fitted predictors may send to each module's most expensive "
+        "sub-network (an offset on its score; the predictor ranks the images): each is "
+        "calibrated on validation beside the argmax and the cheapest kept (ties: the argmax)")
     latency_weight: float = Field(0.002, ge=0.0, le=100.0, description="the latency-aware "
                                   "loss: how many errors the most expensive sub-network's time "
                                   "is worth (above 0.005 every image went to the cheapest "

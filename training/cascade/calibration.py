@@ -10,9 +10,11 @@ predictors. The one that meets the goal and is cheapest (accuracy goal) or most 
 (budget) wins, the predictors only when strictly better: a predictor must pay for its own time,
 and the super-network's choice must not make the cascade worse than the plain one.
 
-The predictors are calibrated at several operating points first (`route_offsets`: an offset
-added to each routed module's score of its most expensive sub-network, so that it takes more
-or fewer images), each with its own thresholds; the best of them is the predictors' candidate.
+The predictors are calibrated at several operating points first: their argmax, and for each of
+`route_shares` an offset on each routed module's score of its most expensive sub-network that
+sends that share of the validation images there (the predictor ranks the images, the offset
+sets how many take the expensive path), each with its own thresholds; the best of them is the
+predictors' candidate.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class CalibrationGoal:
     latency_budget: float | None = None
     count_gains: bool = False
     thresholds: tuple[float, ...] | None = None
-    route_offsets: tuple[float, ...] = (0.0,)
+    route_shares: tuple[float, ...] = ()
 
 
 @dataclass
@@ -78,42 +80,53 @@ def routed_variant(net: CascadeNet, chosen: dict) -> CascadeNet:
     for k, choice in chosen["fixed"].items():
         variant.blocks[k].fixed.fill_(choice)
         if choice < 0:
-            variant.blocks[k].route_offset.fill_(chosen.get("route_offset", 0.0))
+            variant.blocks[k].route_offset.fill_(chosen.get("route_offsets", {}).get(k, 0.0))
     variant.thresholds.copy_(chosen["thresholds"])
     return variant.eval()
 
 
-def set_route_offset(net: CascadeNet, modules: list[int], offset: float) -> None:
-    """Every routed module's `route_offset` to `offset`."""
-    for k in modules:
+def set_route_offsets(net: CascadeNet, offsets: dict[int, float]) -> None:
+    """Each module k's `route_offset` to `offsets[k]`."""
+    for k, offset in offsets.items():
         net.blocks[k].route_offset.fill_(offset)
 
 
-def best_offset(net: CascadeNet, routed: list[int], offsets: tuple[float, ...],
-                table_for: Callable[[dict[int, int] | None], ExitTable],
-                at_zero: tuple[ExitTable, ThresholdGrid, Tensor],
-                scored: Callable[[ExitTable], ThresholdGrid],
-                calibrate: Callable[[ThresholdGrid], Tensor],
-                rank: Callable[[dict[str, float]], tuple]
-                ) -> tuple[float, ExitTable, ThresholdGrid, Tensor]:
-    """The predictors' operating point: of `offsets` (`at_zero`: offset 0's table, grid and
-    thresholds, already made), the one whose calibrated cascade ranks best (the first among
-    ties), with its table, grid and thresholds; `net`'s routed modules are left at it."""
-    best: tuple[tuple, float, ExitTable, ThresholdGrid, Tensor] | None = None
-    for offset in offsets or (0.0,):
-        set_route_offset(net, routed, offset)
-        if offset == 0.0:
-            table, grid, thresholds = at_zero
-        else:
-            table = table_for(None)
-            grid = scored(table)
-            thresholds = calibrate(grid)
+def share_offsets(margins: Tensor, routed: list[int], share: float) -> dict[int, float]:
+    """Per routed module, the offset on its most expensive sub-network's score that sends
+    `share` of the images to it: minus the `1 - share` quantile of the predictor's margins
+    (`ExitTable.margins`, taken at offset 0); 0 for `share` 0 (the predictor's argmax)."""
+    if share == 0.0:
+        return dict.fromkeys(routed, 0.0)
+    return {k: -float(torch.quantile(margins[:, k].float(), 1.0 - share)) + 1e-6
+            for k in routed}
+
+
+def best_offsets(net: CascadeNet, routed: list[int], shares: tuple[float, ...],
+                 table_for: Callable[[dict[int, int] | None], ExitTable],
+                 at_zero: tuple[ExitTable, ThresholdGrid, Tensor],
+                 scored: Callable[[ExitTable], ThresholdGrid],
+                 calibrate: Callable[[ThresholdGrid], Tensor],
+                 rank: Callable[[dict[str, float]], tuple]
+                 ) -> tuple[float, dict[int, float], ExitTable, ThresholdGrid, Tensor]:
+    """The predictors' operating point: their argmax (`at_zero`: its table, grid and
+    thresholds, already made) or, for each of `shares`, the offsets that send that share of
+    the validation images to each routed module's most expensive sub-network
+    (`share_offsets`); the one whose calibrated cascade ranks best (the argmax among ties),
+    with its share (0: the argmax), offsets, table, grid and thresholds. `net`'s routed
+    modules are left at its offsets."""
+    margins = at_zero[0].margins
+    best = (rank(at_zero[0].outcome(at_zero[2])), 0.0, dict.fromkeys(routed, 0.0), *at_zero)
+    for share in shares if margins is not None else ():
+        offsets = share_offsets(margins, routed, share)
+        set_route_offsets(net, offsets)
+        table = table_for(None)
+        grid = scored(table)
+        thresholds = calibrate(grid)
         score = rank(table.outcome(thresholds))
-        if best is None or score < best[0]:
-            best = (score, offset, table, grid, thresholds)
-    assert best is not None
-    set_route_offset(net, routed, best[1])
-    return best[1], best[2], best[3], best[4]
+        if score < best[0]:
+            best = (score, share, offsets, table, grid, thresholds)
+    set_route_offsets(net, best[2])
+    return best[1:]
 
 
 def calibrate_cascade(net: CascadeNet, table_for: Callable[[dict[int, int] | None], ExitTable],
@@ -128,7 +141,8 @@ def calibrate_cascade(net: CascadeNet, table_for: Callable[[dict[int, int] | Non
         """The table's grid, on its net accuracy or (by default) its losses alone."""
         return threshold_grid(table if goal.count_gains else table.losses_only())
 
-    set_route_offset(net, [k for k in range(net.modules_count) if net.is_super(k)], 0.0)
+    set_route_offsets(net, dict.fromkeys(
+        [k for k in range(net.modules_count) if net.is_super(k)], 0.0))
     table = table_for(None)  # the predictors' argmax: the calibration sets any offset anew
     full = full_network(net)
     plain = table_for(full)
@@ -160,8 +174,8 @@ def calibrate_cascade(net: CascadeNet, table_for: Callable[[dict[int, int] | Non
         # (A most frequent choice can lose more than the tolerance by itself: the target is
         # the most expensive network's accuracy; then no exit at all would be "calibrated".)
         majority = {k: int(table.paths[:, k].mode().values) for k in routed}
-        offset, fitted_table, fitted_grid, fitted_thresholds = best_offset(
-            net, routed, goal.route_offsets, table_for, (table, grid, thresholds), scored,
+        share, offsets, fitted_table, fitted_grid, fitted_thresholds = best_offsets(
+            net, routed, goal.route_shares, table_for, (table, grid, thresholds), scored,
             calibrate, rank)
         choices = {"most frequent": (majority, table_for(majority)),
                    "most expensive": ({k: full[k] for k in routed}, plain),
@@ -182,9 +196,10 @@ def calibrate_cascade(net: CascadeNet, table_for: Callable[[dict[int, int] | Non
                       "val_cost_ratio_predictors_fixed": theirs["mean_cost"] / full_cost,
                       "val_accuracy_predictors_fitted": fitted["accuracy"],
                       "val_cost_ratio_predictors_fitted": fitted["mean_cost"] / full_cost,
-                      "route_offset": offset}
+                      "route_share": share,
+                      **{f"route_offset_{k}": offset for k, offset in offsets.items()}}
         routing = {"fixed": {"fixed": majority, "thresholds": calibrated["most frequent"][1]},
-                   "fitted": {"fixed": dict.fromkeys(routed, -1), "route_offset": offset,
+                   "fitted": {"fixed": dict.fromkeys(routed, -1), "route_offsets": offsets,
                               "thresholds": calibrated["predictors"][1]}}
         fixed, table = choices[best]
         grid, thresholds = calibrated[best]

@@ -402,6 +402,7 @@ class ExitTable:
     cost: Tensor
     paths: Tensor | None = None
     routed: bool | None = None
+    margins: Tensor | None = None  # (N, K): see `exit_table`
 
     def priced(self, net: CascadeNet, costs: dict[str, float]) -> ExitTable:
         """The same images and paths at other per-part costs (FLOPs instead of time, say)."""
@@ -444,20 +445,30 @@ def exit_table(net: CascadeNet, batches: Batches, costs: dict[str, float],
                fixed: dict[int, int] | None = None) -> ExitTable:
     """The `ExitTable` of `batches` (every image through every module, for calibration and
     analysis; inference itself is `CascadeNet.infer`). `costs`: each part's cost per image
-    (`training.latency.part_costs`); `fixed`: sub-networks given instead of routing."""
+    (`training.latency.part_costs`); `fixed`: sub-networks given instead of routing.
+    `margins` (N, K): where a predictor routes module k, its score of the most expensive
+    sub-network minus the best other's (offset included: positive where it is chosen); NaN
+    elsewhere."""
     net.eval()
     modules = net.modules_count
-    confidence, correct, paths = [], [], []
+    confidence, correct, paths, margins = [], [], [], []
     for _, x, y in batches:
         features = net.fit_input(x)
         path = torch.zeros(len(y), modules, dtype=torch.long)
+        margin = torch.full((len(y), modules), float("nan"))
         conf_k, correct_k = [], []
         logits = None  # the last exit's
         for k in range(modules):
             choice = None
-            if net.is_super(k):
-                choice = (net.route(k, features, logits) if fixed is None or k not in fixed
-                          else torch.full((len(y),), fixed[k], device=features.device))
+            if net.is_super(k) and fixed is not None and k in fixed:
+                choice = torch.full((len(y),), fixed[k], device=features.device)
+            elif net.is_super(k) and int(net.blocks[k].fixed) >= 0:
+                choice = net.route(k, features)
+            elif net.is_super(k):
+                scores = net.blocks[k].scores(features, net.route_context(k, features, logits))
+                choice = scores.argmax(1)
+                margin[:, k] = (scores[:, -1] - scores[:, :-1].max(1).values).float().cpu()
+            if choice is not None:
                 path[:, k] = choice.cpu()
             features = net.run_module(k, features, choice)
             logits = net.exits[k](features)
@@ -467,10 +478,11 @@ def exit_table(net: CascadeNet, batches: Batches, costs: dict[str, float],
         confidence.append(torch.stack(conf_k, 1))
         correct.append(torch.stack(correct_k, 1))
         paths.append(path)
+        margins.append(margin)
     path = torch.cat(paths)
     routed = None if fixed is None else False
     return ExitTable(torch.cat(confidence), torch.cat(correct),
-                     _cost_table(net, path, costs, routed), path, routed)
+                     _cost_table(net, path, costs, routed), path, routed, torch.cat(margins))
 
 
 def _cost_table(net: CascadeNet, paths: Tensor, costs: dict[str, float],
