@@ -356,9 +356,37 @@ def area_rule(record: dict) -> str:
                                f"{'; '.join(paired)}. {provenance(record)}\n")
 
 
+def newest_per_variant(name: str, results: Path = RESULTS) -> dict:
+    """`bench.descriptions`' newest runs of each data set and variant (a later record may add
+    a variant on the same seeds and splits), the paired difference to `one` recomputed across
+    records, and the records they came from (`sources`)."""
+    picked: dict[str, dict[str, dict]] = {}
+    sources: list[dict] = []
+    for record in records(name, results)[::-1]:
+        used = False
+        for entry in record["results"]:
+            for variant, figures in entry["variants"].items():
+                if variant not in picked.setdefault(entry["set"], {}):
+                    picked[entry["set"]][variant], used = figures, True
+        if used:
+            sources.append(record)
+    order = ("several", "one", "no phrases", "agreement")
+    results = []
+    for data_set, variants in picked.items():
+        ordered = {v: dict(variants[v]) for v in sorted(variants, key=order.index)}
+        base = ordered.get("one")
+        for variant, figures in ordered.items():
+            figures["minus_one_unread"] = None if base is None or variant == "one" else \
+                mean_std([r["unread_accuracy"] - b["unread_accuracy"]
+                          for r, b in zip(figures["runs"], base["runs"], strict=True)])
+        results.append({"set": data_set, "variants": ordered})
+    return {"results": results, "sources": sources[::-1]}
+
+
 def descriptions(record: dict) -> str:
     """`bench.descriptions`: per data set and variant, accuracy on the unread images, the test
-    split and the 100 validation images, and the paired difference to one description."""
+    split and the 100 validation images, and the paired difference to one description
+    (`newest_per_variant`)."""
     lines = ["| data set | descriptions per image | unread accuracy | test accuracy | "
              "validation (100 images) | unread, minus one description (paired) |",
              "| --- " * 6 + "|"]
@@ -372,7 +400,8 @@ def descriptions(record: dict) -> str:
                          f"{spread(*figures['val_accuracy'])} | "
                          f"{'-' if paired is None else f'{paired[0]:+.4f} ± {paired[1]:.4f}'} |")
             shown = entry["set"]
-    return "\n".join(lines) + f"\n\n{provenance(record)}\n"
+    runs = " ".join(provenance(source) for source in record["sources"])
+    return "\n".join(lines) + f"\n\n{runs}\n"
 
 
 def inference_batch(record: dict) -> str:
@@ -402,6 +431,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"image_text": image_text, "cascad
 
 PICKERS: dict[str, Callable[[str, Path], dict]] = {"sparsify": newest_per_task,
                                                    "cascade": newest_per_set,
+                                                   "descriptions": newest_per_variant,
                                                    "small_data": newest_per_flow}
 
 
