@@ -46,9 +46,9 @@ class CascadeConfig(ProfiledConfig, RoundsFields):
     exit_hidden: int = Field(64, ge=0, le=4096, description="the early exits' classifier: a "
                              "hidden ReLU layer of this many units, then a linear layer (0: "
                              "linear; the last exit is always linear)")
-    route_context: bool = Field(False, description="a super-network module's predictor also "
+    route_context: bool = Field(True, description="a super-network module's predictor also "
                                 "reads the class probabilities of the exit before it, not only "
-                                "its pooled incoming map")
+                                "its pooled incoming map (off: the map alone)")
     difficulty: Literal["loss", "margin"] = Field("loss", description="per-image difficulty: a "
                                                   "linear classifier on the raw pixels, fitted on "
                                                   "the other half of the images, its cross-entropy "
