@@ -63,9 +63,9 @@ class SparsifyConfig(TrainConfig):
         "full": {**TrainConfig.PROFILES["full"], "layouts": (8000, 1000, 1000)},
     }
     TASK_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {
-        # one lambda for both of lenet's maps: the area rule (gamma 0.5 at lambda 0.3) won on
-        # Fashion-MNIST and lost on a second data set at the same zeros, 0.42 zeros as many
-        # on validation (`bench.area_rule`, docs/sparsify.md)
+        # one lambda for both of lenet's maps: at the same zeros the area rule (gamma 0.5 at
+        # lambda 0.3) won on Fashion-MNIST and lost on a second data set; 0.42 zeros as many
+        # values as the rule on Fashion-MNIST's validation images (`bench.area_rule`)
         "classification": {"lambda_gamma": 0.0, "sparsity_lambda": 0.42},
         "detection": {"batch_size": 16, "lr": 0.05, "epochs": 8, "min_steps": None},
         # lambda 0.3 cost the contour U-Net 2.7 points of boundary F, 0.02 nothing measurable
