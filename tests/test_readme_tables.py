@@ -43,3 +43,26 @@ def test_the_sparsify_table_takes_each_tasks_newest_run(tmp_path):
     assert [(r["task"], r.get("test_accuracy", r.get("test_map_50"))[0])
             for r in picked["results"]] == [("classification", 0.3), ("detection", 0.2)]
     assert [s["command"] for s in picked["sources"]] == [second["command"], first["command"]]
+
+
+def test_the_descriptions_table_merges_variants_run_apart_and_pairs_them_with_one(tmp_path):
+    """`agreement` run after `several` and `one`: each set shows all three, and the paired
+    difference to `one` is taken seed by seed across the two records."""
+    from bench.tables import newest_per_variant
+
+    def variant(*unread: float) -> dict:
+        return {"runs": [{"unread_accuracy": u} for u in unread]}
+
+    first = {"command": "python -m bench.descriptions --variants several one", "results": [
+        {"set": "2500x16", "variants": {"several": variant(0.8, 0.7), "one": variant(0.7, 0.7)}}]}
+    second = {"command": "python -m bench.descriptions --variants agreement", "results": [
+        {"set": "2500x16", "variants": {"agreement": variant(0.9, 0.6)}}]}
+    (tmp_path / "descriptions.jsonl").write_text(
+        f"{json.dumps(first)}\n{json.dumps(second)}\n")
+    picked = newest_per_variant("descriptions", tmp_path)
+    variants = picked["results"][0]["variants"]
+    assert list(variants) == ["several", "one", "agreement"]
+    assert variants["several"]["minus_one_unread"] == pytest.approx((0.05, 0.0707107), rel=1e-4)
+    assert variants["agreement"]["minus_one_unread"][0] == pytest.approx(0.05)
+    assert variants["one"]["minus_one_unread"] is None
+    assert [s["command"] for s in picked["sources"]] == [first["command"], second["command"]]
