@@ -171,11 +171,8 @@ class SuperModule(nn.Module):
         """The predictor's score per sub-network (N x S), `route_offset` added to the most
         expensive one's (the last: cheapest first)."""
         scores = self.predictor(x, context)
-        if float(self.route_offset) == 0.0:
-            return scores
-        offset = torch.zeros(scores.shape[1], dtype=scores.dtype, device=scores.device)
-        offset[-1] = self.route_offset
-        return scores + offset
+        return torch.cat([scores[:, :-1], scores[:, -1:] + self.route_offset.to(scores.dtype)],
+                         1)
 
     def forward(self, x: Tensor, choice: Tensor | int) -> Tensor:
         """Each image through its chosen sub-network only (`choice`: one index for all, or
