@@ -56,7 +56,7 @@ from training.distill.losses import (  # noqa: E402
 from training.distill.stages import Role, draw_stage_ids, layer_features, train_stage  # noqa: E402
 from training.features import FeatureHooks  # noqa: E402
 from training.loops import Step, classification_step, evaluate  # noqa: E402
-from training.recipe import sgd  # noqa: E402
+from training.recipe import sgd, train_round  # noqa: E402
 
 # method -> (target source, teacher layer, student layer, loss, feature weight, CE weight)
 METHODS = {
@@ -71,6 +71,10 @@ METHODS = {
     "d: bank pool, l2, weight 4": ("bank", "pool", "pool", "l2", 4.0, 1.0),
     "d: bank stage3 map, l2": ("bank", "stage3", "block2", "l2", 1.0, 1.0),
     "d: bank stage3 map, cosine": ("bank", "stage3", "block2", "cosine", 1.0, 1.0),
+    "b: DKD (final teacher, beta 8, T=4)": ("teacher", "fc", "fc", "dkd", 1.0, 1.0),
+    "d: bank logits, dkd": ("bank", "fc", "fc", "dkd", 1.0, 1.0),
+    "c: L2 on the final teacher's logits": ("teacher", "fc", "fc", "l2", 1.0, 1.0),
+    "d: bank logits, l2": ("bank", "fc", "fc", "l2", 1.0, 1.0),
 }
 
 # The flow's defaults (`DistillConfig`) for what this benchmark does not vary.
@@ -102,6 +106,11 @@ def optional_int(value: str) -> int | None:
     return None if value.lower() == "none" else int(value)
 
 
+def classes(run: Seeded) -> int:
+    """The number of classes of the run's labels."""
+    return int(run.data[1].max()) + 1
+
+
 def optimizer(modules: list[nn.Module], lr: float) -> torch.optim.SGD:
     """The flow's optimizer (`training.recipe.sgd`) over `modules`."""
     return sgd([p for module in modules for p in module.parameters()], lr, MOMENTUM,
@@ -131,28 +140,54 @@ def train_role_stages(run: Seeded, role: Role, model: nn.Module,
             after_stage(stage)
 
 
-def train_teacher(run: Seeded, name: str, bank_layers: list[str], example: Tensor
+def warm_up(run: Seeded, teacher: nn.Module, budget: Budget) -> None:
+    """The flow's `--teacher-pretrain-epochs`: CE on every training image for the budget's
+    rounds, on a cosine schedule of its own, before stage 1."""
+    images, labels, normalize = run.data
+    passes = budget.rounds * budget.repeats
+
+    def batches_for(epoch: int) -> Batches:
+        return Batches(images, labels, run.train_ids, budget.batch_size, normalize,
+                       shuffle=True, seed=run.seed * 1000 - 1 - epoch, augment=AUGMENT,
+                       drop_last=True, device=run.device)
+
+    train_round(teacher, optimizer([teacher], run.lr), batches_for, classification_step(),
+                run.device, range(passes), run.lr, (0, passes), WARMUP_EPOCHS, GRAD_CLIP)
+
+
+def train_teacher(run: Seeded, name: str, bank_layers: list[str], example: Tensor,
+                  warm: Budget | None = None
                   ) -> tuple[nn.Module, list[dict[str, FeatureBank]]]:
-    """The teacher trained in stages with CE, and the banks after each stage: entry `s - 1`
-    holds, per layer, the bank as teacher stage s left it (its images' features rewritten)."""
+    """The teacher trained in stages with CE, and the banks: entry `s` holds, per layer, the
+    bank as teacher stage s left it (its images' features rewritten), entry 0 the initial bank:
+    empty, or with a `warm` budget filled by the warmed-up teacher (`warm_up`), its state 0
+    (the flow's `--initial-bank teacher`)."""
     torch.manual_seed(run.seed)
-    teacher = place_model(build_model(name, 1, 10), run.device)
+    teacher = place_model(build_model(name, run.data[0].shape[1], classes(run)), run.device)
     banks = {layer: FeatureBank(run.train_ids,
                                 layer_shape(teacher, layer, example)).to(run.device)
              for layer in bank_layers}
     snapshots: list[dict[str, FeatureBank]] = []
 
-    def fill_banks(stage: int) -> None:
+    def fill_banks(stage: int, ids: Tensor | None = None) -> None:
         images, labels, normalize = run.data
-        ids = run.draws["teacher"][stage - 1]
+        ids = run.draws["teacher"][stage - 1] if ids is None else ids
         for layer, bank in banks.items():
             bank.update(ids, layer_features(teacher, layer, Batches(
                 images, labels, ids, EVAL_BATCH, normalize, device=run.device), run.device),
                 stage)
+        keep()
+
+    def keep() -> None:
         snapshots.append({layer: FeatureBank.from_state_dict(
             {k: v.clone() for k, v in bank.state_dict().items()})
             for layer, bank in banks.items()})
 
+    if warm is not None:
+        warm_up(run, teacher, warm)
+        fill_banks(0, run.train_ids)
+    else:
+        keep()
     train_role_stages(run, "teacher", teacher, optimizer([teacher], run.lr),
                lambda _: classification_step(), fill_banks)
     return teacher, snapshots
@@ -163,7 +198,7 @@ def train_student(run: Seeded, name: str, spec: tuple | None, teacher: nn.Module
     """The student trained in stages with `spec`'s method: CE alone (`None`), or CE plus a
     feature loss against the final teacher (`teacher`) or, at stage s, bank s (`bank`)."""
     torch.manual_seed(run.seed)
-    student = place_model(build_model(name, 1, 10), run.device)
+    student = place_model(build_model(name, run.data[0].shape[1], classes(run)), run.device)
     if spec is None:
         train_role_stages(run, "student", student, optimizer([student], run.lr),
                    lambda _: classification_step())
@@ -176,7 +211,7 @@ def train_student(run: Seeded, name: str, spec: tuple | None, teacher: nn.Module
     with FeatureHooks(student, [s_layer]) as hooks:
         def step_at(stage: int) -> Step:
             targets = final if final is not None else bank_targets(
-                snapshots[stage - 1][t_layer], run.device)
+                snapshots[stage][t_layer], run.device)
             return distillation_step(hooks, s_layer, adapter, targets, loss, ce, weight)
 
         train_role_stages(run, "student", student, optimizer([student, adapter], run.lr), step_at)

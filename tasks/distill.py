@@ -45,7 +45,7 @@ from training.batches import Batches, Normalize
 from training.budget import Budget
 from training.device import inference_batch, place_model
 from training.distill.feature_bank import DTYPES, FeatureBank
-from training.distill.losses import DistillStep, FeatureAdapter, layer_shape
+from training.distill.losses import DistillStep, FeatureAdapter, FeatureLossKind, layer_shape
 from training.distill.stages import draw_stage_ids, layer_features, stage_passes
 from training.loops import evaluate
 from training.recipe import optimizer_to
@@ -79,7 +79,7 @@ class StudentConfig(RoleConfig):
     """The student's loss: CE plus a feature loss against the bank through an adapter."""
 
     layer: str
-    feature_loss: Literal["l2", "cosine", "kl"]
+    feature_loss: FeatureLossKind
     feature_weight: float
     ce_weight: float
     temperature: float

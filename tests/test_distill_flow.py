@@ -94,6 +94,13 @@ def test_teacher_not_deeper_than_the_student_is_refused(capsys):
     assert "teacher must be deeper" in capsys.readouterr().err
 
 
+def test_dkd_on_features_that_are_not_logits_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(COMMANDS, ["distill", "--feature-loss", "dkd", "--teacher-layer", "pool"])
+    assert exit_info.value.code == 2
+    assert "feature_loss dkd compares logits" in capsys.readouterr().err
+
+
 def test_killed_run_resumes_from_the_last_finished_stage():
     # with a warm-started teacher (one epoch) whose state 0 fills the initial bank
     args = ["--profile", "smoke", "--model-name", "distill-resume", "--stages", "3",

@@ -14,6 +14,7 @@ from training.distill.losses import (
     FeatureAdapter,
     FeatureLoss,
     bank_targets,
+    decoupled_kl,
     distillation_step,
     feature_loss_per_image,
     layer_shape,
@@ -36,6 +37,25 @@ def test_l2_cosine_and_kl_match_hand_computed_values():
     scaled = feature_loss_per_image(torch.tensor([[0.0, 4 * math.log(3)]]), torch.zeros(1, 2),
                                     "kl", 4.0)
     assert scaled.item() == pytest.approx(16 * expected, rel=1e-5)
+
+
+def test_dkd_splits_plain_kd_into_its_target_and_non_target_parts():
+    # Zhao et al.'s identity: KL = TCKD + (1 - p_t[y]) * NCKD, at any temperature
+    generator = torch.Generator().manual_seed(0)
+    s, t = torch.randn(5, 4, generator=generator), 3 * torch.randn(5, 4, generator=generator)
+    y = torch.tensor([0, 1, 2, 3, 1])
+    temperature = 2.0
+    tckd = decoupled_kl(s, t, y, temperature, beta=0.0)
+    nckd = decoupled_kl(s, t, y, temperature, beta=1.0) - tckd
+    p_target = torch.softmax(t / temperature, 1).gather(1, y[:, None]).squeeze(1)
+    kl = feature_loss_per_image(s, t, "kl", temperature)
+    assert (tckd + (1 - p_target) * nckd).tolist() == pytest.approx(kl.tolist(), rel=1e-4)
+    # equal logits: nothing to learn; the default beta weighs NCKD by 8
+    assert feature_loss_per_image(t, t, "dkd", temperature, y).abs().max().item() < 1e-5
+    assert feature_loss_per_image(s, t, "dkd", temperature, y).tolist() == pytest.approx(
+        (tckd + 8 * nckd).tolist(), rel=1e-4)
+    with pytest.raises(ValueError, match="needs the images' labels"):
+        feature_loss_per_image(s, t, "dkd")
 
 
 def test_unfilled_targets_add_nothing_and_the_batch_size_divides():

@@ -59,13 +59,14 @@ class DistillConfig(ProfiledConfig):
                                "the bank (`fc`: the logits)")
     student_layer: str = Field("pool", description="the student layer matched to the bank "
                                "through the adapter")
-    feature_loss: Literal["l2", "cosine", "kl"] = Field("cosine", description="the feature "
-                                                       "sub-loss (kl: on softened outputs)")
+    feature_loss: Literal["l2", "cosine", "kl", "dkd"] = Field(
+        "cosine", description="the feature sub-loss (kl: on softened outputs; dkd: decoupled "
+        "KD on the logits, the target class apart from the others, both layers `fc`)")
     feature_weight: float = Field(1.0, ge=0.0, le=1000.0, description="weight of the feature "
                                   "sub-loss")
     ce_weight: float = Field(1.0, ge=0.0, le=1000.0, description="weight of the CE sub-loss")
     temperature: float = Field(4.0, gt=0.0, le=100.0, description="softening temperature of "
-                               "the kl feature loss")
+                               "the kl and dkd feature losses")
     bank_mode: Literal["single", "per-state"] = Field("single", description="single: one bank, "
                                                       "each entry from the state that last "
                                                       "wrote it; per-state: bank s kept for "
@@ -98,4 +99,9 @@ class DistillConfig(ProfiledConfig):
         if self.student_layer not in student_layers:
             raise ValueError(f"student_layer {self.student_layer!r} is not a layer of "
                              f"{self.student_model}: {', '.join(student_layers)}")
+        if self.feature_loss == "dkd" and (self.teacher_layer, self.student_layer) != ("fc",
+                                                                                       "fc"):
+            raise ValueError("feature_loss dkd compares logits: set teacher_layer and "
+                             f"student_layer to fc (got {self.teacher_layer!r} and "
+                             f"{self.student_layer!r})")
         return self

@@ -7,7 +7,12 @@ feature for the same images (from a feature bank, or from a teacher network run 
 
 - `l2`: mean squared difference over the feature's values (FitNets hints);
 - `cosine`: `1 - cos(f_s, f_t)` over the flattened feature;
-- `kl`: `T^2 * KL(softmax(f_t / T) || softmax(f_s / T))`, for logits (Hinton KD at layer `fc`).
+- `kl`: `T^2 * KL(softmax(f_t / T) || softmax(f_s / T))`, for logits (Hinton KD at layer `fc`);
+- `dkd`: decoupled KD (Zhao et al., CVPR 2022), for logits: `T^2 * (TCKD + beta * NCKD)`, where
+  TCKD is the KL between the teacher's and the student's binary split (the true class against
+  the rest) and NCKD the KL between their distributions over the other classes. Plain KD is
+  `TCKD + (1 - p_t[y]) * NCKD`: a confident teacher's non-target knowledge is scaled away, and
+  `beta` (`DKD_BETA`, the paper's CIFAR-100 value) gives it back. It needs the labels.
 
 Each image's term is counted only where its target is filled (`mask`), and the sum is divided
 by the batch size, so a batch's feature loss weighs every image the same whether or not all of
@@ -30,13 +35,36 @@ from training.features import FeatureHooks
 from training.loops import Step
 from training.rounds import ModelStep
 
-FeatureLossKind = Literal["l2", "cosine", "kl"]
+FeatureLossKind = Literal["l2", "cosine", "kl", "dkd"]
+FEATURE_LOSSES: tuple[str, ...] = ("l2", "cosine", "kl", "dkd")
+DKD_BETA = 8.0
 Targets = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
+def decoupled_kl(student: Tensor, teacher: Tensor, labels: Tensor, temperature: float,
+                 beta: float = DKD_BETA) -> Tensor:
+    """Per image, `T^2 * (TCKD + beta * NCKD)` between logits (the module docstring), in log
+    space: `log(1 - p[y])` is the log-sum-exp of the other classes' log-probabilities."""
+    log_s = F.log_softmax(student / temperature, dim=1)
+    log_t = F.log_softmax(teacher / temperature, dim=1)
+    target = F.one_hot(labels, student.shape[1]).bool()
+    others = torch.finfo(log_s.dtype).min
+
+    def split(log_p: Tensor) -> tuple[Tensor, Tensor]:
+        return (log_p.masked_fill(~target, others).logsumexp(1),
+                log_p.masked_fill(target, others).logsumexp(1))
+
+    (in_s, out_s), (in_t, out_t) = split(log_s), split(log_t)
+    tckd = in_t.exp() * (in_t - in_s) + out_t.exp() * (out_t - out_s)
+    rest_s, rest_t = log_s - out_s[:, None], log_t - out_t[:, None]  # over the other classes
+    nckd = torch.where(target, torch.zeros_like(rest_t), rest_t.exp() * (rest_t - rest_s)).sum(1)
+    return (tckd + beta * nckd) * temperature**2
+
+
 def feature_loss_per_image(student: Tensor, teacher: Tensor, kind: FeatureLossKind,
-                           temperature: float = 4.0) -> Tensor:
-    """The per-image distance `L(f_s, f_t)` (see the module docstring), shape `(batch,)`."""
+                           temperature: float = 4.0, labels: Tensor | None = None) -> Tensor:
+    """The per-image distance `L(f_s, f_t)` (see the module docstring), shape `(batch,)`;
+    `labels` only for `dkd`."""
     if student.shape != teacher.shape:
         raise ValueError(f"student feature {tuple(student.shape)} and teacher feature "
                          f"{tuple(teacher.shape)} differ: add an adapter")
@@ -49,13 +77,17 @@ def feature_loss_per_image(student: Tensor, teacher: Tensor, kind: FeatureLossKi
         log_p_student = F.log_softmax(s / temperature, dim=1)
         log_p_teacher = F.log_softmax(t / temperature, dim=1)
         return (log_p_teacher.exp() * (log_p_teacher - log_p_student)).sum(1) * temperature**2
-    raise ValueError(f"unknown feature loss {kind!r}: use l2, cosine or kl")
+    if kind == "dkd":
+        if labels is None:
+            raise ValueError("the dkd loss needs the images' labels")
+        return decoupled_kl(s, t, labels, temperature)
+    raise ValueError(f"unknown feature loss {kind!r}: use {', '.join(FEATURE_LOSSES)}")
 
 
 def masked_feature_loss(student: Tensor, teacher: Tensor, mask: Tensor, kind: FeatureLossKind,
-                        temperature: float = 4.0) -> Tensor:
+                        temperature: float = 4.0, labels: Tensor | None = None) -> Tensor:
     """`sum_i mask_i * L(f_s_i, f_t_i) / batch`: unfilled targets add nothing."""
-    per_image = feature_loss_per_image(student, teacher, kind, temperature)
+    per_image = feature_loss_per_image(student, teacher, kind, temperature, labels)
     return torch.where(mask, per_image, torch.zeros_like(per_image)).sum() / len(per_image)
 
 
@@ -64,15 +96,16 @@ class FeatureLoss(nn.Module):
 
     def __init__(self, kind: FeatureLossKind = "l2", temperature: float = 4.0) -> None:
         super().__init__()
-        if kind not in ("l2", "cosine", "kl"):
-            raise ValueError(f"unknown feature loss {kind!r}: use l2, cosine or kl")
+        if kind not in FEATURE_LOSSES:
+            raise ValueError(f"unknown feature loss {kind!r}: use {', '.join(FEATURE_LOSSES)}")
         if temperature <= 0:
             raise ValueError(f"temperature must be positive, got {temperature}")
         self.kind: FeatureLossKind = kind
         self.temperature = temperature
 
-    def forward(self, student: Tensor, teacher: Tensor, mask: Tensor) -> Tensor:
-        return masked_feature_loss(student, teacher, mask, self.kind, self.temperature)
+    def forward(self, student: Tensor, teacher: Tensor, mask: Tensor,
+                labels: Tensor | None = None) -> Tensor:
+        return masked_feature_loss(student, teacher, mask, self.kind, self.temperature, labels)
 
 
 class FeatureAdapter(nn.Module):
@@ -134,7 +167,7 @@ def distillation_step(hooks: FeatureHooks, student_layer: str, adapter: nn.Modul
         logits = model(x)
         ce = F.cross_entropy(logits, y, label_smoothing=label_smoothing)
         teacher, filled = targets(ids, x)
-        feature = loss(adapter(hooks[student_layer]), teacher, filled)
+        feature = loss(adapter(hooks[student_layer]), teacher, filled, y)
         return {"loss": ce_weight * ce + feature_weight * feature, "loss_ce": ce,
                 "loss_feat": feature}
 
