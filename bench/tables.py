@@ -404,6 +404,35 @@ def descriptions(record: dict) -> str:
     return "\n".join(lines) + f"\n\n{runs}\n"
 
 
+DISTILL_BANK_ORDER = ["teacher", "alone", "kd", "l2", "dkd", "bank l2", "bank dkd",
+                      "mean bank l2", "mean bank dkd"]
+
+
+def distill_bank(record: dict) -> str:
+    """`bench.distill_bank`: per data set, the teacher and every student variant's accuracy on
+    the unread images, the test split and the validation split, the gap closed on the unread
+    images, and each bank's paired difference to the final-teacher baseline best on
+    validation."""
+    lines = ["| data set | student learns from | unread accuracy | test accuracy | validation | "
+             "gap closed (unread) | unread, minus the best final-teacher loss (paired) |",
+             "| --- " * 7 + "|"]
+    for entry in record["results"]:
+        shown = None
+        variants = entry["variants"]
+        for variant in sorted(variants, key=lambda v: (DISTILL_BANK_ORDER + [v]).index(v)):
+            figures = variants[variant]
+            gap, paired = figures.get("gap_closed_unread"), figures.get("minus_best_final_unread")
+            lines.append(f"| {entry['set'] if entry['set'] != shown else ''} | {variant} | "
+                         f"{spread(*figures['unread'])} | {spread(*figures['test'])} | "
+                         f"{spread(*figures['val'])} | "
+                         f"{'-' if gap is None else f'{gap:+.2f}'} | "
+                         f"{'-' if paired is None else f'{paired[0]:+.4f} ± {paired[1]:.4f}'} |")
+            shown = entry["set"]
+    best = "; ".join(f"{e['set']}: `{e['best_final_on_val']}` (best final-teacher loss), "
+                     f"`{e['chosen_on_val']}` (best of all)" for e in record["results"])
+    return "\n".join(lines) + f"\n\nChosen on validation: {best}. {provenance(record)}\n"
+
+
 def inference_batch(record: dict) -> str:
     """`bench.inference_batch`'s networks: images per second of a scoring pass at the device's
     batch and at the baseline batch (median over the rounds), and their paired ratio."""
@@ -426,7 +455,8 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"image_text": image_text, "cascad
                                                "sparsify": sparsify,
                                                "inference_batch": inference_batch,
                                                "area_rule": area_rule,
-                                               "descriptions": descriptions}
+                                               "descriptions": descriptions,
+                                               "distill_bank": distill_bank}
 
 
 PICKERS: dict[str, Callable[[str, Path], dict]] = {"sparsify": newest_per_task,
