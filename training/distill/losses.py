@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,7 @@ from training.loops import Step
 from training.rounds import ModelStep
 
 FeatureLossKind = Literal["l2", "cosine", "kl", "dkd"]
-FEATURE_LOSSES: tuple[str, ...] = ("l2", "cosine", "kl", "dkd")
+FEATURE_LOSSES: tuple[str, ...] = get_args(FeatureLossKind)
 DKD_BETA = 8.0
 Targets = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
@@ -50,8 +50,8 @@ def decoupled_kl(student: Tensor, teacher: Tensor, labels: Tensor, temperature: 
     target = F.one_hot(labels, student.shape[1]).bool()
     others = torch.finfo(log_s.dtype).min
 
-    def split(log_p: Tensor) -> tuple[Tensor, Tensor]:
-        return (log_p.masked_fill(~target, others).logsumexp(1),
+    def split(log_p: Tensor) -> tuple[Tensor, Tensor]:  # log p[y], log(1 - p[y])
+        return (log_p.gather(1, labels[:, None]).squeeze(1),
                 log_p.masked_fill(target, others).logsumexp(1))
 
     (in_s, out_s), (in_t, out_t) = split(log_s), split(log_t)
