@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from flows.cli import Command
 
 if TYPE_CHECKING:  # the stack is imported by the command that runs, not by `--help`
-    from tasks.adapters.aliases import PromoteConfig, RollbackConfig
+    from tasks.adapters.aliases import PromoteConfig, RegistryConfig, RollbackConfig
     from tasks.adapters.retention import GcConfig
     from tasks.configs.cascade import CascadeConfig
     from tasks.configs.distill import DistillConfig
@@ -278,17 +278,27 @@ def run_rollback(config: RollbackConfig) -> None:
     _move_alias(lambda: rollback(config.registered_name(), config.reason, config.by))
 
 
+def run_registry(config: RegistryConfig) -> None:
+    """Show who holds a registered model's lock and its champion's last moves (status), or
+    remove a lock whose holder is gone (unlock; a lease also expires by itself)."""
+    from tasks.adapters.aliases import registry_status, unlock_by_hand
+
+    name = config.registered_name()
+    _move_alias(lambda: registry_status(name) if config.action == "status"
+                else unlock_by_hand(name))
+
+
 def run_splits(config: SplitsConfig) -> None:
     """Print every image's split as CSV (`path,split`): train, val, test, or unused (left out
     by --train-limit / --test-limit); the path is relative to --data (Fashion-MNIST: train/N,
     test/N)."""
     import csv
 
-    from tasks.data import source_keys, split_assignment
+    from tasks.data import source_contents, source_keys, split_assignment
 
     def rows():
         keys = source_keys(config)
-        return zip(keys, split_assignment(config, keys), strict=True)
+        return zip(keys, split_assignment(config, keys, source_contents(config)), strict=True)
 
     writer = csv.writer(sys.stdout, lineterminator="\n")
     writer.writerow(["path", "split"])
@@ -335,6 +345,7 @@ COMMANDS = [
     Command("features", "tasks.features:FeaturesConfig", run_features),
     Command("promote", "tasks.adapters.aliases:PromoteConfig", run_promote),
     Command("rollback", "tasks.adapters.aliases:RollbackConfig", run_rollback),
+    Command("registry", "tasks.adapters.aliases:RegistryConfig", run_registry),
     Command("splits", "tasks.configs.sections:SplitsConfig", run_splits),
     Command("gc", "tasks.adapters.retention:GcConfig", run_gc),
     Command("prepare-data", None, prepare_data),

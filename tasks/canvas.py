@@ -12,6 +12,7 @@ import functools
 import hashlib
 import json
 
+import numpy as np
 import torch
 from prefect import task
 from pydantic import BaseModel, ConfigDict
@@ -41,6 +42,7 @@ from training.canvas.detection import as_rgb, detect, mean_average_precision
 from training.canvas.layouts import LayoutBatches, Layouts, LayoutSpec, make_layouts
 from training.canvas.rounds import TARGET, CanvasStep, LayoutPasses
 from training.device import place_model
+from training.promotion import Scored
 from training.recipe import optimizer_to
 from training.rounds import Trainee
 from training.sparsify.term import (
@@ -238,6 +240,9 @@ def test_canvas(config: SparsifyConfig, layouts: LayoutsRef, checkpoint: Artifac
                                                   layers=measured_layers(stats, spec)))
 
 
+CANVAS_RESAMPLES = 200  # one aggregate is a whole COCO evaluation: a paired bootstrap of 200
+
+
 @task(task_run_name="register-and-promote", retries=2, retry_delay_seconds=10,
       retry_condition_fn=lambda _task, _run, state: transient(state))
 def register_canvas(run_id: str, name: str, config: SparsifyConfig, layouts: LayoutsRef,
@@ -253,10 +258,15 @@ def register_canvas(run_id: str, name: str, config: SparsifyConfig, layouts: Lay
     images = test.images[:, 0].numpy()
     metric = SCORE[config.task]
 
-    def served(uri: str) -> float:
+    def served(uri: str) -> Scored:
         predictions = tracking.load_pyfunc(uri).predict(images)
-        return served_scores(config.task, predictions, test, layouts.classes,
-                             config.boundary_tolerance)[metric]
+
+        def aggregate(index: np.ndarray) -> float:
+            return served_scores(config.task, predictions.iloc[index].reset_index(drop=True),
+                                 test.subset(torch.as_tensor(index)), layouts.classes,
+                                 config.boundary_tolerance)[metric]
+
+        return Scored(len(images), aggregate, CANVAS_RESAMPLES)
 
     return promote(run_id, name, model_uri, served, layouts.classes, checkpoint.md5,
                    {"dataset": layouts.artifact.md5, "task": config.task}, Policy.of(config.run),

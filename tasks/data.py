@@ -10,9 +10,11 @@ give the same file and hash, and Prefect's cache skips the work when they were p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gzip
 import hashlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,9 +30,12 @@ from tasks.adapters.versioning import ArtifactRef, ArtifactStore, atomic_path, d
 from tasks.configs.sections import FASHION_MNIST, DataSection
 from training.baselines import raw_pixel_baselines
 from training.datasets import (
+    DataError,
     ImageSet,
     assign_splits,
     channel_stats,
+    content_hash,
+    fill_empty_splits,
     image_folder_listing,
     labelled_images,
     load_fashion_mnist,
@@ -107,28 +112,79 @@ class DatasetRef(BaseModel):
 
 @dataclass
 class LoadedDataset:
-    """Images (uint8 N x C x H x W), labels, dataset ids, split positions and each image's key
-    (its path relative to the data folder; `train/00042` in Fashion-MNIST), in memory."""
+    """Images (uint8 N x C x H x W), labels, dataset ids, split positions, each image's key
+    (its path relative to the data folder; `train/00042` in Fashion-MNIST) and content hash
+    (`training.datasets.content_hash`; empty in data sets prepared before they were
+    recorded), in memory."""
 
     images: Tensor
     labels: Tensor
     ids: Tensor
     splits: dict[str, Tensor]
     keys: list[str]
+    contents: list[str] = dataclasses.field(default_factory=list)
+
+    def _seen(self, names: list[str]) -> set[str]:
+        return {names[i] for split in ("train", "val") for i in self.splits[split].tolist()}
 
     def seen_keys(self) -> set[str]:
         """The keys of the images a model of this data set trained or was chosen on."""
-        return {self.keys[i] for split in ("train", "val") for i in self.splits[split].tolist()}
+        return self._seen(self.keys)
+
+    def seen_contents(self) -> set[str]:
+        """The content hashes of those images (empty when none were recorded)."""
+        return self._seen(self.contents) if self.contents else set()
 
 
-def split_assignment(data: DataSection, keys: list[str]) -> list[str]:
+log = logging.getLogger(__name__)
+
+
+def split_assignment(data: DataSection, keys: list[str], contents: list[str] | None = None
+                     ) -> list[str]:
     """Each key's split under `data`'s split settings (`training.datasets.assign_splits`):
     `train`, `val`, `test` (Fashion-MNIST's `test/` keys are its test split), or `unused` when
-    `train_limit` / `val_limit` / `test_limit` leave it out."""
+    `train_limit` / `val_limit` / `test_limit` leave it out; copies of one image (`contents`)
+    share a split. An ImageFolder class left with no validation or no test image is handled
+    as `tiny_classes` says (`check_tiny_classes`)."""
     fashion = data.data == FASHION_MNIST
-    return assign_splits(keys, data.val_fraction, 0.0 if fashion else data.test_fraction,
-                         data.split_seed, data.group_pattern, data.train_limit, data.test_limit,
-                         data.val_limit)
+    splits = assign_splits(keys, data.val_fraction, 0.0 if fashion else data.test_fraction,
+                           data.split_seed, data.group_pattern, data.train_limit,
+                           data.test_limit, data.val_limit, contents)
+    return splits if fashion else check_tiny_classes(data, keys, splits, contents)
+
+
+def check_tiny_classes(data: DataSection, keys: list[str], splits: list[str],
+                       contents: list[str] | None = None) -> list[str]:
+    """The splits with every ImageFolder class holding a validation and a test image: with
+    `tiny_classes` `keep`, a class the hashes left without one gets one of its training
+    images moved there (`training.datasets.fill_empty_splits`, logged); a class too small
+    for three splits (or any such class with `refuse`) stops the run naming it; `warn` only
+    warns. A class's errors could otherwise never be seen before a model is served."""
+    if data.tiny_classes == "keep":
+        splits, filled, tiny = fill_empty_splits(keys, splits, data.split_seed,
+                                                 data.group_pattern, contents)
+        for name, moved in sorted(filled.items()):
+            log.warning("class %r had no %s image under these split settings: one of its "
+                        "training images was moved there", name, " or ".join(moved))
+    else:
+        counts: dict[str, dict[str, int]] = {}
+        for key, split in zip(keys, splits, strict=True):
+            per_split = counts.setdefault(key.split("/", 1)[0], {"train": 0, "val": 0,
+                                                                 "test": 0})
+            if split in per_split:
+                per_split[split] += 1
+        tiny = {name: c for name, c in counts.items() if c["val"] == 0 or c["test"] == 0}
+    if not tiny:
+        return splits
+    listed = "; ".join(f"{name!r}: {c['train']} training, {c['val']} validation, {c['test']} "
+                       "test images" for name, c in sorted(tiny.items()))
+    message = (f"{len(tiny)} class(es) of {data.data} have no validation or no test image "
+               f"under these split settings ({listed}): add images to them, or raise "
+               "--val-fraction / --test-fraction or the limits")
+    if data.tiny_classes == "warn":
+        log.warning("%s (--tiny-classes warn: running anyway)", message)
+        return splits
+    raise DataError(f"{message}; --tiny-classes warn runs anyway")
 
 
 def source_keys(data: DataSection) -> list[str]:
@@ -143,6 +199,16 @@ def source_keys(data: DataSection) -> list[str]:
     return [path.relative_to(root).as_posix() for path, _ in image_folder_listing(root)[1]]
 
 
+def source_contents(data: DataSection) -> list[str]:
+    """Every image's content hash, in `source_keys`' order (the files' bytes are read,
+    nothing is decoded)."""
+    if data.data == FASHION_MNIST:
+        return [content for train in (True, False)
+                for content in load_fashion_mnist(fashion_mnist_root(), train).contents]
+    return [content_hash(path.read_bytes()) for path, _ in
+            image_folder_listing(Path(data.data))[1]]
+
+
 def split_source(data: DataSection) -> tuple[ImageSet, dict[str, Tensor]]:
     """The source's images and the indices of its train / val / test splits, after the
     train and test limits (`split_assignment`): the same splits every run (and every tool)
@@ -153,11 +219,11 @@ def split_source(data: DataSection) -> tuple[ImageSet, dict[str, Tensor]]:
         images = reshape_images(torch.cat([train.images, test.images]), data.image_size,
                                 data.channels or 1)
         source = ImageSet(images, torch.cat([train.labels, test.labels]), train.classes,
-                          keys=train.keys + test.keys)
+                          keys=train.keys + test.keys, contents=train.contents + test.contents)
     else:
         source = load_image_folder(Path(data.data), data.image_size, data.channels or None,
                                    data.skip_bad_images)
-    splits = split_assignment(data, source.keys)
+    splits = split_assignment(data, source.keys, source.contents)
     return source, {name: split_positions(splits, name) for name in ("train", "val", "test")}
 
 
@@ -174,7 +240,8 @@ def prepare_dataset(data: DataSection, version: str) -> DatasetRef:
     images = source.images[used].contiguous()
     mean, std = channel_stats(images[splits["train"]])
     payload = {"images": images, "labels": source.labels[used].contiguous(), "ids": used,
-               "splits": splits, "keys": [source.keys[i] for i in used.tolist()]}
+               "splits": splits, "keys": [source.keys[i] for i in used.tolist()],
+               "contents": [source.contents[i] for i in used.tolist()]}
     key = hashlib.md5(f"{data.model_dump_json()}|{version}".encode()).hexdigest()[:16]
     ref = ArtifactStore().write(f"datasets/{key}.pt", lambda path: torch_save(payload, path))
     return DatasetRef(artifact=ref, source=data.data, version=version, classes=source.classes,
@@ -197,7 +264,7 @@ def load_dataset_artifact(artifact: ArtifactRef) -> LoadedDataset:
 def _load_artifact(artifact: ArtifactRef) -> LoadedDataset:
     payload = torch.load(ArtifactStore().fetch(artifact), map_location="cpu", weights_only=True)
     return LoadedDataset(payload["images"], payload["labels"], payload["ids"], payload["splits"],
-                         payload.get("keys") or [])
+                         payload.get("keys") or [], payload.get("contents") or [])
 
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="raw-pixel-baselines")
@@ -217,7 +284,9 @@ def pixel_baselines(dataset: DatasetRef, labels_per_class: int | None = None, sp
     if left_out_labels:
         train = splits["train"]
         splits["train"] = train[~torch.isin(data.labels[train], torch.tensor(left_out_labels))]
-    splits["train"] = labelled_images(data.labels, splits["train"], labels_per_class, split_seed)
-    splits["val"] = validation_images(data.labels, splits["val"], labels_per_class, split_seed)
+    splits["train"] = labelled_images(data.labels, splits["train"], labels_per_class, split_seed,
+                                      data.keys)
+    splits["val"] = validation_images(data.labels, splits["val"], labels_per_class, split_seed,
+                                      data.keys)
     return raw_pixel_baselines(data.images, data.labels, splits) | {
         "train_images": len(splits["train"]), "val_images": len(splits["val"])}

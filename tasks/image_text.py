@@ -169,7 +169,8 @@ def describe_images(config: ImageTextConfig, dataset: DatasetRef) -> Description
                         train_images=len(train), labelled_images=int(labelled.sum()),
                         val_images=len(validation_images(data.labels, data.splits["val"],
                                                          config.labels_per_class,
-                                                         config.dataset.split_seed)),
+                                                         config.dataset.split_seed,
+                                                         data.keys)),
                         pool=pool_ref, matching=matching, captioned=captioned)
 
 
@@ -199,7 +200,7 @@ def text_side(config: ImageTextConfig, dataset: DatasetRef, data: LoadedDataset,
         class_labels=torch.tensor(classes["class"].map(name_to_label).tolist()),
         train=train, labelled=labelled,
         validation=validation_images(data.labels, data.splits["val"], config.labels_per_class,
-                                     config.dataset.split_seed),
+                                     config.dataset.split_seed, data.keys),
         unseen=unseen_labels(config, dataset.classes))
 
 
@@ -211,7 +212,7 @@ def training_images(config: ImageTextConfig, dataset: DatasetRef, data: LoadedDa
     train = seen_training_positions(config, dataset.classes, data.labels, data.splits["train"])
     labelled = torch.zeros(len(data.labels), dtype=torch.bool)
     labelled[labelled_images(data.labels, train, config.labels_per_class,
-                             config.dataset.split_seed)] = True
+                             config.dataset.split_seed, data.keys)] = True
     if config.contrastive_weight == 0:
         train = train[labelled[train]]
     return train, labelled

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator
 
 from serving.image_text import ZERO_SHOT_PARAM
 from tasks.adapters import tracking
-from tasks.configs.sections import Project, StrictConfig, project_field, qualified
+from tasks.configs.sections import Project, StrictConfig, model_name_of, project_field
 from training.datasets import IMAGE_EXTENSIONS, DataError
 from training.preprocess import decode_image
 
@@ -17,17 +17,18 @@ from training.preprocess import decode_image
 class ModelVersionSection(StrictConfig):
     """Which registered model version: a name, and an alias or a version number."""
 
-    model_name: str = Field("pipeline", min_length=1, description="the registered model's "
-                            "name (pipeline: what `make run` registers; train, distill, pbt, "
-                            "sparsify, cascade, image_text, or a --model-name given to a flow)")
+    model_name: str | None = Field(None, min_length=1, description="the registered model's "
+                                   "name, as the MLflow UI shows it (PROJECT-NAME with "
+                                   "--project); none: what `make run` registers, "
+                                   "PROJECT-pipeline (compactml-pipeline)")
     alias: str | None = Field("champion", description="the version's alias; ignored when "
                               "--version is given")
     version: int | None = Field(None, ge=1, description="a version number; none: the alias")
     project: Project = project_field()
 
     def model_uri(self) -> str:
-        """`models:/name/version` or `models:/name@alias`, the name in the project."""
-        name = qualified(self.project, self.model_name)
+        """`models:/name/version` or `models:/name@alias` (`model_name_of`)."""
+        name = model_name_of(self.project, self.model_name, "pipeline")
         if self.version is not None:
             return f"models:/{name}/{self.version}"
         if not self.alias:

@@ -29,8 +29,11 @@ os.environ["COMPACTML_ARTIFACTS"] = str(_SESSION_DIR / "artifacts")
 os.environ["COMPACTML_DVC_REMOTE"] = str(_SESSION_DIR / "dvc-remote")
 os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
 # The session's stores are its own: experiment and model names without a project prefix
-# (tests/test_config_cli.py checks the default, the folder's name).
+# (tests/test_config_cli.py checks the committed default, compactml).
 os.environ["COMPACTML_PROJECT"] = ""
+# The registry lock's settle time (1 s) must only exceed a write to the store: milliseconds on
+# the session's SQLite file, so every promotion of the suite need not wait a second.
+os.environ["COMPACTML_REGISTRY_SETTLE_SECONDS"] = "0.05"
 (_SESSION_DIR / "mlruns").mkdir()
 
 

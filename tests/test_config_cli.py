@@ -52,8 +52,11 @@ def test_a_field_name_in_two_sections_is_refused_when_the_class_is_made():
             seed: int = 0
 
 
-def test_mlflow_names_are_in_the_project_which_defaults_to_the_folders_name(monkeypatch):
-    from tasks.adapters.environment import PROJECT_ROOT
+def test_mlflow_names_belong_to_the_project_and_a_given_model_name_is_kept(monkeypatch):
+    """The project's name is committed (project.env), never the clone's folder name: two
+    clones in differently named folders write one registry. A --model-name is registered as
+    given, unless a --project is given with it."""
+    from tasks.adapters.environment import read_env_file
     from tasks.prediction import PredictConfig
 
     run = TrainConfig(project="team-a").run
@@ -62,8 +65,16 @@ def test_mlflow_names_are_in_the_project_which_defaults_to_the_folders_name(monk
         "team-a-shop"
     assert PredictConfig(images=str(ROOT), project="team-a").model_uri() == \
         "models:/team-a-pipeline@champion"
-    monkeypatch.delenv("COMPACTML_PROJECT")
-    assert TrainConfig().run.registered_name("pipeline") == f"{PROJECT_ROOT.name}-pipeline"
+    committed = read_env_file()["COMPACTML_PROJECT"]
+    assert committed == "compactml"
+    monkeypatch.setenv("COMPACTML_PROJECT", committed)  # what project.env sets for a user
+    assert TrainConfig().run.registered_name("pipeline") == "compactml-pipeline"
+    assert TrainConfig(model_name="shop").run.registered_name("train") == "shop"
+    assert PredictConfig(images=str(ROOT), model_name="shop").model_uri() == \
+        "models:/shop@champion"
+    assert PredictConfig(images=str(ROOT)).model_uri() == "models:/compactml-pipeline@champion"
+    monkeypatch.delenv("COMPACTML_PROJECT")  # nothing set at all: still not the folder's name
+    assert TrainConfig().run.registered_name("pipeline") == "compactml-pipeline"
     monkeypatch.setenv("COMPACTML_PROJECT", "")  # as the tests' own stores have it
     assert TrainConfig().run.registered_name("pipeline") == "pipeline"
     with pytest.raises(ValidationError, match="project"):
@@ -130,7 +141,7 @@ def test_required_options_say_so_in_the_help(capsys):
         main(COMMANDS, ["predict", "--help"])
     out = capsys.readouterr().out
     assert "PydanticUndefined" not in out and "(required)" in out
-    assert "default: pipeline" in out  # the model `make run` registers
+    assert "PROJECT-pipeline" in out  # the model `make run` registers
 
 
 def test_cli_names_an_unreadable_image_and_exits_2(tmp_path):

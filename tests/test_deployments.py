@@ -206,9 +206,12 @@ def test_the_nightly_pipeline_retrains_only_when_the_data_changed(deployed, mlfl
     assert "step_teacher_test_accuracy" not in second.data.metrics
     assert second.data.tags["pipeline.key"] == first.data.tags["pipeline.key"]
     assert tracking.model_versions("nightly") == ["1"]
-    for source in sorted(folder.iterdir()):  # the user adds images to every class
+    from PIL import Image, ImageOps
+
+    for source in sorted(folder.iterdir()):  # the user adds new images to every class
         for n, image in enumerate(sorted(source.iterdir())[:5]):
-            shutil.copy(image, source / f"added{n}{image.suffix}")
+            with Image.open(image) as original:  # new pictures, not copies of old ones
+                ImageOps.mirror(original).save(source / f"added{n}{image.suffix}")
     third = nightly()
     assert third.data.tags["pipeline.key"] != first.data.tags["pipeline.key"]
     assert "step_sparsify_test_accuracy" in third.data.metrics

@@ -145,12 +145,14 @@ def test_the_validation_images_of_a_few_label_run_hold_at_most_k_per_class():
 
     labels = torch.tensor([0] * 6 + [1] * 2 + [2] * 5 + [0] * 3)
     val = torch.arange(6, 16)  # 3 of class 0, 2 of class 1, 5 of class 2
-    chosen = validation_images(labels, val, 3, split_seed=4)
+    keys = [f"img{n:02d}.png" for n in range(len(labels))]
+    chosen = validation_images(labels, val, 3, 4, keys)
     assert set(chosen.tolist()) <= set(val.tolist()) and chosen.tolist() == sorted(chosen)
     assert torch.bincount(labels[chosen]).tolist() == [3, 2, 3]  # class 1 has only 2
-    assert torch.equal(chosen, validation_images(labels, val, 3, split_seed=4))  # the same
-    assert torch.bincount(labels[validation_images(labels, val, 1, 5)]).tolist() == [1, 1, 1]
-    assert torch.equal(validation_images(labels, val, None, 4), val)  # every label: all
+    assert torch.equal(chosen, validation_images(labels, val, 3, 4, keys))  # the same
+    assert torch.bincount(labels[validation_images(labels, val, 1, 5, keys)]).tolist() == \
+        [1, 1, 1]
+    assert torch.equal(validation_images(labels, val, None, 4, keys), val)  # every label: all
 
 
 def test_own_captions_give_class_texts_to_the_labelled_images_only():

@@ -1,6 +1,7 @@
-"""The promotion gates (latency budget, --no-register) and moving `champion` by hand
-(`promote`, `rollback`), on the session's real MLflow registry with the smoke champion's real
-pyfunc."""
+"""The promotion gates (latency budget, --no-register, the baseline), the paired decision,
+and moving `champion` by hand (`promote`, `rollback`), on the session's real MLflow registry
+with the smoke champion's real pyfunc as every version's logged model; the models' quality is
+known: per-image evidence (`tests.known_quality`)."""
 
 from __future__ import annotations
 
@@ -13,20 +14,25 @@ from flows.cli import main
 from flows.commands import COMMANDS
 from tasks.adapters import tracking
 from tasks.adapters.aliases import history
+from tasks.adapters.locks import read_lease
 from tasks.adapters.registration import NOT_REGISTERED, Policy, promote
+from tests.known_quality import known
 
 CLASSES = ["a", "b"]
 
 
 def _promote(first_run, name: str, md5: str, policy: Policy, scores: dict[str, float],
-             times: dict[str, float] | None = None):
+             times: dict[str, float] | None = None, refusal: str | None = None,
+             parameters: int = 1000):
     """`promote` of the smoke champion's logged pyfunc as a new version (`md5`) of `name`,
-    scored by `scores` and timed by `times` (URI -> value; the pyfunc's own URI is "new")."""
+    scored by `scores` (URI -> accuracy of a model of known quality; the pyfunc's own URI is
+    "new") and timed by `times`."""
     run_id = tracking.start_run("registry-tests", md5)
     uri = first_run.registration.model_uri
-    return run_id, promote(run_id, name, uri, lambda u: scores["new" if u == uri else u],
-                           CLASSES, md5, {}, policy, timer=None if times is None else
-                           lambda u: times["new" if u == uri else u])
+    return run_id, promote(run_id, name, uri, lambda u: known(scores["new" if u == uri else u]),
+                           CLASSES, md5, {}, policy, refusal, timer=None if times is None else
+                           lambda u: times["new" if u == uri else u],
+                           parameters=lambda u: parameters)
 
 
 def test_no_register_touches_nothing(first_run):
@@ -94,28 +100,60 @@ def test_promote_and_rollback_by_hand(first_run, capsys):
     assert exit_info.value.code == 2 and "reason" in capsys.readouterr().err
 
 
-def test_a_model_that_ties_a_perfect_baseline_is_promoted(first_run):
-    """The gate refuses a model only below the baseline by more than one standard error: a
-    tie at the ceiling (1.0 against 1.0 on the digits' validation split) is no refusal."""
+def test_the_baseline_gate_has_a_margin_at_a_perfect_baseline():
+    """The digits story: k-NN 121 of 121 on validation, the model 118. One standard error of a
+    perfect score is 0, which refused the model; the Wilson interval's lower end is 0.969,
+    which lets it through, while a model clearly below the baseline is still refused."""
     from tasks.adapters.registration import Baseline
 
-    perfect = Baseline(name="knn", val_accuracy=1.0, model_val_accuracy=1.0, val_images=270)
-    assert perfect.refusal() is None
-    run_id = tracking.start_run("registry-tests", "t2")
-    uri = first_run.registration.model_uri
-    gated = promote(run_id, "perfect-tie-gated", uri, lambda u: 1.0, CLASSES, "t2", {},
-                    Policy(), perfect.refusal())
-    assert gated.alias == "champion"
-    # 0.95 on 300 images: one standard error is 0.0126; 0.94 is within it, 0.93 below
-    assert Baseline(name="knn", val_accuracy=0.95, model_val_accuracy=0.94,
-                    val_images=300).refusal() is None
-    below = Baseline(name="knn", val_accuracy=0.95, model_val_accuracy=0.93, val_images=300)
-    run_id = tracking.start_run("registry-tests", "t3")
-    refused = promote(run_id, "below-baseline", uri, lambda u: 1.0, CLASSES, "t3", {},
-                      Policy(), below.refusal())
-    assert refused.alias == "challenger" and "0.0126 on 300 images" in refused.decision
-    # no version can become champion: the decision says what would change that
-    assert "No version of below-baseline is champion yet" in refused.decision
+    digits = Baseline(name="knn", val_accuracy=1.0, model_val_accuracy=118 / 121,
+                      val_images=121)
+    assert digits.refusal() is None and digits.lower == pytest.approx(121 / (121 + 1.96 ** 2),
+                                                                      abs=1e-4)
+    below = Baseline(name="knn", val_accuracy=0.95, model_val_accuracy=0.90, val_images=300)
+    assert below.refusal() is not None and "Wilson" in below.refusal()
+    assert Baseline(name="knn", val_accuracy=0.95, model_val_accuracy=0.93,
+                    val_images=300).refusal() is None  # within the interval (0.919, 0.970)
+
+
+def test_the_good_model_becomes_champion_and_the_chance_level_one_never_does(first_run):
+    """The digits story on the registry: the good model (0.9968 on the test split) was kept
+    out by a gate, so there is no champion; a chance-level model (0.1182) with the gate off
+    is then compared with every version already registered and stays a challenger; the good
+    model's next run takes the seat, and the chance-level one never replaces it."""
+    name, scores = "digits", {"models:/digits/1": 0.9968, "models:/digits/2": 0.1182}
+    _, good = _promote(first_run, name, "good", Policy(), scores | {"new": 0.9968},
+                       refusal="kept out by a gate")
+    assert good.alias == "challenger" and tracking.alias_version(name, "champion") is None
+    run_id, chance = _promote(first_run, name, "chance", Policy(), scores | {"new": 0.1182})
+    assert chance.alias == "challenger"
+    assert "version 1 is better" in chance.decision and "McNemar exact" in chance.decision
+    tags = MlflowClient().get_run(run_id).data.tags
+    assert float(tags["registry.p_worse"]) < 0.05 and tags["registry.test"] == "McNemar exact"
+    _, again = _promote(first_run, name, "good-again", Policy(), scores | {"new": 0.9968})
+    assert again.alias == "champion"  # ties version 1 and beats version 2: the seat is free
+    _, chance_again = _promote(first_run, name, "chance-again", Policy(),
+                               scores | {"models:/digits/3": 0.9968, "new": 0.1182})
+    assert chance_again.alias == "challenger"
+    assert tracking.alias_version(name, "champion") == again.version
+
+
+def test_one_image_of_noise_never_swaps_champions(first_run):
+    """One more image right is no evidence (McNemar: p = 0.5); a clear gain is; a tie with
+    fewer served parameters also takes the seat, a tie with more does not."""
+    name = "noise"
+    scores = {f"models:/{name}/{v}": q for v, q in (("1", 0.9), ("2", 0.9025), ("3", 0.95))}
+    _promote(first_run, name, "n1", Policy(), scores | {"new": 0.9})
+    _, one_more = _promote(first_run, name, "n2", Policy(), scores | {"new": 0.9025})
+    assert one_more.alias == "challenger" and "does not beat" in one_more.decision
+    _, clear = _promote(first_run, name, "n3", Policy(), scores | {"new": 0.95})
+    assert clear.alias == "champion" and "beats the champion (version 1)" in clear.decision
+    _, bigger_tie = _promote(first_run, name, "n4", Policy(), scores | {"new": 0.95},
+                             parameters=2000)
+    assert bigger_tie.alias == "challenger"
+    _, smaller_tie = _promote(first_run, name, "n5", Policy(), scores | {"new": 0.95},
+                              parameters=10)
+    assert smaller_tie.alias == "champion" and "is cheaper" in smaller_tie.decision
 
 
 def test_champion_and_challenger_are_compared_on_images_neither_saw(first_run, fashion_folder):
@@ -158,24 +196,21 @@ def test_two_promotions_started_together_leave_the_better_model_champion(first_r
     import threading
     import time
 
-    from prefect.client.orchestration import get_client
-
-    from tasks.adapters.locks import lock_name
-
     name, uri = "raced", first_run.registration.model_uri
     accuracy = {"old": 0.5, "better": 0.7, "worse": 0.6}  # by the version's program (md5)
     run_ids, registrations = {}, {}
 
     def promote_as(program: str) -> None:
-        def score(model_uri: str) -> float:
+        def score(model_uri: str):
             time.sleep(0.5)
             if model_uri == uri:
-                return accuracy[program]
-            return accuracy[tracking.version_tags(name, model_uri.rsplit("/", 1)[1])["program"]]
+                return known(accuracy[program])
+            tags = tracking.version_tags(name, model_uri.rsplit("/", 1)[1])
+            return known(accuracy[tags["program"]])
 
         run_ids[program] = tracking.start_run("registry-tests", program)
         registrations[program] = promote(run_ids[program], name, uri, score, CLASSES, program,
-                                         {}, Policy())
+                                         {}, Policy(), parameters=lambda u: 1000)
 
     promote_as("old")  # the champion both runs find
     threads = [threading.Thread(target=promote_as, args=(program,))
@@ -191,5 +226,40 @@ def test_two_promotions_started_together_leave_the_better_model_champion(first_r
     assert worse.alias == "challenger" and worse.champion_version == better.version
     for program in accuracy:
         assert MlflowClient().get_run(run_ids[program]).data.tags["registry.decision"]
-    with get_client(sync_client=True) as client:  # the lock is the server's, and free again
-        assert client.read_global_concurrency_limit_by_name(lock_name(name)).active_slots == 0
+    assert read_lease(name) is None  # the lock is free again
+
+
+def test_a_champion_that_trained_on_copies_under_other_names_is_not_scored_on_them(
+        first_run, fashion_folder, tmp_path):
+    """The champion trained on one folder; the new model's folder holds the same images under
+    other names. By path none was seen; by content, the test images the champion trained or
+    was chosen on are left out of the comparison."""
+    import shutil
+
+    from tasks.adapters.registration import promote_on_test_images
+    from tasks.configs.sections import DataSection
+    from tasks.data import load_dataset, prepare_dataset, source_version
+
+    renamed = tmp_path / "renamed"
+    for path in fashion_folder.rglob("*.*"):
+        target = renamed / path.parent.name / f"copy-{path.name}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+    prepared = []
+    for folder in (fashion_folder, renamed):
+        data = DataSection(data=str(folder), test_fraction=0.3)
+        prepared.append(prepare_dataset.fn(data, source_version(data)))
+    name, uri = "copies-comparison", first_run.registration.model_uri
+    first = promote_on_test_images(tracking.start_run("registry-tests", "copies-1"), name, uri,
+                                   prepared[0], "c1", Policy(), None)
+    assert first.alias == "champion"
+    run_id = tracking.start_run("registry-tests", "copies-2")
+    promote_on_test_images(run_id, name, uri, prepared[1], "c2", Policy(), None)
+    old, new = load_dataset(prepared[0]), load_dataset(prepared[1])
+    assert not old.seen_keys() & set(new.keys)  # no name in common
+    seen = old.seen_contents()
+    left_out = sum(new.contents[i] in seen for i in new.splits["test"].tolist())
+    assert left_out > 0
+    tags = MlflowClient().get_run(run_id).data.tags
+    assert tags["registry.compared_left_out"] == str(left_out)
+    assert tags["registry.compared_images"] == str(len(new.splits["test"]) - left_out)

@@ -119,3 +119,75 @@ def test_a_validation_limit_keeps_the_images_that_hash_lowest_and_they_stay_as_a
                           val_limit=100)
     assert grown.count("val") == 100
     assert all(g in ("val", UNUSED) for s, g in zip(limited, grown, strict=False) if s == "val")
+
+
+def test_copies_of_an_image_share_a_split_whatever_their_names():
+    """The same image under several names is grouped by its content: a copy never lands in
+    the test split while the original trains, and a copy added later never takes an image
+    out of the test split."""
+    keys = [f"cls/img{n:04d}.png" for n in range(600)]
+    contents = [f"c{n}" for n in range(600)]
+    copies = {n: 300 + n for n in range(0, 300, 3)}  # 100 images copied under another name
+    for original, copy in copies.items():
+        contents[copy] = contents[original]
+    by_name = stable_split(keys, 0.1, 0.3, 0)
+    assert any(by_name[a] != by_name[b] for a, b in copies.items())  # by path alone: apart
+    by_content = stable_split(keys, 0.1, 0.3, 0, contents=contents)
+    assert all(by_content[a] == by_content[b] for a, b in copies.items())
+    assert all(by_content[n] == "test" for n in range(600) if by_name[n] == "test")
+    alone = [n for n in range(600) if n not in copies and n not in copies.values()]
+    assert all(by_content[n] == by_name[n] for n in alone)  # every other image stays put
+
+
+def test_a_class_without_validation_or_test_images_gets_them_or_is_named(tmp_path, capsys):
+    """A class the hashes leave without a validation or test image gets one of its training
+    images moved there; one too small for three splits is refused by name (or, by flag,
+    warned about)."""
+    from tasks.configs.sections import DataSection
+    from training.datasets import DataError, fill_empty_splits
+
+    keys = [f"big/{n:03d}.png" for n in range(50)] + [f"small/{n}.png" for n in range(6)]
+    hashed = stable_split(keys, 0.1, 0.2, 0)
+    splits = ["train" if k.startswith("small/") else s for k, s in zip(keys, hashed,
+                                                                       strict=True)]
+    filled, moved, unfilled = fill_empty_splits(keys, splits, 0)
+    small = [s for k, s in zip(keys, filled, strict=True) if k.startswith("small/")]
+    assert sorted(small) == ["test", "train", "train", "train", "train", "val"]
+    assert moved == {"small": ["val", "test"]} and unfilled == {}
+    assert all(f == s for k, f, s in zip(keys, filled, splits, strict=True)
+               if k.startswith("big/"))
+    assert fill_empty_splits(keys, splits, 0) == (filled, moved, unfilled)  # deterministic
+
+    root = _image_folder(tmp_path / "imgs", 40)
+    (root / "rare").mkdir()
+    for i in range(2):  # two images cannot fill three splits
+        Image.new("L", (8, 8), color=200 + i).save(root / "rare" / f"{i}.png")
+    data = DataSection(data=str(root))
+    keys = source_keys(data)
+    with pytest.raises(DataError, match="'rare': ") as refused:
+        split_assignment(data, keys)
+    assert "--tiny-classes warn" in str(refused.value) and "'a'" not in str(refused.value)
+    warned = split_assignment(data.replace(tiny_classes="warn"), keys)
+    assert len(warned) == len(keys)
+    code, _, err = run_cli(capsys, "splits", "--data", str(root))
+    assert code == 2 and "'rare'" in err
+
+
+def test_few_label_draws_are_stable_as_the_folder_grows():
+    """The K labelled images per class are those whose keys hash lowest: adding images keeps
+    them unless a new one hashes lower (a positional draw reshuffled all of them)."""
+    import torch
+
+    from training.datasets import labelled_images
+
+    keys = [f"{c}/{n:03d}.png" for c in "ab" for n in range(100)]
+    labels = torch.tensor([0] * 100 + [1] * 100)
+    kept = {keys[i] for i in labelled_images(labels, torch.arange(200), 5, 0, keys).tolist()}
+    grown_keys = keys[:100] + [f"a/new{n}.png" for n in range(50)] + keys[100:]
+    grown_labels = torch.tensor([0] * 150 + [1] * 100)
+    grown = {grown_keys[i] for i in labelled_images(grown_labels, torch.arange(250), 5, 0,
+                                                     grown_keys).tolist()}
+    assert len(kept) == len(grown) == 10
+    assert {k for k in kept if k.startswith("b/")} == {k for k in grown if k.startswith("b/")}
+    new_ones = {k for k in grown if "new" in k}  # a new image that hashes lower displaces one
+    assert len(kept - grown) == len(new_ones) < 5

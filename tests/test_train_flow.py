@@ -61,7 +61,8 @@ def test_worse_model_is_only_a_challenger(first_run):
     assert reg.accuracy < reg.champion_accuracy
     assert tracking.alias_version(NAME, "champion") == first_run.registration.version
     tags = MlflowClient().get_run(worse.run_id).data.tags
-    assert tags["registry.decision"].startswith("does not beat the champion")
+    assert tags["registry.decision"].startswith("is worse than the champion")
+    assert float(tags["registry.p_worse"]) < 0.05 and tags["registry.test"] == "McNemar exact"
 
 
 def test_a_model_below_the_raw_pixel_baselines_is_never_champion(first_run):

@@ -6,10 +6,12 @@ ImageFolder directory (one sub-folder per class, any format Pillow reads, gray o
 any size; resized to one square size).
 
 Every image has a key: its path relative to the ImageFolder (`Sandal/0001.png`), or
-`train/00042` / `test/00042` in Fashion-MNIST's two files. An image's split is a pure function
-of its key (`stable_split`), so adding, removing or renaming other images never moves it from
-test to training: a model retrained on a grown folder is scored on images the earlier model
-never saw.
+`train/00042` / `test/00042` in Fashion-MNIST's two files; and a content hash (`content_hash`
+of the file's bytes, or of the image's pixels in Fashion-MNIST's files), which knows the same
+image under another name. An image's split is a pure function of its key (`stable_split`),
+so adding, removing or renaming other images never moves it from test to training: a model
+retrained on a grown folder is scored on images the earlier model never saw; copies of one
+image (the same content under several names) share one split, the most held-out of theirs.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class ImageSet:
     classes: list[str]
     skipped: list[str] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)  # one per image (module docstring)
+    contents: list[str] = field(default_factory=list)  # `content_hash` of each image
 
     def __post_init__(self) -> None:
         if self.images.dtype != torch.uint8 or self.images.ndim != 4:
@@ -57,6 +60,18 @@ class ImageSet:
             raise DataError(f"{len(self.images)} images but {len(self.labels)} labels")
         if self.keys and len(self.keys) != len(self.images):
             raise DataError(f"{len(self.images)} images but {len(self.keys)} keys")
+        if self.contents and len(self.contents) != len(self.images):
+            raise DataError(f"{len(self.images)} images but {len(self.contents)} content hashes")
+
+
+def content_hash(data: bytes) -> str:
+    """An image's content hash: BLAKE2b (128 bits) of its bytes, in hex."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def pixel_hashes(images: Tensor) -> list[str]:
+    """`content_hash` of each uint8 image's pixels (Fashion-MNIST's images have no file)."""
+    return [content_hash(image.numpy().tobytes()) for image in images]
 
 
 def load_fashion_mnist(root: Path, train: bool) -> ImageSet:
@@ -69,7 +84,8 @@ def load_fashion_mnist(root: Path, train: bool) -> ImageSet:
     part = "train" if train else "test"
     return ImageSet(dataset.data.unsqueeze(1).contiguous(), dataset.targets.long(),
                     list(dataset.classes),
-                    keys=[f"{part}/{index:05d}" for index in range(len(dataset.targets))])
+                    keys=[f"{part}/{index:05d}" for index in range(len(dataset.targets))],
+                    contents=pixel_hashes(dataset.data))
 
 
 def reshape_images(images: Tensor, size: int, channels: int) -> Tensor:
@@ -145,13 +161,14 @@ def load_image_folder(
             _bad_image(path, error, skip_bad_images, skipped)
     if channels is None:
         channels = 1 if all(mode in GRAY_MODES for mode in modes) else 3
-    arrays, labels, keys = [], [], []
+    arrays, labels, keys, contents = [], [], [], []
     for path, label in readable:
         try:
             with Image.open(path) as image:
                 arrays.append(image_to_array(image, image_size, channels))
             labels.append(label)
             keys.append(path.relative_to(root).as_posix())
+            contents.append(content_hash(path.read_bytes()))
         except BAD_IMAGE_ERRORS as error:
             _bad_image(path, error, skip_bad_images, skipped)
     for label, class_dir in enumerate(class_dirs):
@@ -159,7 +176,7 @@ def load_image_folder(
             raise DataError(f"class folder {class_dir} has no readable images")
     images = torch.from_numpy(np.stack(arrays))
     labels = torch.tensor(labels)
-    return ImageSet(images, labels, [p.name for p in class_dirs], skipped, keys)
+    return ImageSet(images, labels, [p.name for p in class_dirs], skipped, keys, contents)
 
 
 def unit_hash(key: str, seed: int, salt: str = "split") -> float:
@@ -197,8 +214,26 @@ def check_group_pattern(pattern: str | None) -> str | None:
     return pattern
 
 
+def duplicate_groups(keys: Sequence[str], contents: Sequence[str] | None) -> dict[str, str]:
+    """The group key of every key whose content (`contents`, one per key) is also held under
+    another key: `content:<hash>`."""
+    if not contents:
+        return {}
+    if len(contents) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(contents)} content hashes")
+    counts: dict[str, int] = {}
+    for content in contents:
+        counts[content] = counts.get(content, 0) + 1
+    return {key: f"content:{content}" for key, content in zip(keys, contents, strict=True)
+            if counts[content] > 1}
+
+
+HELD_OUT = {"train": 0, "val": 1, "test": 2}  # the order in which copies of an image join
+
+
 def stable_split(keys: Sequence[str], val_fraction: float, test_fraction: float, seed: int,
-                 group_pattern: str | None = None) -> list[str]:
+                 group_pattern: str | None = None, contents: Sequence[str] | None = None
+                 ) -> list[str]:
     """Each key's split, `train`, `val` or `test`, as a pure function of its group's key.
 
     With u = `unit_hash(group_key(key), seed)`: test when u < test_fraction; validation when
@@ -209,6 +244,12 @@ def stable_split(keys: Sequence[str], val_fraction: float, test_fraction: float,
     expectation (the keys hold the class folder); a class of a few images may have none in a
     split. `test_fraction` 0 keeps every key out of the test split (Fashion-MNIST's training
     file: its test file is the test split).
+
+    With `contents` (each key's content hash), copies of one image under several keys share
+    the most held-out of their splits (test before validation before training): a copy never
+    trains while another is tested, and adding a copy never moves an image out of the test
+    split (it may bring a training image into it: promotion leaves out what a model saw, by
+    content).
     """
     if not (0.0 <= test_fraction < 1.0 and 0.0 <= val_fraction < 1.0):
         raise ValueError(f"fractions must be in [0, 1): val {val_fraction}, test {test_fraction}")
@@ -218,6 +259,15 @@ def stable_split(keys: Sequence[str], val_fraction: float, test_fraction: float,
     for key in keys:
         u = unit_hash(group_key(key, compiled), seed)
         splits.append("test" if u < test_fraction else "val" if u < val_edge else "train")
+    copies = duplicate_groups(keys, contents)
+    if copies:
+        joined: dict[str, str] = {}
+        for key, split in zip(keys, splits, strict=True):
+            if key in copies:
+                group = copies[key]
+                joined[group] = max(joined.get(group, split), split, key=HELD_OUT.__getitem__)
+        splits = [joined[copies[key]] if key in copies else split
+                  for key, split in zip(keys, splits, strict=True)]
     return splits
 
 
@@ -243,14 +293,16 @@ def split_positions(splits: Sequence[str], name: str) -> Tensor:
 
 def assign_splits(keys: Sequence[str], val_fraction: float, test_fraction: float, seed: int,
                   group_pattern: str | None = None, train_limit: int | None = None,
-                  test_limit: int | None = None, val_limit: int | None = None) -> list[str]:
+                  test_limit: int | None = None, val_limit: int | None = None,
+                  contents: Sequence[str] | None = None) -> list[str]:
     """Each key's split: `train`, `val`, `test` (`stable_split`; keys under `test/` are the
     test split whatever their hash when `test_fraction` is 0: Fashion-MNIST's test file), or
     `UNUSED` where `train_limit` / `val_limit` / `test_limit` leave it out (the keys that hash
     lowest are kept, `stable_limit`). A pure function of each key and the settings: no image
     moves to another split as the folder grows. What the flows (`tasks.data.split_assignment`)
-    and the benchmarks that train outside them both use."""
-    splits = stable_split(keys, val_fraction, test_fraction, seed, group_pattern)
+    and the benchmarks that train outside them both use. `contents`: each key's content hash,
+    so that copies of an image share a split (`stable_split`)."""
+    splits = stable_split(keys, val_fraction, test_fraction, seed, group_pattern, contents)
     if test_fraction == 0.0:
         splits = ["test" if key.startswith("test/") else split
                   for key, split in zip(keys, splits, strict=True)]
@@ -261,6 +313,41 @@ def assign_splits(keys: Sequence[str], val_fraction: float, test_fraction: float
             if i not in kept:
                 splits[i] = UNUSED
     return splits
+
+
+def fill_empty_splits(keys: Sequence[str], splits: list[str], seed: int,
+                      group_pattern: str | None = None, contents: Sequence[str] | None = None
+                      ) -> tuple[list[str], dict[str, list[str]], dict[str, dict[str, int]]]:
+    """Gives every class (the first part of its keys) at least one validation and one test
+    image: a class the hashes left without one gets the training group (`stable_split`'s:
+    an image, its copies, its variants under `group_pattern`) whose key hashes lowest (salt
+    `keep-<split>`) moved there, as long as a training group stays. Returns the splits, the
+    splits filled per class, and the classes that could not be filled (their counts per
+    split: too few images for three splits)."""
+    splits = list(splits)
+    copies = duplicate_groups(keys, contents)
+    compiled = re.compile(group_pattern) if group_pattern is not None else None
+    groups: dict[str, dict[str, list[int]]] = {}  # class -> group -> positions
+    for i, key in enumerate(keys):
+        group = copies.get(key) or group_key(key, compiled)
+        groups.setdefault(key.split("/", 1)[0], {}).setdefault(group, []).append(i)
+    filled: dict[str, list[str]] = {}
+    unfilled: dict[str, dict[str, int]] = {}
+    for name, members in groups.items():
+        for split in ("val", "test"):
+            if any(splits[i] == split for positions in members.values() for i in positions):
+                continue
+            training = [g for g, positions in members.items()
+                        if all(splits[i] == "train" for i in positions)]
+            if len(training) < 2:
+                unfilled[name] = {s: sum(splits[i] == s for p in members.values() for i in p)
+                                  for s in ("train", "val", "test")}
+                continue
+            chosen = min(training, key=lambda g: unit_hash(g, seed, f"keep-{split}"))
+            for i in members[chosen]:
+                splits[i] = split
+            filled.setdefault(name, []).append(split)
+    return splits, filled, unfilled
 
 
 def limit(indices: Tensor, count: int | None, seed: int) -> Tensor:
@@ -274,26 +361,32 @@ def limit(indices: Tensor, count: int | None, seed: int) -> Tensor:
 VALIDATION_SEED = 1009  # added to the split seed for the same-budget validation draw
 
 
-def validation_images(labels: Tensor, val: Tensor, per_class: int | None,
-                      split_seed: int) -> Tensor:
+def validation_images(labels: Tensor, val: Tensor, per_class: int | None, split_seed: int,
+                      keys: Sequence[str]) -> Tensor:
     """The validation positions the run's choices read (early stopping, the round kept, the
     head mixing): all of `val`, or with `per_class` K (`labels_per_class`) at most K of each
-    class, a draw per class seeded by the split seed (the labels a few-label user could hold
-    out), so that no choice reads more labels than the run is said to have."""
-    return labelled_images(labels, val, per_class, split_seed + VALIDATION_SEED)
+    class, drawn by key like `labelled_images` with the split seed (the labels a few-label
+    user could hold out), so that no choice reads more labels than the run is said to have."""
+    return labelled_images(labels, val, per_class, split_seed + VALIDATION_SEED, keys)
 
 
-def labelled_images(labels: Tensor, train: Tensor, per_class: int | None, seed: int) -> Tensor:
+def labelled_images(labels: Tensor, train: Tensor, per_class: int | None, seed: int,
+                    keys: Sequence[str]) -> Tensor:
     """The positions of `train` that keep their label: all, or at most `per_class` of each
-    class (a seeded draw, class by class in label order), sorted."""
+    class: those whose keys (`keys[position]`) hash lowest (`unit_hash` with the salt
+    `labels`), sorted. Pure per key like `stable_split`: a grown folder keeps the labelled
+    images unless a new one of the class hashes lower than the last one kept."""
     if per_class is None:
         return train
-    generator = torch.Generator().manual_seed(seed + 7)
+    last = int(train.max()) if len(train) else -1
+    if len(keys) <= last:
+        raise ValueError(f"a few-label draw needs each image's key: {len(keys)} keys for "
+                         f"positions up to {last}")
     kept = []
     for label in labels[train].unique().tolist():
         members = train[labels[train] == label]
-        kept.append(members[torch.randperm(len(members), generator=generator)[:per_class]])
-    return torch.cat(kept).sort().values
+        kept.append(stable_limit(members, keys, per_class, seed, "labels"))
+    return torch.cat(kept).sort().values if kept else train
 
 
 def channel_stats(images: Tensor) -> tuple[list[float], list[float]]:

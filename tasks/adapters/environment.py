@@ -46,10 +46,14 @@ def safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "-", text).lstrip("-_.")
 
 
+DEFAULT_PROJECT = "compactml"  # when neither the environment nor project.env names one
+
+
 def default_project() -> str:
-    """The prefix of MLflow names when a config gives none: `COMPACTML_PROJECT` (empty: no
-    prefix), else the project folder's name."""
-    return os.environ.get("COMPACTML_PROJECT", safe_name(PROJECT_ROOT.name))
+    """The prefix of MLflow experiment names and of the flows' default model names when a
+    config gives none: `COMPACTML_PROJECT`, committed in project.env (empty: no prefix). Never
+    the folder's name: every clone of the project writes to the same names."""
+    return os.environ.get("COMPACTML_PROJECT", DEFAULT_PROJECT)
 
 
 def data_dir() -> Path:

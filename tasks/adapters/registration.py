@@ -1,12 +1,15 @@
-"""Registration: the final model as an MLflow pyfunc, promoted only if it beats the champion.
+"""Registration: the final model as an MLflow pyfunc, promoted only if it beats the champion
+by a paired test (`training.promotion`).
 
 Both the new model and the current champion are scored through their pyfunc (raw uint8 images
-in, labels out) on the same test images in the same run, so the comparison is on the same images
-and also proves that the served model works end to end. Those images are the test split less
-any image the champion trained or was chosen on (its recorded data set's training and
-validation keys): with stable splits (`training.datasets.stable_split`) that is the whole test
-split, and a champion trained under other split settings is never scored on its own training
-images. The decision says on how many images it was made. Each model's own network and
+in, labels out) on the same test images in the same run, so the comparison is paired, image by
+image, and also proves that the served model works end to end. Those images are the test split
+less any image the champion trained or was chosen on (its recorded data set's training and
+validation images, known by path and by content hash): with stable splits
+(`training.datasets.stable_split`) that is the whole test split, and a champion trained under
+other split settings, or on another folder holding copies of these images, is never scored on
+its own training images. The decision says on how many images it was made and gives the
+test's statistic. Each model's own network and
 preprocessing settings come from its stored files; the Python preprocessing code is the one
 installed in this process.
 
@@ -42,7 +45,16 @@ from tasks.adapters.locks import registry_lock
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.data import DatasetRef, LoadedDataset, load_dataset, load_dataset_artifact
 from training.datasets import ImageSet
-from training.scores import standard_error
+from training.promotion import (
+    ALPHA,
+    Correct,
+    Evidence,
+    Verdict,
+    against_champion,
+    paired_test,
+    wilson_interval,
+    without_champion,
+)
 
 SERVING_PACKAGES = ("torch", "torchvision", "mlflow", "pillow", "pandas", "numpy")
 
@@ -87,11 +99,13 @@ class Policy(BaseModel):
 
     registry: bool = True  # may register at all
     max_latency_ms: float | None = None  # the served pyfunc's time per image (batch 1)
+    alpha: float = ALPHA  # the level of the paired test (`training.promotion`)
 
     @classmethod
     def of(cls, run: Any) -> Policy:
         """The policy a flow config's run section sets (`tasks.configs.sections.RunSection`)."""
-        return cls(registry=run.registry, max_latency_ms=run.max_latency_ms)
+        return cls(registry=run.registry, max_latency_ms=run.max_latency_ms,
+                   alpha=run.promotion_alpha)
 
 
 NOT_REGISTERED = "not registered (--no-register, or the smoke profile): the registry is untouched"
@@ -151,15 +165,35 @@ def test_images(dataset: DatasetRef) -> tuple[np.ndarray, list[str]]:
     return raw_images(data, index), [dataset.classes[i] for i in data.labels[index].tolist()]
 
 
-def seen_by(tags: dict[str, str]) -> set[str] | None:
-    """The keys of the images a registered version trained or was chosen on, read from the
-    data set its tags record (`dataset.ref`); None when it records none (registered before
-    data sets recorded their keys)."""
+class Seen(BaseModel):
+    """The images a model trained or was chosen on: their keys and their content hashes."""
+
+    model_config = ConfigDict(frozen=True)
+
+    keys: frozenset[str]
+    contents: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, data: LoadedDataset) -> Seen:
+        return cls(keys=frozenset(data.seen_keys()), contents=frozenset(data.seen_contents()))
+
+    def __or__(self, other: Seen) -> Seen:
+        return Seen(keys=self.keys | other.keys, contents=self.contents | other.contents)
+
+    def saw(self, key: str, content: str | None) -> bool:
+        """Whether the image of `key` (and `content`, when known) is among these, by either."""
+        return key in self.keys or (content is not None and content in self.contents)
+
+
+def seen_by(tags: dict[str, str]) -> Seen | None:
+    """The images a registered version trained or was chosen on, read from the data set its
+    tags record (`dataset.ref`); None when it records none (registered before data sets
+    recorded their keys)."""
     recorded = tags.get("dataset.ref")
     if recorded is None:
         return None
     data = load_dataset_artifact(ArtifactRef.model_validate_json(recorded))
-    return data.seen_keys() if data.keys else None
+    return Seen.of(data) if data.keys else None
 
 
 class Comparison(BaseModel):
@@ -175,8 +209,8 @@ class Comparison(BaseModel):
 def unseen_test_split(dataset: DatasetRef, champion_tags: dict[str, str]
                       ) -> tuple[tuple[np.ndarray, list[str]] | None, Comparison]:
     """The test images that neither this run's model nor the champion trained or was chosen
-    on (as raw images and label names; None when there are none), and a note for the
-    decision saying how many and why."""
+    on, known by path or by content (as raw images and label names; None when there are
+    none), and a note for the decision saying how many and why."""
     data = load_dataset(dataset)
     index = data.splits["test"].tolist()
     seen = seen_by(champion_tags)
@@ -185,12 +219,13 @@ def unseen_test_split(dataset: DatasetRef, champion_tags: dict[str, str]
             images=len(index), left_out=0,
             note=f"on the {len(index)} test images (the champion records no training images "
                  "to leave out)")
-    seen |= data.seen_keys()
-    unseen = [i for i in index if data.keys[i] not in seen]
+    seen |= Seen.of(data)
+    unseen = [i for i in index
+              if not seen.saw(data.keys[i], data.contents[i] if data.contents else None)]
     left_out = len(index) - len(unseen)
     note = (f"on the {len(unseen)} test images neither model trained or was chosen on"
-            + (f" ({left_out} of the test split left out: the champion saw them)"
-               if left_out else " (the whole test split)"))
+            + (f" ({left_out} of the test split left out: the champion saw them, by path or "
+               "by content)" if left_out else " (the whole test split)"))
     if not unseen:
         return None, Comparison(images=0, left_out=left_out, note=note)
     labels = [dataset.classes[i] for i in data.labels[unseen].tolist()]
@@ -198,10 +233,32 @@ def unseen_test_split(dataset: DatasetRef, champion_tags: dict[str, str]
                                                           left_out=left_out, note=note)
 
 
+def pyfunc_correct(model_uri: str, images: np.ndarray, labels: list[str]) -> Correct:
+    """Whether the pyfunc at `model_uri` labels each of `images` right (`labels`)."""
+    predicted = tracking.load_pyfunc(model_uri).predict(images)["label"].tolist()
+    return Correct(np.array([p == t for p, t in zip(predicted, labels, strict=True)]))
+
+
 def pyfunc_accuracy(model_uri: str, images: np.ndarray, labels: list[str]) -> float:
     """Fraction of `images` that the pyfunc at `model_uri` labels correctly."""
-    predicted = tracking.load_pyfunc(model_uri).predict(images)["label"].tolist()
-    return float(np.mean([p == t for p, t in zip(predicted, labels, strict=True)]))
+    return pyfunc_correct(model_uri, images, labels).score()
+
+
+def served_parameters(model_uri: str) -> int:
+    """The parameters and buffers of every network the pyfunc at `model_uri` serves with
+    (each tensor once): what "cheaper" means when two models tie."""
+    import torch
+
+    implementation = tracking.load_pyfunc(model_uri).unwrap_python_model()
+    implementation = getattr(implementation, "implementation", implementation)
+    seen, total = set(), 0
+    for value in vars(implementation).values():
+        if isinstance(value, torch.nn.Module):
+            for tensor in (*value.parameters(), *value.buffers()):
+                if tensor.data_ptr() not in seen:
+                    seen.add(tensor.data_ptr())
+                    total += tensor.numel()
+    return total
 
 
 def served_ms_per_image(model_uri: str, images: np.ndarray) -> float:
@@ -234,11 +291,10 @@ class Baseline(BaseModel):
     raw-pixel baseline (`training.baselines`), the model's own validation accuracy, and the
     number of validation images both were measured on.
 
-    The gate refuses a model only when it is below the baseline by more than the validation
-    split's noise: `model < baseline - SE`, SE = sqrt(b (1 - b) / n) for the baseline's
-    accuracy b on n images (`training.scores.standard_error`, PBT's tie margin). A model that
-    ties a perfect baseline (1.0 against 1.0, SE 0) passes; one a standard error below does
-    not."""
+    The gate refuses a model only when it is below the Wilson score interval (95%) of the
+    baseline's accuracy b on n images (`training.promotion.wilson_interval`): a model that
+    ties the baseline within that interval passes, and at a perfect baseline the interval's
+    lower end is n / (n + 1.96^2) (0.969 on 121 images), not 1."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -248,14 +304,14 @@ class Baseline(BaseModel):
     val_images: int = Field(ge=1)
 
     @property
-    def margin(self) -> float:
-        """One standard error of the baseline's validation accuracy."""
-        return standard_error(self.val_accuracy, self.val_images)
+    def lower(self) -> float:
+        """The lower end of the baseline's Wilson interval."""
+        return wilson_interval(self.val_accuracy, self.val_images)[0]
 
     @property
     def passed(self) -> bool:
-        """Not below the baseline by more than `margin` (the gate lets the model through)."""
-        return self.model_val_accuracy >= self.val_accuracy - self.margin
+        """Not below the baseline's interval (the gate lets the model through)."""
+        return self.model_val_accuracy >= self.lower
 
     @property
     def beaten(self) -> bool:
@@ -266,19 +322,15 @@ class Baseline(BaseModel):
         """Why the gate refuses the model (None when it `passed`)."""
         if self.passed:
             return None
-        return (f"below the raw-pixel {self.name} baseline on validation by more than one "
-                f"standard error ({self.model_val_accuracy:.4f} < {self.val_accuracy:.4f} - "
-                f"{self.margin:.4f} on {self.val_images} images): registered, never champion; "
-                "train longer (--min-steps) or pick another model")
+        return (f"below the raw-pixel {self.name} baseline on validation: "
+                f"{self.model_val_accuracy:.4f} < {self.lower:.4f}, the lower end of the "
+                f"baseline's 95% Wilson interval ({self.val_accuracy:.4f} on "
+                f"{self.val_images} images): registered, never champion; train longer "
+                "(--min-steps) or pick another model")
 
 
-def decide(accuracy: float, champion_accuracy: float | None) -> tuple[str, str]:
-    """Champion only when strictly better than the current one (or when there is none)."""
-    if champion_accuracy is None:
-        return CHAMPION, "no champion yet"
-    if accuracy > champion_accuracy:
-        return CHAMPION, f"beats the champion: {accuracy:.4f} > {champion_accuracy:.4f}"
-    return CHALLENGER, f"does not beat the champion: {accuracy:.4f} <= {champion_accuracy:.4f}"
+Scorer = Callable[[str], Evidence]  # a pyfunc URI -> its per-image evidence
+Compare = Callable[[dict[str, str]], tuple[Scorer | None, Comparison]]
 
 
 @task(task_run_name="register-and-promote", retries=2, retry_delay_seconds=10,
@@ -306,22 +358,23 @@ def promote_on_test_images(run_id: str, name: str, model_uri: str, dataset: Data
                            tags: dict[str, str] | None = None) -> Registration:
     """`promote` for a classifier's pyfunc: scored by its accuracy on the data set's test
     split, timed on its images (read once, and only if something is scored), and compared
-    with the champion on the test images neither trained on (`unseen_test_split`). The
-    version is tagged with the data set (`dataset`: its hash; `dataset.ref`: the artifact,
-    so that a later run can leave out the images this one saw) and `tags`."""
+    with the champion (or each registered version) on the test images neither trained or was
+    chosen on (`unseen_test_split`: by path and by content). The version is tagged with the
+    data set (`dataset`: its hash; `dataset.ref`: the artifact, so that a later run can leave
+    out the images this one saw) and `tags`."""
     split = functools.cache(lambda: test_images(dataset))
 
-    def whole_split(uri: str) -> float:
-        return pyfunc_accuracy(uri, *split())
+    @functools.cache
+    def whole_split(uri: str) -> Correct:
+        return pyfunc_correct(uri, *split())
 
-    def compare(champion_tags: dict[str, str]) -> tuple[Callable[[str], float] | None,
-                                                        Comparison]:
-        images, comparison = unseen_test_split(dataset, champion_tags)
+    def compare(other_tags: dict[str, str]) -> tuple[Scorer | None, Comparison]:
+        images, comparison = unseen_test_split(dataset, other_tags)
         if images is None:
             return None, comparison
-        if comparison.left_out == 0:  # the whole split: the new model's score stands
+        if comparison.left_out == 0:  # the whole split: the new model's evidence stands
             return whole_split, comparison
-        return lambda uri: pyfunc_accuracy(uri, *images), comparison
+        return lambda uri: pyfunc_correct(uri, *images), comparison
 
     return promote(run_id, name, model_uri, whole_split,
                    dataset.classes, program_md5, {"dataset": dataset.artifact.md5,
@@ -330,31 +383,82 @@ def promote_on_test_images(run_id: str, name: str, model_uri: str, dataset: Data
                    timer=lambda uri: served_ms_per_image(uri, split()[0]), compare=compare)
 
 
-def promote(run_id: str, name: str, model_uri: str, score: Callable[[str], float] | None,
+def comparable(tags: dict[str, str], classes: list[str], metric: str) -> str | None:
+    """Why a registered version (its `tags`) cannot be compared with a model of `classes`
+    scored by `metric` (None: it can)."""
+    recorded = tags.get("classes")
+    if recorded is not None and recorded != json.dumps(classes):
+        return "was trained on other classes; register this data set's models under another " \
+               "--model-name"
+    if tags.get("metric", "test_accuracy") != metric:
+        return f"is scored by {tags.get('metric')}, not {metric}: register under another " \
+               "--model-name"
+    return None
+
+
+def recorded_parameters(uri: str, tags: dict[str, str],
+                        parameters: Callable[[str], int]) -> int | None:
+    """A registered version's served parameters: its `parameters` tag, else counted (None
+    when its pyfunc no longer loads)."""
+    if tags.get("parameters", "").isdigit():
+        return int(tags["parameters"])
+    try:
+        return parameters(uri)
+    except Exception:  # noqa: BLE001 (an old version that no longer loads: no cost to compare)
+        return None
+
+
+def paired_verdict(version_uri: str, tags: dict[str, str], model_uri: str, score: Scorer,
+                   new_evidence: Evidence, compare: Compare | None, alpha: float
+                   ) -> tuple[Verdict | None, Comparison | None, str | None]:
+    """The new model against the registered version at `version_uri` on the images neither
+    saw (`compare`, else `score`'s): the paired verdict, the comparison, or why there is
+    none."""
+    scorer, comparison = (score, None) if compare is None else compare(tags)
+    if scorer is None:
+        return None, comparison, (f"no test image is left that {version_uri} did not train "
+                                  "on: no fair comparison; move the alias by hand (python -m "
+                                  "flows promote) or keep the split settings between runs")
+    try:
+        old = scorer(version_uri)
+    except Exception as error:  # an old version that no longer loads or predicts
+        return None, comparison, f"{version_uri} could not be scored: {error}"
+    new = new_evidence if scorer is score else scorer(model_uri)
+    return paired_test(new, old, alpha), comparison, None
+
+
+def promote(run_id: str, name: str, model_uri: str, score: Scorer | None,
             classes: list[str], program_md5: str, tags: dict[str, str],
             policy: Policy, refusal: str | None = None,
             metric: str = "test_accuracy", timer: Callable[[str], float] | None = None,
-            compare: Callable[[dict[str, str]], tuple[Callable[[str], float] | None,
-                                                      Comparison]] | None = None
-            ) -> Registration:
-    """Scores the logged model at `model_uri` and the current champion with `score` (a pyfunc
-    URI to its test score: the same test images for both), registers the model (once per
-    `program_md5`) and gives it `champion` only when it scores higher and nothing refuses it
-    (`refusal`: why it may not be champion; the `policy`'s latency budget, in ms per image by
-    `timer`, a pyfunc URI to its time: a champion over the budget loses to a model within it).
-    `compare` (the champion's version tags to a score on the images both are compared on, or
-    None when there are none, and a `Comparison` saying which) replaces `score` for the
-    comparison; the version keeps its `score` on the whole test split.
-    The comparison and the move hold the model's registry lock (`tasks.adapters.locks`).
-    Records the decision as tags and `registry_<metric>` (and `champion_<metric>`, both
-    scores of the comparison) on the run. With `policy.registry` false nothing is scored and
-    the registry is not touched."""
+            compare: Compare | None = None,
+            parameters: Callable[[str], int] = served_parameters) -> Registration:
+    """Scores the logged model at `model_uri` with `score` (a pyfunc URI to its per-image
+    evidence on the test images, `training.promotion.Evidence`), registers it (once per
+    `program_md5`) and decides its alias under the model's registry lock
+    (`tasks.adapters.locks`), by a paired test at level `policy.alpha`
+    (`training.promotion`):
+
+    - with a champion: `champion` only when better than it on the same images, or not worse
+      and with fewer served parameters (`parameters`);
+    - with no champion: `champion` unless a registered version is better than it;
+    - never when something refuses it (`refusal`: why it may not be champion; the policy's
+      latency budget, in ms per image by `timer`: a champion over the budget loses to a model
+      within it).
+
+    `compare` (a registered version's tags to a scorer on the images both are compared on,
+    or None when there are none, and a `Comparison` saying which) replaces `score` for each
+    comparison; the version keeps its `score` on the whole test split. Records the decision
+    and its statistic as tags (`registry.decision`, `registry.p_better`, ...) and
+    `registry_<metric>` (and `champion_<metric>`, `compared_<metric>`) on the run. With
+    `policy.registry` false nothing is scored and the registry is not touched."""
     if not policy.registry:
         tracking.set_tags(run_id, {"registry.decision": NOT_REGISTERED,
                                    "registry.model_uri": model_uri})
         return Registration(name=name, model_uri=model_uri, decision=NOT_REGISTERED,
                             metric=metric)
-    new_score = score(model_uri)
+    evidence = score(model_uri)
+    new_score = evidence.score()
     budget = policy.max_latency_ms
     if budget is not None:
         if timer is None:
@@ -364,74 +468,84 @@ def promote(run_id: str, name: str, model_uri: str, score: Callable[[str], float
         if latency > budget:
             refusal = refusal or (f"over the latency budget: {latency:.2f} ms per image > "
                                   f"{budget:g} ms (--max-latency-ms)")
-    # one promotion of `name` at a time from here: read the champion, compare, move the alias
-    with registry_lock(name):
+    new_parameters = functools.cache(lambda: parameters(model_uri))
+    # one alias move of `name` at a time, on every machine sharing the MLflow server
+    with registry_lock(name, f"promotion by run {run_id}") as lease:
         champion_version = tracking.alias_version(name, CHAMPION)
-        champion_score, compared_score, comparison = None, new_score, None
+        version = tracking.find_version(name, "program", program_md5)
+        verdict = comparison = champion_score = None
         if champion_version is not None:
+            champion_uri = f"models:/{name}/{champion_version}"
             champion_tags = tracking.version_tags(name, champion_version)
-            champion_classes = champion_tags.get("classes")
-            if champion_classes is not None and champion_classes != json.dumps(classes):
-                refusal = refusal or (f"the champion (version {champion_version}) was trained on "
-                                      "other classes; register this data set's models under "
-                                      "another --model-name")
-            elif champion_tags.get("metric", "test_accuracy") != metric:
-                refusal = refusal or (f"the champion (version {champion_version}) is scored by "
-                                      f"{champion_tags.get('metric')}, not {metric}: register "
-                                      "under another --model-name")
+            why_not = comparable(champion_tags, classes, metric)
+            if why_not is not None:
+                refusal = refusal or f"the champion (version {champion_version}) {why_not}"
             else:
-                scorer = score
-                if compare is not None:
-                    scorer, comparison = compare(champion_tags)
-                if scorer is None:
-                    refusal = refusal or (f"no test image is left that the champion (version "
-                                          f"{champion_version}) did not train on: no fair "
-                                          "comparison; move the alias by hand (python -m flows "
-                                          "promote) or keep the split settings between runs")
-                else:
-                    try:
-                        champion_score = scorer(f"models:/{name}/{champion_version}")
-                    except Exception as error:  # an old champion that no longer loads or predicts
-                        refusal = refusal or (f"the champion (version {champion_version}) could "
-                                              f"not be scored: {error}")
-                    else:
-                        compared_score = new_score if scorer is score else scorer(model_uri)
-        if refusal:  # never replace a champion on a comparison that did not happen
+                verdict, comparison, failed = paired_verdict(
+                    champion_uri, champion_tags, model_uri, score, evidence, compare,
+                    policy.alpha)
+                refusal = refusal or failed
+        if version is not None and version == champion_version:
+            alias, decision = CHAMPION, f"same model as the champion (version {version})"
+        elif refusal:  # never replace a champion on a comparison that did not happen
             alias, decision = CHALLENGER, refusal
-        elif budget is not None and champion_score is not None and (champion_latency := (
-                timer(f"models:/{name}/{champion_version}"))) > budget:
+        elif budget is not None and champion_version is not None and (champion_latency := (
+                timer(champion_uri))) > budget:
             alias, decision = CHAMPION, (f"within the latency budget ({latency:.2f} ms <= "
                                          f"{budget:g} ms per image), the champion (version "
                                          f"{champion_version}, {champion_latency:.2f} ms) is not")
-        else:
-            alias, decision = decide(compared_score, champion_score)
-            if comparison is not None and champion_score is not None:
-                decision = f"{decision} {comparison.note}"
-        version = tracking.find_version(name, "program", program_md5)
+        elif verdict is not None:
+            champion_score = verdict.old_score
+            outcome = (against_champion(verdict, champion_version) if verdict.better else
+                       against_champion(verdict, champion_version, new_parameters(),
+                                        recorded_parameters(champion_uri, champion_tags,
+                                                            parameters)))
+            alias = CHAMPION if outcome.crown else CHALLENGER
+            decision = outcome.reason + (f"; {comparison.note}" if comparison else "")
+        else:  # no champion: compared with every version already registered
+            verdicts = {}
+            for other in tracking.model_versions(name):
+                other_tags = tracking.version_tags(name, other)
+                if other == version or comparable(other_tags, classes, metric) is not None:
+                    continue
+                found, _, _ = paired_verdict(f"models:/{name}/{other}", other_tags, model_uri,
+                                             score, evidence, compare, policy.alpha)
+                if found is not None:
+                    verdicts[other] = found
+            outcome = without_champion(verdicts)
+            alias, decision = (CHAMPION if outcome.crown else CHALLENGER), outcome.reason
+            verdict = next((v for v in verdicts.values() if v.worse), None)
         if version is None:
+            lease.check()
             version = tracking.register_model(model_uri, name, run_id, {
                 metric: f"{new_score:.6f}", "metric": metric, "program": program_md5,
-                "classes": json.dumps(classes)} | tags)
-        elif version == champion_version:
-            alias, decision = CHAMPION, f"same model as the champion (version {version})"
+                "classes": json.dumps(classes), "parameters": str(new_parameters())} | tags)
         if alias == CHAMPION:
-            crown(name, version)
+            if version != champion_version:
+                crown(name, version, lease, f"run {run_id}", decision)
         else:
+            lease.check()
             tracking.set_alias(name, alias, version)
             if champion_version is None:
                 decision += (f". No version of {name} is champion yet: the next run whose model "
-                             "passes this gate becomes it, or choose one by hand (python -m flows "
-                             f"promote {name} VERSION --reason ...)")
+                             "passes the gates and is not worse than a registered version "
+                             "becomes it, or choose one by hand (python -m flows promote "
+                             f"{name} VERSION --reason ...)")
         tracking.set_tags(run_id, {"registry.model": name, "registry.version": version,
                                    "registry.alias": alias, "registry.decision": decision,
                                    "registry.champion_version": champion_version or "none"}
                           | ({"registry.compared_images": str(comparison.images),
                               "registry.compared_left_out": str(comparison.left_out)}
-                             if comparison is not None else {}))
+                             if comparison is not None else {})
+                          | ({"registry.test": verdict.test,
+                              "registry.p_better": f"{verdict.p_better:.6g}",
+                              "registry.p_worse": f"{verdict.p_worse:.6g}",
+                              "registry.alpha": f"{verdict.alpha:g}"}
+                             if verdict is not None else {}))
         tracking.log_metrics(run_id, {f"registry_{metric}": new_score}
                              | ({f"champion_{metric}": champion_score,
-                                 f"compared_{metric}": compared_score}
-                                if champion_score is not None else {}))
+                                 f"compared_{metric}": verdict.new_score}
+                                if champion_score is not None and verdict is not None else {}))
     return Registration(name=name, model_uri=model_uri, version=version, alias=alias,
                         accuracy=new_score, champion_version=champion_version,
                         champion_accuracy=champion_score, decision=decision, metric=metric)

@@ -7,6 +7,7 @@ thread, a task thread or a Dask worker. The tracking URI comes from `MLFLOW_TRAC
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import subprocess
@@ -295,6 +296,25 @@ def model_tags(name: str) -> dict[str, str]:
     return dict(client().get_registered_model(name).tags)
 
 
+def ensure_registered_model(name: str) -> None:
+    """Creates registered model `name` unless it exists (another process may create it
+    first)."""
+    try:
+        client().create_registered_model(name)
+    except MlflowException as error:
+        if error.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+
+
+def delete_model_tag(name: str, key: str) -> None:
+    """Removes one tag of registered model `name` (none there: nothing to do)."""
+    try:
+        client().delete_registered_model_tag(name, key)
+    except MlflowException as error:
+        if not _missing(error):
+            raise
+
+
 def set_model_tag(name: str, key: str, value: str) -> None:
     """Sets one tag of registered model `name`."""
     client().set_registered_model_tag(name, key, value)
@@ -312,7 +332,16 @@ def set_alias(name: str, alias: str, version: str) -> None:
 
 
 def load_pyfunc(model_uri: str) -> mlflow.pyfunc.PyFuncModel:
-    """Loads a logged or registered pyfunc model (`runs:/...`, `models:/name@alias`)."""
+    """Loads a logged or registered pyfunc model (`runs:/...`, `models:/name@alias`). A URI
+    that always names the same model (a run's, a version number's: no `@alias`) is loaded
+    once per process and tracking server (a promotion scores, times and counts it)."""
+    if "@" in model_uri:
+        return mlflow.pyfunc.load_model(model_uri)
+    return _load_fixed_pyfunc(tracking_uri(), model_uri)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_fixed_pyfunc(server: str, model_uri: str) -> mlflow.pyfunc.PyFuncModel:
     return mlflow.pyfunc.load_model(model_uri)
 
 

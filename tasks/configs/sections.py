@@ -35,10 +35,11 @@ MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[\w.-]+)|/(?P<ve
 
 def project_field() -> Any:
     """The `project` field of a config that names MLflow experiments or registered models."""
-    return Field(None, max_length=60, description="prefix of the MLflow experiment and "
-                 "registered model names, PROJECT-NAME (compactml-train), so that projects "
-                 "sharing a tracking server do not collide; none: $COMPACTML_PROJECT (empty: no "
-                 "prefix), else the project folder's name", json_schema_extra=RUN_ONLY)
+    return Field(None, max_length=60, description="prefix of the MLflow experiment names and "
+                 "of the flows' default model names, PROJECT-NAME (compactml-train); given "
+                 "here, it prefixes a --model-name too; none: the project's name, "
+                 "COMPACTML_PROJECT in project.env (empty: no prefix)",
+                 json_schema_extra=RUN_ONLY)
 
 
 def check_name(value: str | None, info: ValidationInfo) -> str | None:
@@ -58,6 +59,14 @@ def qualified(project: str | None, name: str) -> str:
     """`name` in `project` (none: `default_project()`): PROJECT-NAME, or NAME without one."""
     prefix = default_project() if project is None else project
     return f"{prefix}-{name}" if prefix else name
+
+
+def model_name_of(project: str | None, model_name: str | None, flow_name: str) -> str:
+    """The registered name of a run: a `model_name` the user gave, exactly (PROJECT-NAME only
+    when a `project` is given with it), else the flow's name in the project (`qualified`)."""
+    if model_name is None:
+        return qualified(project, flow_name)
+    return f"{project}-{model_name}" if project else model_name
 
 
 class StrictConfig(BaseModel):
@@ -107,7 +116,8 @@ class DataSection(StrictConfig):
     split_seed: int = Field(0, ge=0, description="seed of the train/validation/test split, "
                             "independent of the training seed so that every run sees the same "
                             "test set; an image's split is a hash of its path and this seed, so "
-                            "adding or removing other images never moves it")
+                            "adding or removing other images never moves it (copies of one "
+                            "image, found by content, share a split)")
     group_pattern: str | None = Field(None, description="a regular expression over file names "
                                       "whose match (its first group, if any) names an image's "
                                       "group: variants of one original (`(\\d+)` puts "
@@ -123,6 +133,10 @@ class DataSection(StrictConfig):
                                    "images (chosen the same way); none: all")
     skip_bad_images: bool = Field(False, description="skip and count unreadable images instead "
                                   "of stopping with an error")
+    tiny_classes: Literal["keep", "refuse", "warn"] = Field(
+        "keep", description="ImageFolder: a class the split left with no validation or no test "
+        "image: keep moves one of its training images there (a class of fewer than 3 images "
+        "stops the run, naming it); refuse stops the run naming the class; warn only warns")
 
     @field_validator("group_pattern")
     @classmethod
@@ -237,7 +251,8 @@ class RunSection(StrictConfig):
     threads: int | None = Field(None, ge=1, le=512, description="CPU threads for PyTorch; none: "
                                 "PyTorch's default", json_schema_extra=RUN_ONLY)
     model_name: str | None = Field(None, min_length=1, max_length=100, description="registered "
-                                   "model name in MLflow; none: the flow's name",
+                                   "model name in MLflow, exactly as given (PROJECT-NAME with "
+                                   "--project); none: PROJECT-FLOW (compactml-train)",
                                    json_schema_extra=RUN_ONLY)
     progress: bool = Field(True, description="show progress bars", json_schema_extra=RUN_ONLY)
     ddp_procs: int = Field(1, ge=1, le=1024, description="data-parallel processes per "
@@ -255,14 +270,19 @@ class RunSection(StrictConfig):
                                          "longer than this per image (batch 1, median, this "
                                          "machine); none: no budget",
                                          json_schema_extra=RUN_ONLY)
+    promotion_alpha: float = Field(0.05, gt=0.0, le=0.5, description="level of the paired "
+                                   "test that promotion decides by (McNemar's exact test on "
+                                   "the test images neither model saw): a model replaces the "
+                                   "champion only when better at this level, or not worse and "
+                                   "smaller", json_schema_extra=RUN_ONLY)
     project: Project = project_field()
 
     _valid_name = field_validator("model_name")(check_name)
 
     def registered_name(self, flow_name: str) -> str:
-        """The MLflow registered-model name: `model_name`, or the flow's name, in the
-        project (`qualified`)."""
-        return qualified(self.project, self.model_name or flow_name)
+        """The MLflow registered-model name (`model_name_of`): `model_name` as given, or
+        the flow's name in the project."""
+        return model_name_of(self.project, self.model_name, flow_name)
 
     def experiment(self, flow_name: str) -> str:
         """The MLflow experiment of the flow's runs, in the project (`qualified`)."""

@@ -1,0 +1,208 @@
+"""The registry's decision, pure: which of two models on the same images is better, by a paired
+test, and whether a new version takes the `champion` alias.
+
+Evidence is per image, on the images both models are scored on, in the same order:
+
+- `Correct`: one bool per image (a classifier's label is right or wrong). Two of them are
+  compared by McNemar's exact test: of the n = b + c images on which the two disagree (b: only
+  the new model is right, c: only the old one), b ~ Binomial(n, 1/2) when neither is better,
+  so the one-sided p-value that the new model is better is P(X >= b), that it is worse
+  P(X <= b). Images both get right or both get wrong say nothing about which is better.
+- `Scored`: an aggregate that is no mean of per-image values (a detector's mAP, a boundary F):
+  a paired bootstrap resamples the images with replacement, scores both models on the same
+  resample, and p is the share of resamples where the difference is not in the new model's
+  favour (with the usual +1 in numerator and denominator).
+
+A challenger replaces the champion only when it is better at level `alpha` (0.05 unless the
+run says otherwise), or when it is not worse at that level and serves with fewer parameters:
+one image of noise never swaps champions. With no champion, a new version takes the alias
+unless a version already registered is better than it by the same test (so a chance-level
+model never takes the seat from a good one that a gate kept out).
+
+The baseline gate asks the same of a model against the raw-pixel baseline on validation: it
+is refused only when it falls below the Wilson score interval of the baseline's accuracy
+(95%), whose lower end stays below 1 at a perfect baseline (n / (n + z^2)), unlike a
+standard error, which is 0 there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+ALPHA = 0.05  # the default level of every paired decision
+WILSON_Z = 1.959963984540054  # two-sided 95%
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0  # a fixed generator: the same evidence always gives the same decision
+
+
+@dataclass(frozen=True)
+class Correct:
+    """Whether a classifier labelled each image right (the score is their mean)."""
+
+    right: np.ndarray  # bool, one per image
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "right", np.asarray(self.right, dtype=bool).reshape(-1))
+
+    def __len__(self) -> int:
+        return len(self.right)
+
+    def score(self, index: np.ndarray | None = None) -> float:
+        """Accuracy on all images, or on the images at `index`."""
+        right = self.right if index is None else self.right[index]
+        return float(right.mean()) if len(right) else 0.0
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A model's predictions on n images, scored by an aggregate of a subset of them."""
+
+    images: int
+    aggregate: Callable[[np.ndarray], float] = field(compare=False)  # image positions -> score
+    resamples: int = BOOTSTRAP_RESAMPLES  # fewer where one aggregate is slow (COCO's mAP)
+
+    def __len__(self) -> int:
+        return self.images
+
+    def score(self, index: np.ndarray | None = None) -> float:
+        """The aggregate on all images, or on the images at `index` (repeats allowed)."""
+        return float(self.aggregate(np.arange(self.images) if index is None else index))
+
+
+Evidence = Correct | Scored
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A paired comparison of a new model with an old one on the same images."""
+
+    test: str  # "McNemar exact" or "paired bootstrap"
+    images: int
+    new_score: float
+    old_score: float
+    p_better: float  # one-sided: the new model is better
+    p_worse: float  # one-sided: the new model is worse
+    alpha: float
+    detail: str  # the counts behind the p-values
+
+    @property
+    def better(self) -> bool:
+        return self.p_better < self.alpha
+
+    @property
+    def worse(self) -> bool:
+        return self.p_worse < self.alpha
+
+    def describe(self) -> str:
+        """`0.9100 against 0.8800, McNemar exact on 400 images (b = 20, c = 8): one-sided
+        p = 0.018 (better), 0.993 (worse), level 0.05`."""
+        return (f"{self.new_score:.4f} against {self.old_score:.4f}, {self.test} on "
+                f"{self.images} images ({self.detail}): one-sided p = {self.p_better:.3g} "
+                f"(better), {self.p_worse:.3g} (worse), level {self.alpha:g}")
+
+
+def binomial_tail(successes: int, trials: int) -> float:
+    """P(X >= successes) for X ~ Binomial(trials, 1/2), exactly."""
+    if successes <= 0:
+        return 1.0
+    if successes > trials:
+        return 0.0
+    return sum(math.comb(trials, k) for k in range(successes, trials + 1)) / 2 ** trials
+
+
+def mcnemar(new: Correct, old: Correct, alpha: float = ALPHA) -> Verdict:
+    """McNemar's exact test of `new` against `old` on the same images (module docstring)."""
+    _same_images(new, old)
+    b = int(np.sum(new.right & ~old.right))
+    c = int(np.sum(~new.right & old.right))
+    return Verdict(test="McNemar exact", images=len(new), new_score=new.score(),
+                   old_score=old.score(), p_better=binomial_tail(b, b + c),
+                   p_worse=binomial_tail(c, b + c), alpha=alpha,
+                   detail=f"only the new one right on {b}, only the old one on {c}")
+
+
+def paired_bootstrap(new: Evidence, old: Evidence, alpha: float = ALPHA,
+                     resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED
+                     ) -> Verdict:
+    """The paired bootstrap of `new` against `old` on the same images (module docstring)."""
+    n = _same_images(new, old)
+    rng = np.random.default_rng(seed)
+    differences = np.array([new.score(index) - old.score(index)
+                            for index in (rng.integers(0, n, n) for _ in range(resamples))])
+    not_better, not_worse = int(np.sum(differences <= 0)), int(np.sum(differences >= 0))
+    return Verdict(test="paired bootstrap", images=n, new_score=new.score(),
+                   old_score=old.score(), p_better=(1 + not_better) / (1 + resamples),
+                   p_worse=(1 + not_worse) / (1 + resamples), alpha=alpha,
+                   detail=f"{resamples} resamples, the new one ahead in "
+                          f"{resamples - not_better}")
+
+
+def paired_test(new: Evidence, old: Evidence, alpha: float = ALPHA) -> Verdict:
+    """McNemar's exact test for two classifiers' `Correct`, else the paired bootstrap (with
+    the fewer `resamples` of the two)."""
+    if isinstance(new, Correct) and isinstance(old, Correct):
+        return mcnemar(new, old, alpha)
+    resamples = min(getattr(e, "resamples", BOOTSTRAP_RESAMPLES) for e in (new, old))
+    return paired_bootstrap(new, old, alpha, resamples)
+
+
+def _same_images(new: Evidence, old: Evidence) -> int:
+    if len(new) != len(old):
+        raise ValueError(f"a paired test needs both models on the same images: {len(new)} "
+                         f"against {len(old)}")
+    if len(new) == 0:
+        raise ValueError("a paired test needs at least one image")
+    return len(new)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether the new version takes `champion`, and why, in a sentence."""
+
+    crown: bool
+    reason: str
+
+
+def against_champion(verdict: Verdict, champion: str, new_parameters: int | None = None,
+                     champion_parameters: int | None = None) -> Decision:
+    """A challenger replaces `champion` (its version) only when better by the paired
+    `verdict`, or not worse and cheaper (fewer served parameters, when both are known)."""
+    if verdict.better:
+        return Decision(True, f"beats the champion (version {champion}): {verdict.describe()}")
+    cheaper = (new_parameters is not None and champion_parameters is not None
+               and new_parameters < champion_parameters)
+    if not verdict.worse and cheaper:
+        return Decision(True, f"ties the champion (version {champion}) and is cheaper "
+                              f"({new_parameters:,} against {champion_parameters:,} "
+                              f"parameters): {verdict.describe()}")
+    how = "is worse than" if verdict.worse else "does not beat"
+    return Decision(False, f"{how} the champion (version {champion}): {verdict.describe()}")
+
+
+def without_champion(verdicts: dict[str, Verdict]) -> Decision:
+    """With no champion, the new version takes the alias unless a registered version (by
+    number, its paired verdict against the new one's) is better than it."""
+    if not verdicts:
+        return Decision(True, "no champion yet and no other version of this model")
+    better = {v: verdict for v, verdict in verdicts.items() if verdict.worse}
+    if better:
+        version, verdict = min(better.items(), key=lambda item: item[1].p_worse)
+        return Decision(False, f"no champion yet, but version {version} is better: "
+                               f"{verdict.describe()}")
+    return Decision(True, f"no champion yet, and none of the {len(verdicts)} registered "
+                          f"versions ({', '.join(verdicts)}) is better by a paired test")
+
+
+def wilson_interval(accuracy: float, images: int, z: float = WILSON_Z) -> tuple[float, float]:
+    """The Wilson score interval of a proportion `accuracy` measured on `images` trials."""
+    if images <= 0:
+        raise ValueError(f"an interval needs at least one image, got {images}")
+    z2 = z * z
+    centre = (accuracy + z2 / (2 * images)) / (1 + z2 / images)
+    half = z / (1 + z2 / images) * math.sqrt(accuracy * (1 - accuracy) / images
+                                             + z2 / (4 * images * images))
+    return max(0.0, centre - half), min(1.0, centre + half)
