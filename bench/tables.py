@@ -448,6 +448,30 @@ def inference_batch(record: dict) -> str:
         f"rounds; command: `{record['command']}` (commit {record['commit'][:7]}).\n")
 
 
+def serving(record: dict) -> str:
+    """`bench.serving`: each registered model's client-side time per image on PNG bytes at
+    batch 1 and 64, its networks' own time in the process, and the ratios."""
+    lines = ["| registered model | parameters | client ms / image, batch 1 | batch 64 | "
+             "networks alone, batch 1 | batch 64 | client / networks, batch 1 | batch 64 | "
+             "client vs baseline, batch 1 | batch 64 |", "| --- " * 10 + "|"]
+    for uri, figure in record["models"].items():
+        lines.append(f"| `{uri}` | {figure['parameters']:,} | "
+                     + " | ".join(f"{figure[k]:.3f}" for k in (
+                         "client_ms_b1", "client_ms_b64", "network_ms_b1", "network_ms_b64"))
+                     + " | " + " | ".join(f"{figure[k]:.2f}x" for k in (
+                         "client_over_network_b1", "client_over_network_b64",
+                         "client_vs_baseline_b1", "client_vs_baseline_b64")) + " |")
+    inputs = "; ".join(f"`{uri}` {f['input_ms_b1']:.3f} / {f['input_ms_b64']:.3f}"
+                       for uri, f in record["models"].items())
+    return "\n".join(lines) + (
+        f"\n\n`predict` on a DataFrame of PNG bytes (Fashion-MNIST test images), as `mlflow "
+        f"models serve` hands a request to the model; {record['device']}; medians of "
+        f"{record['calls']['1']} calls at batch 1 and {record['calls']['64']} at batch 64, the "
+        f"models interleaved; baseline `{record['baseline']}`. Input preparation (decode to "
+        f"normalized batch), ms per image at batch 1 / 64: {inputs}. Command: "
+        f"`{record['command']}` (commit {record['commit'][:7]}).\n")
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {"image_text": image_text, "cascade": cascade,
                                                "pipeline": pipeline, "pbt": pbt,
                                                "small_data": small_data,
@@ -456,7 +480,8 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"image_text": image_text, "cascad
                                                "inference_batch": inference_batch,
                                                "area_rule": area_rule,
                                                "descriptions": descriptions,
-                                               "distill_bank": distill_bank}
+                                               "distill_bank": distill_bank,
+                                               "serving": serving}
 
 
 PICKERS: dict[str, Callable[[str, Path], dict]] = {"sparsify": newest_per_task,

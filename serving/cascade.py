@@ -14,8 +14,7 @@ import torch
 
 from models.cascade import CascadeSpec, build_cascade
 from serving.classifier import ImageClassifierModel
-from serving.inputs import CHUNK, input_images
-from training.preprocess import images_to_batch
+from serving.inputs import input_batches
 
 
 class CascadeModel(ImageClassifierModel):
@@ -35,10 +34,8 @@ class CascadeModel(ImageClassifierModel):
         self.network.eval()
 
     def predict(self, context, model_input, params=None):  # noqa: ANN001 (see load_context)
-        images = input_images(model_input)
         rows = []
-        for start in range(0, len(images), CHUNK):
-            batch = images_to_batch(images[start:start + CHUNK], self.size, self.channels)
+        for batch in input_batches(model_input, self.size, self.channels):
             out = self.network.infer(self.normalize(batch))
             for label, confidence, exit_, choices in zip(
                     out.labels.tolist(), out.confidence.tolist(), out.exits.tolist(),

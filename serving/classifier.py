@@ -19,10 +19,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from serving.inputs import CHUNK, input_images
+from serving.inputs import input_batches
 from training.batches import Normalize
 from training.datasets import DataError
-from training.preprocess import images_to_batch
 
 
 class ImageClassifierModel(mlflow.pyfunc.PythonModel):
@@ -44,11 +43,9 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
 
     def _outputs(self, model_input: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Softmax probabilities and embeddings (None for programs exported without them)."""
-        images = input_images(model_input)
         probs, embeddings = [], []
         with torch.no_grad():
-            for start in range(0, len(images), CHUNK):
-                batch = images_to_batch(images[start:start + CHUNK], self.size, self.channels)
+            for batch in input_batches(model_input, self.size, self.channels):
                 out = self.program(self.normalize(batch))
                 logits, embedding = out if isinstance(out, tuple | list) else (out, None)
                 probs.append(torch.softmax(logits.float(), dim=1))

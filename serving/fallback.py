@@ -15,10 +15,9 @@ import pandas as pd
 import torch
 
 from serving.classifier import ImageClassifierModel
-from serving.inputs import CHUNK, input_images
+from serving.inputs import input_batches
 from training.cascade.fallback import fallback_infer
 from training.cascade.routing import Router
-from training.preprocess import images_to_batch
 
 
 def logits_of(program):
@@ -39,13 +38,12 @@ class FallbackModel(ImageClassifierModel):
         self.router = None if state is None else Router.from_json(state)
         self.program = torch.export.load(context.artifacts["program"]).module()
         self.student = logits_of(self.program)  # `embed` gives the student's embeddings
-        self.teacher = logits_of(torch.export.load(context.artifacts["fallback"]).module())
+        self.fallback = torch.export.load(context.artifacts["fallback"]).module()
+        self.teacher = logits_of(self.fallback)
 
     def predict(self, context, model_input, params=None):  # noqa: ANN001 (see load_context)
-        images = input_images(model_input)
         rows = []
-        for start in range(0, len(images), CHUNK):
-            batch = images_to_batch(images[start:start + CHUNK], self.size, self.channels)
+        for batch in input_batches(model_input, self.size, self.channels):
             out = fallback_infer(self.student, self.teacher, self.normalize(batch),
                                  self.threshold, self.router)
             rows += [{"label": self.classes[label], "confidence": confidence, "exit": exit_ + 1}

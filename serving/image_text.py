@@ -20,9 +20,8 @@ from torch import Tensor, nn
 
 from models.image_text import ImageTextNet, build_image_text, encode_texts
 from serving.classifier import ImageClassifierModel
-from serving.inputs import InputError, input_images
+from serving.inputs import InputError, input_batches
 from training.image_text.losses import MAX_LOGIT_SCALE, class_text_weights, zero_shot_logits
-from training.preprocess import images_to_batch
 
 ZERO_SHOT_PARAM = "classes"  # the class descriptions to choose among, when given
 
@@ -88,10 +87,8 @@ class ImageTextModel(ImageClassifierModel):
         scale = float(self.network.logit_scale.clamp(max=MAX_LOGIT_SCALE).exp())
         weights = class_text_weights(self.network.text_features(vectors),
                                      torch.arange(len(texts)), len(texts), scale)
-        images = input_images(model_input)
         probs = []
-        for start in range(0, len(images), 512):
-            batch = images_to_batch(images[start:start + 512], self.size, self.channels)
+        for batch in input_batches(model_input, self.size, self.channels):
             features = self.network.image_features(self.normalize(batch))
             probs.append(torch.softmax(zero_shot_logits(features, weights), dim=1))
         return self._labelled(torch.cat(probs), texts)

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pandas as pd
+import torch
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
-from training.preprocess import array_to_image, decode_image
+from training.preprocess import array_to_image, decode_image, images_to_batch
 
 IMAGE_COLUMN = "image"
 CHUNK = 512
@@ -56,12 +58,52 @@ def input_images(model_input: Any) -> list:
         raise InputError(str(error)) from None
 
 
+def input_batches(model_input: Any, size: int, channels: int, chunk: int = CHUNK
+                  ) -> Iterator[torch.Tensor]:
+    """The input as uint8 batches (n, `channels`, `size`, `size`) of at most `chunk` images,
+    the same pixels `training.preprocess.image_to_array` gives each image: a uint8 array
+    already at that size and channel count is taken as it is (no image objects); encoded
+    images are decoded one by one and stacked. InputError as `input_images`."""
+    try:
+        ready = _ready_array(model_input, size, channels)
+    except ValueError as error:
+        raise InputError(str(error)) from None
+    if ready is not None:
+        for start in range(0, len(ready), chunk):
+            yield torch.from_numpy(ready[start:start + chunk])
+        return
+    images = input_images(model_input)
+    for start in range(0, len(images), chunk):
+        yield images_to_batch(images[start:start + chunk], size, channels)
+
+
+def _ready_array(model_input: Any, size: int, channels: int) -> np.ndarray | None:
+    """A uint8 array input already at `size` with `channels` (gray N x H x W for 1), as
+    N x C x H x W with a plain layout (the strides of a stacked batch: the convolutions then
+    take the same path, to the last bit, as for decoded images); None for any other input."""
+    if isinstance(model_input, pd.DataFrame):
+        return None
+    array = _checked_array(model_input)
+    gray = array.ndim == 3 or array.shape[3] == 1
+    if (array.shape[1:3] != (size, size) or (channels == 1) != gray
+            or not (gray or array.shape[3] in (3, 4))):
+        return None
+    if gray:
+        return np.ascontiguousarray(array).reshape(len(array), 1, size, size)
+    return np.ascontiguousarray(array[..., :channels].transpose(0, 3, 1, 2))
+
+
 def _input_images(model_input: Any) -> list:
     if isinstance(model_input, pd.DataFrame):
         if IMAGE_COLUMN not in model_input.columns:
             raise ValueError(f"expected a column '{IMAGE_COLUMN}' of encoded images, got "
                              f"columns {list(model_input.columns)}")
         return [decode_image(_as_bytes(v, i)) for i, v in enumerate(model_input[IMAGE_COLUMN])]
+    return [array_to_image(image) for image in _checked_array(model_input)]
+
+
+def _checked_array(model_input: Any) -> np.ndarray:
+    """A uint8 image array N x H x W (x C); ValueError naming what is wrong."""
     array = np.asarray(model_input)
     if array.size == 0:
         raise ValueError("no images in the input")
@@ -71,4 +113,4 @@ def _input_images(model_input: Any) -> list:
         if not np.issubdtype(array.dtype, np.integer) or array.min() < 0 or array.max() > 255:
             raise ValueError(f"expected uint8 pixel values 0..255, got {array.dtype}")
         array = array.astype(np.uint8)
-    return [array_to_image(image) for image in array]
+    return array

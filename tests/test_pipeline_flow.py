@@ -159,6 +159,12 @@ def test_the_registered_pyfunc_runs_the_fallback_cascade(run):
     accuracy = float((np.array(out["label"]) == np.array(labels)).mean())
     assert accuracy == pytest.approx(run.fallback.metrics["test_accuracy"], abs=0.02)
     assert run.registration.accuracy == pytest.approx(accuracy)
+    # the version's cost, what a tie is decided by: the student's and the teacher's networks
+    served = model.unwrap_python_model().implementation
+    counted = {id(p): p.numel() for net in (served.program, served.fallback)
+               for p in (*net.parameters(), *net.buffers())}
+    assert int(tracking.version_tags(NAME, run.registration.version)["parameters"]) == \
+        sum(counted.values()) > sum(p.numel() for p in served.program.parameters())
 
 
 def test_the_served_cascade_routes_by_a_fitted_predictor_where_one_is_kept(run, tmp_path):

@@ -29,12 +29,21 @@ def to_8bit(image: Image.Image) -> Image.Image:
     return Image.fromarray(np.clip(array * (255.0 / top), 0, 255).round().astype(np.uint8), "L")
 
 
+EXIF_ORIENTATION = 0x0112
+
+
 def image_to_array(image: Image.Image, size: int, channels: int) -> np.ndarray:
     """A PIL image as uint8 (channels, size, size).
 
     Turned upright by its EXIF orientation, wide grayscale scaled to 8 bits, converted to L or
-    RGB, resized bilinearly.
+    RGB, resized bilinearly. An image already upright, in the mode and at the size asked for
+    is read as it is (the same pixels, without the copies each step would make).
     """
+    mode = "L" if channels == 1 else "RGB"
+    if (image.mode == mode and image.size == (size, size)
+            and image.getexif().get(EXIF_ORIENTATION, 1) == 1):
+        array = np.asarray(image, dtype=np.uint8)
+        return array[None] if channels == 1 else array.transpose(2, 0, 1)
     converted = to_8bit(ImageOps.exif_transpose(image)).convert("L" if channels == 1 else "RGB")
     if converted.size != (size, size):
         converted = converted.resize((size, size), Image.Resampling.BILINEAR)
@@ -64,5 +73,7 @@ def array_to_image(array: np.ndarray) -> Image.Image:
 
 
 def images_to_batch(images: Sequence[Image.Image], size: int, channels: int) -> Tensor:
-    """PIL images as one uint8 tensor (N, channels, size, size)."""
-    return torch.from_numpy(np.stack([image_to_array(im, size, channels) for im in images]))
+    """PIL images as one uint8 tensor (N, channels, size, size) in the plain layout (numpy
+    stacks transposed RGB arrays channels-last, which sends convolutions down another path)."""
+    return torch.from_numpy(np.stack([image_to_array(im, size, channels) for im in images])
+                            ).contiguous()

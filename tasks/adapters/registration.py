@@ -245,14 +245,19 @@ def pyfunc_accuracy(model_uri: str, images: np.ndarray, labels: list[str]) -> fl
 
 
 def served_parameters(model_uri: str) -> int:
-    """The parameters and buffers of every network the pyfunc at `model_uri` serves with
-    (each tensor once): what "cheaper" means when two models tie."""
+    """The parameters of the networks the pyfunc at `model_uri` serves with
+    (`parameters_of`): what "cheaper" means when two models tie."""
+    implementation = tracking.load_pyfunc(model_uri).unwrap_python_model()
+    return parameters_of(getattr(implementation, "implementation", implementation))
+
+
+def parameters_of(served: object) -> int:
+    """The parameters and buffers of every network a served model holds as an attribute
+    (a fallback pyfunc: its student and its teacher), each tensor once."""
     import torch
 
-    implementation = tracking.load_pyfunc(model_uri).unwrap_python_model()
-    implementation = getattr(implementation, "implementation", implementation)
     seen, total = set(), 0
-    for value in vars(implementation).values():
+    for value in vars(served).values():
         if isinstance(value, torch.nn.Module):
             for tensor in (*value.parameters(), *value.buffers()):
                 if tensor.data_ptr() not in seen:

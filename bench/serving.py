@@ -1,0 +1,152 @@
+"""Registered models as a client meets them: `predict` on raw PNG bytes, side by side.
+
+Each registered pyfunc (by default the `train` flow's champion, the baseline, and the
+`pipeline` flow's, what `make run` registers) is loaded as `mlflow models serve` loads it and
+called on a DataFrame of PNG bytes of Fashion-MNIST test images (the column `image`, as the
+scoring server hands a request to the model), one thread, the models' calls interleaved:
+
+- client: milliseconds per image of `predict` at batch 1 and at batch 64 (medians over the
+  calls), and the ratio to the baseline's at the same batch;
+- network: the same per image for the model's networks alone in the process (the program's
+  forward, or the fallback cascade's student and teacher on the same prepared batch), and
+  client / network, what the serving path around the network costs;
+- input: milliseconds per image of turning the PNGs into the model's normalized batch
+  (`serving.inputs.input_batches`: decode, convert, stack, normalize), the part of the
+  client's time that is neither the network nor MLflow's call.
+
+    python -m bench.serving                          # the two champions, about a minute
+    python -m bench.serving --models models:/compactml-train/1 models:/compactml-pipeline/1
+
+It reads no accuracy: what a model gets right is in `bench.pipeline` and the flows' tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import pandas as pd
+import torch
+from PIL import Image
+
+from bench.common import print_json, print_table
+from serving.inputs import input_batches
+from tasks.adapters import tracking
+from tasks.adapters.registration import served_parameters
+from tasks.configs.sections import model_name_of
+from tasks.data import fashion_mnist_root
+from training.cascade.fallback import fallback_infer
+from training.datasets import load_fashion_mnist
+
+BATCHES = (1, 64)
+CALLS = {1: 300, 64: 20}  # calls per model and batch (after one warm-up call)
+
+
+def png_frame(count: int) -> pd.DataFrame:
+    """The first `count` Fashion-MNIST test images as a DataFrame of PNG bytes."""
+    test = load_fashion_mnist(fashion_mnist_root(), train=False)
+    encoded = []
+    for image in test.images[:count, 0].numpy():
+        buffer = io.BytesIO()
+        Image.fromarray(image).save(buffer, format="PNG")
+        encoded.append(buffer.getvalue())
+    return pd.DataFrame({"image": encoded})
+
+
+def rows_of(frame: pd.DataFrame, n: int, batch: int) -> pd.DataFrame:
+    """The `n`-th call's `batch` images (the calls walk through the frame)."""
+    start = (n * batch) % (len(frame) - batch + 1)
+    return frame.iloc[start:start + batch].reset_index(drop=True)
+
+
+def interleaved(calls: dict[str, Callable[[int], object]], count: int) -> dict[str, float]:
+    """Median seconds of each call (given the call's number), the calls interleaved, after
+    one warm-up round."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for n in range(count + 1):
+        for name, call in calls.items():
+            started = time.perf_counter()
+            call(n)
+            if n:
+                times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def network_call(implementation) -> Callable[[torch.Tensor], object]:
+    """The model's networks alone on a prepared (normalized) batch: its program, or the
+    fallback cascade's student and, for the images it passes on, the teacher."""
+    if hasattr(implementation, "teacher"):
+        return lambda x: fallback_infer(implementation.student, implementation.teacher, x,
+                                        implementation.threshold, implementation.router)
+    return implementation.program
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=[
+        f"models:/{model_name_of(None, None, 'train')}@champion",
+        f"models:/{model_name_of(None, None, 'pipeline')}@champion"],
+        help="registered model URIs; the first is the baseline of the ratios")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    frame = png_frame(max(CALLS[1], 64 * 4))
+    loaded, resolved = {}, {}
+    for uri in args.models:
+        name, _, alias = uri.removeprefix("models:/").partition("@")
+        if alias:  # the version the alias points at now, for the record
+            version = tracking.alias_version(name, alias)
+            if version is None:
+                raise SystemExit(f"error: {uri} does not exist: run `make run` (pipeline) and "
+                                 "`python -m flows train --profile quick` (train) first, or "
+                                 "give --models")
+            uri = f"models:/{name}/{version}"
+        loaded[uri] = tracking.load_pyfunc(uri)
+        resolved[uri] = loaded[uri].unwrap_python_model().implementation
+    figures: dict[str, dict] = {uri: {"parameters": served_parameters(uri)} for uri in loaded}
+    for batch in BATCHES:
+        prepared = {uri: [impl.normalize(torch.cat(list(input_batches(
+            rows_of(frame, n, batch), impl.size, impl.channels))))
+            for n in range(CALLS[batch] + 1)] for uri, impl in resolved.items()}
+        client = interleaved({uri: (lambda n, m=model, b=batch: m.predict(rows_of(frame, n, b)))
+                              for uri, model in loaded.items()}, CALLS[batch])
+        forwards = {uri: network_call(impl) for uri, impl in resolved.items()}
+        with torch.no_grad():
+            network = interleaved({uri: (lambda n, f=forwards[uri], x=prepared[uri]: f(x[n]))
+                                   for uri in resolved}, CALLS[batch])
+        for uri in loaded:
+            figures[uri] |= {f"client_ms_b{batch}": client[uri] * 1e3 / batch,
+                             f"network_ms_b{batch}": network[uri] * 1e3 / batch}
+    baseline = next(iter(loaded))
+    for figure in figures.values():
+        for batch in BATCHES:
+            figure[f"client_over_network_b{batch}"] = (figure[f"client_ms_b{batch}"]
+                                                       / figure[f"network_ms_b{batch}"])
+            figure[f"client_vs_baseline_b{batch}"] = (figure[f"client_ms_b{batch}"]
+                                                      / figures[baseline][f"client_ms_b{batch}"])
+    for batch in BATCHES:
+        inputs = interleaved({uri: (lambda n, i=impl, b=batch: i.normalize(torch.cat(list(
+            input_batches(rows_of(frame, n, b), i.size, i.channels)))))
+            for uri, impl in resolved.items()}, CALLS[batch])
+        for uri in loaded:
+            figures[uri][f"input_ms_b{batch}"] = inputs[uri] * 1e3 / batch
+    print_table(["model", "parameters", "client ms b1", "b64", "network ms b1", "b64",
+                 "client/network b1", "b64", "vs baseline b1", "b64"],
+                [[uri, f"{f['parameters']:,}", *(f"{f[k]:.3f}" for k in (
+                    "client_ms_b1", "client_ms_b64", "network_ms_b1", "network_ms_b64")),
+                  *(f"{f[k]:.2f}x" for k in ("client_over_network_b1", "client_over_network_b64",
+                                             "client_vs_baseline_b1", "client_vs_baseline_b64"))]
+                 for uri, f in figures.items()])
+    print("\ninput (decode to normalized batch), ms per image: " + ", ".join(
+        f"{uri} {f['input_ms_b1']:.3f} at b1, {f['input_ms_b64']:.3f} at b64"
+        for uri, f in figures.items()))
+    print_json({"benchmark": "serving", "models": figures, "baseline": baseline,
+                "threads": 1, "calls": {str(k): v for k, v in CALLS.items()},
+                "device": f"{platform.machine()} CPU, {torch.get_num_threads()} thread"})
+
+
+if __name__ == "__main__":
+    main()
