@@ -69,6 +69,7 @@ bench: setup data  ## the benchmarks (tables, then one JSON line each)
 	$(PY) -m bench.cascade
 	$(PY) -m bench.image_text
 	$(PY) -m bench.pipeline
+	$(PY) -m bench.serving
 
 gpu-check: setup data  ## every flow on CUDA (DDP, Dask, throughput); one line and exit 0 without a GPU
 	$(PY) -m bench.gpu_check

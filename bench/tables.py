@@ -454,7 +454,9 @@ def serving(record: dict) -> str:
     lines = ["| registered model | parameters | client ms / image, batch 1 | batch 64 | "
              "networks alone, batch 1 | batch 64 | client / networks, batch 1 | batch 64 | "
              "client vs baseline, batch 1 | batch 64 |", "| --- " * 10 + "|"]
-    for uri, figure in record["models"].items():
+    models = record["models"]
+    for uri in sorted(models, key=lambda uri: uri != record["baseline"]):  # baseline first
+        figure = models[uri]
         lines.append(f"| `{uri}` | {figure['parameters']:,} | "
                      + " | ".join(f"{figure[k]:.3f}" for k in (
                          "client_ms_b1", "client_ms_b64", "network_ms_b1", "network_ms_b64"))
