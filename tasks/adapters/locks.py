@@ -12,7 +12,8 @@ token, the holder's host, process and purpose, and an expiry). MLflow offers no
 compare-and-swap, so taking it follows Fischer's protocol: read the tag; if it is free or
 expired, write our record, wait `SETTLE_SECONDS`, and read it again; we hold the lock only if
 our token is still there. Two writers that both found it free both write, and the later write
-wins: the earlier one reads the other's token after the wait and backs off. This holds as long
+wins: the earlier one reads the other's token after the wait and backs off (or its write fails
+on the store's unique key, when both insert the tag at once, and it reads again). This holds as long
 as a writer's read-to-write takes less than the wait (milliseconds against a second here).
 While held, a heartbeat thread pushes the expiry forward every third of `LEASE_SECONDS`; a
 holder that dies (kill -9, a lost machine) stops renewing, and the lease expires by itself
@@ -127,7 +128,11 @@ class RegistryLease:
             current = read_lease(self.model)
             if current is None or current.expired(time.time()):
                 self._acquired = 0.0
-                self._write()
+                try:
+                    self._write()
+                except MlflowException:  # another writer inserted the tag at the same moment
+                    time.sleep(POLL_SECONDS * random.random())  # (a unique-key conflict)
+                    continue
                 time.sleep(self.settle_seconds)
                 confirmed = read_lease(self.model)
                 if confirmed is not None and confirmed.token == self.token:
