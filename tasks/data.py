@@ -35,6 +35,7 @@ from training.datasets import (
     assign_splits,
     channel_stats,
     content_hash,
+    empty_splits,
     fill_empty_splits,
     image_folder_listing,
     labelled_images,
@@ -161,19 +162,12 @@ def check_tiny_classes(data: DataSection, keys: list[str], splits: list[str],
     for three splits (or any such class with `refuse`) stops the run naming it; `warn` only
     warns. A class's errors could otherwise never be seen before a model is served."""
     if data.tiny_classes == "keep":
-        splits, filled, tiny = fill_empty_splits(keys, splits, data.split_seed,
-                                                 data.group_pattern, contents)
+        splits, filled = fill_empty_splits(keys, splits, data.split_seed, data.group_pattern,
+                                           contents)
         for name, moved in sorted(filled.items()):
             log.warning("class %r had no %s image under these split settings: one of its "
                         "training images was moved there", name, " or ".join(moved))
-    else:
-        counts: dict[str, dict[str, int]] = {}
-        for key, split in zip(keys, splits, strict=True):
-            per_split = counts.setdefault(key.split("/", 1)[0], {"train": 0, "val": 0,
-                                                                 "test": 0})
-            if split in per_split:
-                per_split[split] += 1
-        tiny = {name: c for name, c in counts.items() if c["val"] == 0 or c["test"] == 0}
+    tiny = empty_splits(keys, splits)
     if not tiny:
         return splits
     listed = "; ".join(f"{name!r}: {c['train']} training, {c['val']} validation, {c['test']} "

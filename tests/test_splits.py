@@ -144,19 +144,20 @@ def test_a_class_without_validation_or_test_images_gets_them_or_is_named(tmp_pat
     images moved there; one too small for three splits is refused by name (or, by flag,
     warned about)."""
     from tasks.configs.sections import DataSection
-    from training.datasets import DataError, fill_empty_splits
+    from training.datasets import DataError, empty_splits, fill_empty_splits
 
     keys = [f"big/{n:03d}.png" for n in range(50)] + [f"small/{n}.png" for n in range(6)]
     hashed = stable_split(keys, 0.1, 0.2, 0)
     splits = ["train" if k.startswith("small/") else s for k, s in zip(keys, hashed,
                                                                        strict=True)]
-    filled, moved, unfilled = fill_empty_splits(keys, splits, 0)
+    filled, moved = fill_empty_splits(keys, splits, 0)
+    unfilled = empty_splits(keys, filled)
     small = [s for k, s in zip(keys, filled, strict=True) if k.startswith("small/")]
     assert sorted(small) == ["test", "train", "train", "train", "train", "val"]
     assert moved == {"small": ["val", "test"]} and unfilled == {}
     assert all(f == s for k, f, s in zip(keys, filled, splits, strict=True)
                if k.startswith("big/"))
-    assert fill_empty_splits(keys, splits, 0) == (filled, moved, unfilled)  # deterministic
+    assert fill_empty_splits(keys, splits, 0) == (filled, moved)  # deterministic
 
     root = _image_folder(tmp_path / "imgs", 40)
     (root / "rare").mkdir()

@@ -17,6 +17,7 @@ image (the same content under several names) share one split, the most held-out 
 from __future__ import annotations
 
 import hashlib
+import io
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -164,11 +165,12 @@ def load_image_folder(
     arrays, labels, keys, contents = [], [], [], []
     for path, label in readable:
         try:
-            with Image.open(path) as image:
+            data = path.read_bytes()  # read once: decoded, and hashed as the image's content
+            with Image.open(io.BytesIO(data)) as image:
                 arrays.append(image_to_array(image, image_size, channels))
             labels.append(label)
             keys.append(path.relative_to(root).as_posix())
-            contents.append(content_hash(path.read_bytes()))
+            contents.append(content_hash(data))
         except BAD_IMAGE_ERRORS as error:
             _bad_image(path, error, skip_bad_images, skipped)
     for label, class_dir in enumerate(class_dirs):
@@ -315,15 +317,25 @@ def assign_splits(keys: Sequence[str], val_fraction: float, test_fraction: float
     return splits
 
 
+def empty_splits(keys: Sequence[str], splits: Sequence[str]) -> dict[str, dict[str, int]]:
+    """The classes (the first part of their keys) with no validation or no test image, and
+    their images per split."""
+    counts: dict[str, dict[str, int]] = {}
+    for key, split in zip(keys, splits, strict=True):
+        per_split = counts.setdefault(key.split("/", 1)[0], {"train": 0, "val": 0, "test": 0})
+        if split in per_split:
+            per_split[split] += 1
+    return {name: c for name, c in counts.items() if c["val"] == 0 or c["test"] == 0}
+
+
 def fill_empty_splits(keys: Sequence[str], splits: list[str], seed: int,
                       group_pattern: str | None = None, contents: Sequence[str] | None = None
-                      ) -> tuple[list[str], dict[str, list[str]], dict[str, dict[str, int]]]:
+                      ) -> tuple[list[str], dict[str, list[str]]]:
     """Gives every class (the first part of its keys) at least one validation and one test
     image: a class the hashes left without one gets the training group (`stable_split`'s:
     an image, its copies, its variants under `group_pattern`) whose key hashes lowest (salt
-    `keep-<split>`) moved there, as long as a training group stays. Returns the splits, the
-    splits filled per class, and the classes that could not be filled (their counts per
-    split: too few images for three splits)."""
+    `keep-<split>`) moved there, as long as a training group stays. Returns the splits and
+    the splits filled per class; a class too small for three splits stays in `empty_splits`."""
     splits = list(splits)
     copies = duplicate_groups(keys, contents)
     compiled = re.compile(group_pattern) if group_pattern is not None else None
@@ -332,22 +344,20 @@ def fill_empty_splits(keys: Sequence[str], splits: list[str], seed: int,
         group = copies.get(key) or group_key(key, compiled)
         groups.setdefault(key.split("/", 1)[0], {}).setdefault(group, []).append(i)
     filled: dict[str, list[str]] = {}
-    unfilled: dict[str, dict[str, int]] = {}
-    for name, members in groups.items():
+    for name in empty_splits(keys, splits):
+        members = groups[name]
         for split in ("val", "test"):
             if any(splits[i] == split for positions in members.values() for i in positions):
                 continue
             training = [g for g, positions in members.items()
                         if all(splits[i] == "train" for i in positions)]
             if len(training) < 2:
-                unfilled[name] = {s: sum(splits[i] == s for p in members.values() for i in p)
-                                  for s in ("train", "val", "test")}
                 continue
             chosen = min(training, key=lambda g: unit_hash(g, seed, f"keep-{split}"))
             for i in members[chosen]:
                 splits[i] = split
             filled.setdefault(name, []).append(split)
-    return splits, filled, unfilled
+    return splits, filled
 
 
 def limit(indices: Tensor, count: int | None, seed: int) -> Tensor:
