@@ -21,7 +21,7 @@ from mlflow.exceptions import MlflowException
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tasks.adapters import tracking
-from tasks.adapters.locks import RegistryLease, registry_lock
+from tasks.adapters.locks import RegistryLease, read_lease, registry_lock, unlock
 from tasks.configs.sections import Project, StrictConfig, model_name_of, project_field
 
 CHAMPION, CHALLENGER = "champion", "challenger"
@@ -202,8 +202,6 @@ class RegistryConfig(StrictConfig):
 
 def registry_status(name: str) -> str:
     """Who holds `name`'s registry lock, the champion and its last moves, in lines."""
-    from tasks.adapters.locks import read_lease
-
     if not tracking.model_versions(name) and read_lease(name) is None:
         raise RegistryError(f"no registered model {name!r} has versions")
     lease = read_lease(name)
@@ -217,8 +215,6 @@ def registry_status(name: str) -> str:
 
 def unlock_by_hand(name: str) -> str:
     """Removes `name`'s registry lock (`tasks.adapters.locks.unlock`); says what it removed."""
-    from tasks.adapters.locks import unlock
-
     removed = unlock(name)
     return (f"{name}: no lock was held" if removed is None else
             f"{name}: removed the lock {removed.describe()}")

@@ -479,7 +479,8 @@ def promote(run_id: str, name: str, model_uri: str, score: Scorer | None,
         champion_version = tracking.alias_version(name, CHAMPION)
         version = tracking.find_version(name, "program", program_md5)
         verdict = comparison = champion_score = None
-        if champion_version is not None:
+        same_model = version is not None and version == champion_version
+        if champion_version is not None and not same_model:  # (no need to score itself)
             champion_uri = f"models:/{name}/{champion_version}"
             champion_tags = tracking.version_tags(name, champion_version)
             why_not = comparable(champion_tags, classes, metric)
@@ -490,7 +491,7 @@ def promote(run_id: str, name: str, model_uri: str, score: Scorer | None,
                     champion_uri, champion_tags, model_uri, score, evidence, compare,
                     policy.alpha)
                 refusal = refusal or failed
-        if version is not None and version == champion_version:
+        if same_model:
             alias, decision = CHAMPION, f"same model as the champion (version {version})"
         elif refusal:  # never replace a champion on a comparison that did not happen
             alias, decision = CHALLENGER, refusal
@@ -550,7 +551,7 @@ def promote(run_id: str, name: str, model_uri: str, score: Scorer | None,
         tracking.log_metrics(run_id, {f"registry_{metric}": new_score}
                              | ({f"champion_{metric}": champion_score,
                                  f"compared_{metric}": verdict.new_score}
-                                if champion_score is not None and verdict is not None else {}))
+                                if champion_score is not None else {}))
     return Registration(name=name, model_uri=model_uri, version=version, alias=alias,
                         accuracy=new_score, champion_version=champion_version,
                         champion_accuracy=champion_score, decision=decision, metric=metric)
