@@ -196,8 +196,8 @@ def train_epochs(classifier: ClassifierConfig, prepared: Prepared, budget: Budge
 
 def judge_baseline(run_id: str, prepared: Prepared, val_accuracy: float) -> Baseline:
     """The stronger raw-pixel baseline set beside the model's validation accuracy (tagged on
-    the run as `baseline.beaten`, and `baseline.passed`: not below it by more than one
-    standard error, what the gate asks)."""
+    the run as `baseline.beaten`, and `baseline.passed`: not below its 95% Wilson interval,
+    what the gate asks)."""
     name, baseline_val = best_baseline(prepared.baselines)
     read = prepared.baselines.get("val_images", prepared.dataset.sizes["val"])  # K per class
     baseline = Baseline(name=name, val_accuracy=baseline_val, model_val_accuracy=val_accuracy,
@@ -245,8 +245,8 @@ def publish(key: str, title: str, run_id: str, finished: Finished,
         **rows,
         f"raw-pixel {baseline.name} baseline (validation)":
             f"{baseline.val_accuracy:.4f} against the model's {baseline.model_val_accuracy:.4f}"
-            + ("" if baseline.beaten else " (within one standard error)" if baseline.passed
-               else ": **below it by more than one standard error**"),
+            + ("" if baseline.beaten else " (within its 95% Wilson interval)" if baseline.passed
+               else ": **below its 95% Wilson interval**"),
         "model": registration.describe(),
         "decision": registration.decision,
         "MLflow run": run_id,
