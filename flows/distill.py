@@ -44,12 +44,13 @@ FLOW_NAME = "distill"
 
 
 class StageRecord(BaseModel):
-    """One stage's three results."""
+    """One stage's results: the teacher's, the bank's (none where the student learns from the
+    teacher states themselves) and the student's."""
 
     model_config = ConfigDict(frozen=True)
 
     teacher: RoundResult
-    bank: BankSnapshot
+    bank: BankSnapshot | None
     student: RoundResult
 
 
@@ -69,9 +70,13 @@ class DistillSummary(BaseModel):
 def _stage_loop(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef,
                 on_stage, pretrained: ArtifactRef | None = None) -> list[StageRecord]:
     """The stages in `training.distill.stages.run_stages`' order (the teacher's stage s+1
-    beside the student's stage s), each a task submitted to the config's runner."""
+    beside the student's stage s), each a task submitted to the config's runner. With
+    `--targets states` the student's stage s reads teacher state s instead of bank s (no bank
+    is written); with `--targets final` every student stage waits for the last teacher
+    state."""
     submit = submitter(config.cluster)
     records: list[StageRecord] = []
+    targets = plan.student.targets
 
     def teacher_stage(stage: int, previous: RoundResult | None):
         return submit(train_round, TeacherRound(config=plan.teacher, dataset=dataset,
@@ -79,20 +84,47 @@ def _stage_loop(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef,
                       previous.checkpoint if previous else pretrained).result
 
     def snapshot(stage: int, teacher: RoundResult, previous: BankSnapshot | None):
+        if targets != "bank":
+            return None
         return submit(bank_snapshot, plan.teacher, plan.bank, dataset, stage, teacher.checkpoint,
                       previous.bank if previous else None, pretrained).result()
 
-    def student_stage(stage: int, previous: RoundResult | None, bank: BankSnapshot):
-        return submit(train_round, StudentRound(config=plan.student, dataset=dataset,
-                                                stage=stage, bank=bank.bank),
-                      previous.checkpoint if previous else None).result
+    def student_stage(stage: int, previous: RoundResult | None, bank: BankSnapshot | None,
+                      teacher: ArtifactRef | None = None):
+        return submit(train_round, StudentRound(
+            config=plan.student, dataset=dataset, stage=stage,
+            bank=bank.bank if bank is not None else None, teacher=teacher,
+            teacher_config=None if teacher is None else plan.teacher),
+            previous.checkpoint if previous else None).result
 
-    def recorded(teacher: RoundResult, bank: BankSnapshot, student: RoundResult) -> None:
+    def recorded(teacher: RoundResult, bank: BankSnapshot | None, student: RoundResult) -> None:
         records.append(StageRecord(teacher=teacher, bank=bank, student=student))
         on_stage(records[-1])
 
-    run_stages(config.stages, plan.bank.mode == "single", teacher_stage, snapshot,
-               student_stage, recorded)
+    if targets == "final":
+        teachers: list[RoundResult] = []
+        for stage in range(1, config.stages + 1):
+            teachers.append(teacher_stage(stage, teachers[-1] if teachers else None)())
+        student = None
+        for stage, teacher in enumerate(teachers, 1):
+            student = student_stage(stage, student, None, teachers[-1].checkpoint)()
+            recorded(teacher, None, student)
+        return records
+    teachers_by_stage: dict[int, RoundResult] = {}
+
+    def teacher_then_keep(stage: int, previous: RoundResult | None):
+        wait = teacher_stage(stage, previous)
+
+        def kept() -> RoundResult:
+            teachers_by_stage[stage] = wait()
+            return teachers_by_stage[stage]
+        return kept
+
+    run_stages(config.stages, targets == "bank" and plan.bank.mode == "single",
+               teacher_then_keep, snapshot,
+               lambda stage, previous, bank: student_stage(
+                   stage, previous, bank, None if targets == "bank"
+                   else teachers_by_stage[stage].checkpoint), recorded)
     return records
 
 
@@ -107,22 +139,25 @@ def distill_stages(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef
         tracking.log_metrics(teacher_run_id, record.teacher.metrics, step=stage)
         tracking.log_metrics(student_run_id, record.student.metrics, step=stage)
         bank = record.bank
-        tracking.log_metrics(run_id, {"bank_fill_fraction": bank.fill_fraction,
-                                      "bank_bytes": bank.nbytes} | {
-            f"bank_entries_state_{state}" if state >= 0 else "bank_entries_unfilled": count
-            for state, count in bank.state_histogram.items()}, step=stage)
-        tracking.log_dict(run_id, {"stage": stage, "fill_fraction": bank.fill_fraction,
-                                   "state_histogram": bank.state_histogram,
-                                   "artifact": bank.bank.model_dump()},
-                          f"banks/stage-{stage:03d}.json")
-        tracking.log_artifact_refs(run_id, {f"bank.stage-{stage:03d}": bank.bank})
+        if bank is not None:
+            tracking.log_metrics(run_id, {"bank_fill_fraction": bank.fill_fraction,
+                                          "bank_bytes": bank.nbytes} | {
+                f"bank_entries_state_{state}" if state >= 0 else "bank_entries_unfilled": count
+                for state, count in bank.state_histogram.items()}, step=stage)
+            tracking.log_dict(run_id, {"stage": stage, "fill_fraction": bank.fill_fraction,
+                                       "state_histogram": bank.state_histogram,
+                                       "artifact": bank.bank.model_dump()},
+                              f"banks/stage-{stage:03d}.json")
+            tracking.log_artifact_refs(run_id, {f"bank.stage-{stage:03d}": bank.bank})
         tracking.log_artifact_refs(teacher_run_id, {f"checkpoint.stage-{stage:03d}":
                                                     record.teacher.checkpoint})
         tracking.log_artifact_refs(student_run_id, {f"checkpoint.stage-{stage:03d}":
                                                     record.student.checkpoint})
-        logger.info("stage %d/%d: teacher val %.4f, bank filled %.3f, student val %.4f "
+        logger.info("stage %d/%d: teacher val %.4f, %s, student val %.4f "
                     "(loss_ce %.4f, loss_feat %.4f)", stage, config.stages,
-                    record.teacher.metrics["val_accuracy"], bank.fill_fraction,
+                    record.teacher.metrics["val_accuracy"],
+                    f"bank filled {bank.fill_fraction:.3f}" if bank is not None
+                    else f"targets: teacher {config.targets}",
                     record.student.metrics["val_accuracy"], record.student.metrics["loss_ce"],
                     record.student.metrics["loss_feat"])
 
@@ -200,7 +235,11 @@ def distill(config: DistillConfig) -> DistillSummary:
                 "teacher test accuracy": f"{summary.teacher_test_accuracy:.4f}",
                 "stages": f"{config.stages}, {plan.student.repeats} passes each (student), "
                           f"{plan.teacher.repeats} (teacher)",
-                "bank": f"{config.bank_mode}, layer {config.teacher_layer}, {config.bank_dtype}, "
-                        f"filled {stages[-1].bank.fill_fraction:.3f}",
+                "targets": f"bank ({config.bank_mode}, layer {config.teacher_layer}, "
+                           f"{config.bank_dtype}, filled {stages[-1].bank.fill_fraction:.3f})"
+                           if stages[-1].bank is not None else
+                           f"teacher {config.targets}, layer {config.teacher_layer}, "
+                           f"{config.feature_loss} (T={config.temperature}), patience "
+                           f"{config.student_patience}",
             })
     return summary

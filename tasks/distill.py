@@ -45,7 +45,13 @@ from training.batches import Batches, Normalize
 from training.budget import Budget
 from training.device import inference_batch, place_model
 from training.distill.feature_bank import DTYPES, FeatureBank
-from training.distill.losses import DistillStep, FeatureAdapter, FeatureLossKind, layer_shape
+from training.distill.losses import (
+    DistillStep,
+    FeatureAdapter,
+    FeatureLossKind,
+    TeacherStep,
+    layer_shape,
+)
 from training.distill.stages import draw_stage_ids, layer_features, stage_passes
 from training.loops import evaluate
 from training.recipe import optimizer_to
@@ -76,9 +82,12 @@ class RoleConfig(ClassifierConfig):
 
 
 class StudentConfig(RoleConfig):
-    """The student's loss: CE plus a feature loss against the bank through an adapter."""
+    """The student's loss: CE plus a feature loss against its targets (the bank, or a teacher
+    state run on the student's batch: `targets`) through an adapter."""
 
     layer: str
+    targets: Literal["bank", "states", "final"] = "bank"
+    teacher_layer: str = "pool"
     feature_loss: FeatureLossKind
     feature_weight: float
     ce_weight: float
@@ -111,10 +120,12 @@ class DistillPlan(BaseModel):
            student_budget: Budget | None = None) -> DistillPlan:
         """The plan of `config`; the budgets (fitted to the data set) set each role's batch
         and passes per stage (default: the configured batch, one pass)."""
-        def shared(model: str, width: int | None, budget: Budget | None) -> dict:
+        def shared(model: str, width: int | None, budget: Budget | None,
+                   patience: int = 1) -> dict:
             return {"network": ModelSection(model=model, width=width), "run": config.run,
                     "optim": config.optim.replace(batch_size=budget.batch_size) if budget
-                    else config.optim, "repeats": budget.repeats if budget else 1,
+                    else config.optim,
+                    "repeats": (budget.repeats if budget else 1) * patience,
                     "epochs": config.stages, "front_weight": config.front_weight,
                     "back_weight": config.back_weight}
 
@@ -123,9 +134,11 @@ class DistillPlan(BaseModel):
                              role="teacher", pretrain_epochs=config.teacher_pretrain_epochs,
                              fraction=config.teacher_fraction, queue="recency")
         student = StudentConfig(
-            **shared(config.student_model, config.student_width, student_budget),
+            **shared(config.student_model, config.student_width, student_budget,
+                     config.student_patience),
             role="student", fraction=config.student_fraction, queue=config.student_queue,
-            layer=config.student_layer, feature_loss=config.feature_loss,
+            layer=config.student_layer, targets=config.targets,
+            teacher_layer=config.teacher_layer, feature_loss=config.feature_loss,
             feature_weight=config.feature_weight, ce_weight=config.ce_weight,
             temperature=config.temperature, bank_memmap=config.bank_memmap)
         bank = BankConfig(layer=config.teacher_layer, mode=config.bank_mode,
@@ -317,13 +330,16 @@ def student_network(student: StudentConfig, dataset: DatasetRef, feature_shape: 
 
 class StudentRound(RoundPlan):
     """The student at state `stage` learns from its P queued images with CE plus the feature
-    loss against the feature bank `bank` (`training.distill.losses.DistillStep`): state
-    `stage + 1`."""
+    loss against its targets: the feature bank `bank` (`training.distill.losses.DistillStep`),
+    or the teacher state `teacher` (a checkpoint of the `teacher_config` network) run on the
+    student's own augmented batch (`TeacherStep`): state `stage + 1`."""
 
     config: StudentConfig
     dataset: DatasetRef
     stage: int
-    bank: ArtifactRef
+    bank: ArtifactRef | None = None
+    teacher: ArtifactRef | None = None
+    teacher_config: RoleConfig | None = None
 
     @property
     def number(self) -> int:
@@ -332,12 +348,32 @@ class StudentRound(RoundPlan):
     def task_name(self) -> str:
         return f"student-{self.stage}"
 
+    def targets(self, store: ArtifactStore, device: torch.device
+                ) -> tuple[FeatureBank | None, nn.Module | None, tuple[int, ...]]:
+        """The bank, or the teacher state's network (evaluated, frozen), and the shape of one
+        image's target."""
+        student = self.config
+        if student.targets == "bank":
+            if self.bank is None:
+                raise ValueError(f"student stage {self.stage}: targets 'bank' needs a bank")
+            features = load_bank(store, self.bank, student.bank_memmap)
+            if not student.bank_memmap:
+                features = features.to(device)
+            return features, None, features.feature_shape
+        if self.teacher is None or self.teacher_config is None:
+            raise ValueError(f"student stage {self.stage}: targets {student.targets!r} need the "
+                             "teacher state's checkpoint and config")
+        teacher = new_model(self.teacher_config, self.dataset)
+        restore(teacher, None, load_checkpoint(store, self.teacher))
+        teacher = place_model(teacher, device).eval()
+        example = torch.zeros(1, self.dataset.channels, self.dataset.image_size,
+                              self.dataset.image_size, device=device)
+        return None, teacher, layer_shape(teacher, student.teacher_layer, example)
+
     def open(self, previous: ArtifactRef | None, device: torch.device) -> Opened:
         student, store, data = self.config, ArtifactStore(), load_dataset(self.dataset)
-        features = load_bank(store, self.bank, student.bank_memmap)
-        if not student.bank_memmap:
-            features = features.to(device)
-        model, adapter = student_network(student, self.dataset, features.feature_shape, device)
+        features, teacher, target_shape = self.targets(store, device)
+        model, adapter = student_network(student, self.dataset, target_shape, device)
         optimizer = make_optimizer(nn.ModuleList([model, adapter]), student)
         if previous is not None:
             checkpoint = load_checkpoint(store, previous)
@@ -345,10 +381,11 @@ class StudentRound(RoundPlan):
             adapter.load_state_dict(checkpoint["adapter"])
             optimizer_to(optimizer, device)
         ids = stage_ids(student, data.splits["train"], self.stage)
-        step = DistillStep(student.layer, (adapter.student_shape, adapter.teacher_shape),
-                           student.feature_loss, student.temperature, student.ce_weight,
-                           student.feature_weight, student.optim.label_smoothing,
-                           bank=features)
+        loss = (student.layer, (adapter.student_shape, adapter.teacher_shape),
+                student.feature_loss, student.temperature, student.ce_weight,
+                student.feature_weight, student.optim.label_smoothing)
+        step = DistillStep(*loss, bank=features) if teacher is None else \
+            TeacherStep(*loss, teacher=teacher, teacher_layer=student.teacher_layer)
         round_ = stage_round(student, self.dataset, data, ids, self.stage, step,
                              classifier_network(student, self.dataset))
         return Opened(Trainee(model, optimizer, {"adapter": adapter}), round_,
@@ -359,8 +396,9 @@ class StudentRound(RoundPlan):
         trainee, ids = opened.trainee, opened.context["ids"]
         metrics = metrics | stage_scores(opened.round, trainee.model, self.dataset,
                                          opened.context["data"], device)
-        filled = opened.context["bank"].lookup(ids)[1].float().mean().item()
-        metrics |= {"bank_filled_fraction_drawn": filled}
+        if opened.context["bank"] is not None:
+            filled = opened.context["bank"].lookup(ids)[1].float().mean().item()
+            metrics |= {"bank_filled_fraction_drawn": filled}
         payload = {"model": trainee.model.state_dict(),
                    "adapter": trainee.extras["adapter"].state_dict(),
                    "optimizer": trainee.optimizer.state_dict(), "stage": self.stage,
@@ -368,6 +406,8 @@ class StudentRound(RoundPlan):
         return Closed(metrics, payload)
 
     def relpath(self) -> str:
-        bank_key = self.bank.path.split("/")[1]  # the student's result depends on the bank's
-        return (f"checkpoints/distill/{run_key(self.config, self.dataset)}-{bank_key}/"
+        # the student's result depends on its targets': the bank's folder, the teacher's hash
+        targets = self.bank.path.split("/")[1] if self.bank is not None else \
+            self.teacher.md5[:16] if self.teacher is not None else "none"
+        return (f"checkpoints/distill/{run_key(self.config, self.dataset)}-{targets}/"
                 f"student-{self.stage:03d}.pt")

@@ -87,6 +87,28 @@ def test_per_state_banks_are_kept_apart_and_teach_the_same_student(first_distill
     assert checkpoints_of(per_state) == checkpoints_of(first_distill)
 
 
+def test_students_learn_from_each_teacher_state_or_the_last_on_their_own_batches(
+        first_distill):
+    teachers = [r.teacher.checkpoint.md5 for r in first_distill.stages]
+    for targets, read in (("states", teachers), ("final", [teachers[-1]] * 3)):
+        summary = distill(distill_smoke(targets=targets, teacher_layer="fc", student_layer="fc",
+                                        feature_loss="kl"))
+        # the same teacher (its stages come from the cache), no bank, and student stage s
+        # trained against the teacher state it names: s, or the last one
+        assert [r.teacher.checkpoint.md5 for r in summary.stages] == teachers
+        assert all(r.bank is None for r in summary.stages)
+        assert [r.student.checkpoint.path.split("/")[2].rsplit("-", 1)[1]
+                for r in summary.stages] == [md5[:16] for md5 in read]
+        assert all(r.student.metrics["loss_feat"] > 0 for r in summary.stages)
+
+
+def test_a_live_teacher_under_ddp_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(COMMANDS, ["distill", "--targets", "states", "--ddp-procs", "2"])
+    assert exit_info.value.code == 2
+    assert "targets 'states' runs a live teacher" in capsys.readouterr().err
+
+
 def test_teacher_not_deeper_than_the_student_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(COMMANDS, ["distill", "--teacher-model", "cnn2", "--student-model", "cnn3"])

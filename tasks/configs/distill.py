@@ -79,6 +79,16 @@ class DistillConfig(ProfiledConfig):
                                                        "no stage wrote are left out of the "
                                                        "loss; teacher: filled by the initial "
                                                        "teacher (state 0)")
+    targets: Literal["bank", "states", "final"] = Field(
+        "bank", description="what the student's stage s learns from: bank: the feature bank "
+        "s (each image's features as a teacher state recorded them, on the view it saw then); "
+        "states: teacher state s itself, run on the student's own augmented batch (the route "
+        "of states, consistent with what the student sees); final: the last teacher state, "
+        "on the student's batch, at every stage (plain KD when the layers are fc)")
+    student_patience: int = Field(1, ge=1, le=100, description="the student's passes per "
+                                  "stage as a multiple of its fitted budget (the teacher's "
+                                  "stays): a patient student trains longer on the same "
+                                  "targets")
 
     @field_validator("teacher_model", "student_model")
     @classmethod
@@ -99,6 +109,9 @@ class DistillConfig(ProfiledConfig):
         if self.student_layer not in student_layers:
             raise ValueError(f"student_layer {self.student_layer!r} is not a layer of "
                              f"{self.student_model}: {', '.join(student_layers)}")
+        if self.targets != "bank" and self.run.ddp_procs > 1:
+            raise ValueError(f"targets {self.targets!r} runs a live teacher beside the student, "
+                             "in one process: use --targets bank with --ddp-procs")
         if self.feature_loss == "dkd" and (self.teacher_layer, self.student_layer) != ("fc",
                                                                                        "fc"):
             raise ValueError("feature_loss dkd compares logits: set teacher_layer and "

@@ -1,0 +1,161 @@
+"""What the `distill` student learns from, at equal student budget, through the flow itself.
+
+Per data set (`bench.two_sets`) and seed, the real `distill` flow once per variant (no registry;
+the first variant of a seed with Prefect's cache refreshed, so its teacher trains anew; the
+others reuse that teacher's stages from the cache: one teacher per seed, every student on the
+same teacher states, stage images, batches and schedule). Only the student's targets differ:
+
+- `alone`: CE only (`--feature-weight 0`);
+- `kd`: Hinton KD from the final teacher state on the student's own augmented batch
+  (`--targets final`, logits, T=4, CE and KD 0.5 each): the baseline;
+- `states`: teacher state s on the student's own batch at student stage s (`--targets states`,
+  logits, KD at T=1 or T=4);
+- `bank`: bank s at stage s (`--targets bank`, the teacher's logits recorded on the view it saw,
+  KD at T=4);
+- `bank pool cosine`: the flow's earlier default (pool features, cosine, masked bank).
+
+Every student but `alone x1` trains `--patience` times the fitted budget (`--student-patience`).
+The teacher is warm-started (`--teacher-pretrain-epochs`) as a strong teacher would be. Scored
+by checkpoint on the validation split (the choices read only it), on the test split and on the
+images no choice read (`bench.two_sets`); *gap closed*: (variant - alone) / (teacher - alone)
+on the unread images, at the seeds' means; the paired columns against `alone` and `kd` (same
+seed, unread).
+
+    python -m bench.distill_targets                          # both sets, seeds 0-2
+    python -m bench.distill_targets --sets 2500x16 --seeds 0 --variants alone states-T1 \\
+        --set stages=2 train_limit=600 teacher_pretrain_epochs=1   # a check that it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
+
+from bench.common import mean_std, parse_overrides, print_json, print_table
+from bench.distill_bank import unread_images
+from bench.two_sets import SETS, small_data_fields
+from flows.distill import distill
+from tasks.configs.distill import DistillConfig
+from tasks.configs.sections import classifier_config
+from tasks.data import load_dataset
+from tasks.distill import DistillPlan
+from tasks.training import eval_batches, trained_model
+from training.batches import Batches, Normalize
+from training.loops import evaluate
+
+LOGITS = {"teacher_layer": "fc", "student_layer": "fc", "feature_loss": "kl",
+          "feature_weight": 0.5, "ce_weight": 0.5}
+# variant -> the `distill` config fields it sets (patience: the benchmark's, except `alone x1`)
+VARIANTS: dict[str, dict] = {
+    "alone x1": {"feature_weight": 0.0, "student_patience": 1},
+    "alone": {"feature_weight": 0.0},
+    "kd": {"targets": "final", **LOGITS, "temperature": 4.0},
+    "states-T1": {"targets": "states", **LOGITS, "temperature": 1.0},
+    "states-T4": {"targets": "states", **LOGITS, "temperature": 4.0},
+    "bank": {"targets": "bank", **LOGITS, "temperature": 4.0},
+    "bank pool cosine": {"targets": "bank", "teacher_layer": "pool", "student_layer": "pool",
+                         "feature_loss": "cosine", "feature_weight": 1.0, "ce_weight": 1.0},
+}
+SPLITS = ("val", "test", "unread")
+
+
+def scored(model, images: torch.Tensor, labels: torch.Tensor, dataset) -> float:
+    """A network's accuracy on `images` (uint8 N x C x H x W) with the data set's
+    normalization, as the flows evaluate."""
+    cpu = torch.device("cpu")
+    batches = Batches(images, labels, torch.arange(len(labels)), 512,
+                      Normalize(dataset.mean, dataset.std), device=cpu)
+    return evaluate(model, batches, cpu)["accuracy"]
+
+
+def figures(classifier, dataset, checkpoint, unread: tuple[torch.Tensor, torch.Tensor]
+            ) -> dict[str, float]:
+    """A checkpoint's accuracy on the validation and test splits and the unread images."""
+    cpu = torch.device("cpu")
+    model = trained_model(classifier, dataset, checkpoint)
+    data = load_dataset(dataset)
+    return {split: evaluate(model, eval_batches(data, dataset, split, cpu), cpu)["accuracy"]
+            for split in ("val", "test")} | {"unread": scored(model, *unread, dataset)}
+
+
+def run_seed(name: str, seed: int, variants: list[str], base: dict) -> dict:
+    """One teacher and each variant's student on data set `name` and `seed`."""
+    started = time.perf_counter()
+    accuracy: dict[str, dict[str, float]] = {}
+    seconds: dict[str, float] = {}
+    unread = None
+    for n, variant in enumerate(variants):
+        config = DistillConfig(**{**base, **small_data_fields(name, seed), "seed": seed,
+                                  "progress": False, "registry": False, **VARIANTS[variant]})
+        begun = time.perf_counter()
+        with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: n == 0}):
+            summary = distill(config)
+        seconds[variant] = time.perf_counter() - begun
+        dataset = summary.dataset
+        if unread is None:
+            unread = unread_images(name, config.dataset, dataset.classes)
+        plan = DistillPlan.of(config)
+        last = summary.stages[-1]
+        if "teacher" not in accuracy:
+            accuracy["teacher"] = figures(classifier_config(plan.teacher), dataset,
+                                          last.teacher.checkpoint, unread)
+        accuracy[variant] = figures(classifier_config(plan.student), dataset,
+                                    last.student.checkpoint, unread)
+        print(f"{name} seed {seed} {variant}: {accuracy[variant]} "
+              f"({seconds[variant]:.0f} s; teacher {accuracy['teacher']})", flush=True)
+    return {"seed": seed, "accuracy": accuracy, "seconds": seconds,
+            "total_seconds": time.perf_counter() - started}
+
+
+def summarize(runs: list[dict], variants: list[str]) -> dict:
+    """Per variant: each split's mean and std, the gap closed on the unread images and the
+    paired unread differences to `alone` and `kd`; the variant best on validation."""
+    names = ["teacher", *variants]
+    summary = {v: {split: mean_std([r["accuracy"][v][split] for r in runs]) for split in SPLITS}
+               for v in names}
+    for variant in variants:
+        row = summary[variant]
+        for other in ("alone", "kd"):
+            if other in variants and variant != other:
+                row[f"minus_{other}_unread"] = mean_std([
+                    r["accuracy"][variant]["unread"] - r["accuracy"][other]["unread"]
+                    for r in runs])
+        if "alone" in variants:
+            alone = summary["alone"]["unread"][0]
+            gap = summary["teacher"]["unread"][0] - alone
+            row["gap_closed_unread"] = (row["unread"][0] - alone) / gap if gap > 0 else None
+    return {"variants": summary,
+            "chosen_on_val": max(variants, key=lambda v: summary[v]["val"][0])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--patience", type=int, default=3,
+                        help="the students' --student-patience (not `alone x1`'s)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="distill config fields for every run")
+    args = parser.parse_args()
+    base = {"teacher_pretrain_epochs": 8, "student_patience": args.patience,
+            **parse_overrides(args.set)}
+    results, rows = [], []
+    for name in args.sets:
+        runs = [run_seed(name, seed, args.variants, base) for seed in args.seeds]
+        entry = {"set": name, "runs": runs, **summarize(runs, args.variants)}
+        results.append(entry)
+        for variant, row in entry["variants"].items():
+            gap = row.get("gap_closed_unread")
+            rows.append([name, variant, *(f"{row[s][0]:.4f} ± {row[s][1]:.4f}" for s in SPLITS),
+                         "-" if gap is None else f"{gap:+.2f}"])
+    print_table(["set", "variant", "validation", "test", "unread", "gap closed (unread)"], rows)
+    print_json({"benchmark": "distill_targets", "seeds": args.seeds, "base": base,
+                "variants": {v: VARIANTS[v] for v in args.variants}, "results": results})
+
+
+if __name__ == "__main__":
+    main()
