@@ -433,6 +433,57 @@ def distill_bank(record: dict) -> str:
     return "\n".join(lines) + f"\n\nChosen on validation: {best}. {provenance(record)}\n"
 
 
+DISTILL_TARGETS_ORDER = ["teacher", "alone x1", "alone", "kd", "states-T1", "states-T4", "bank",
+                         "bank pool cosine"]
+
+
+def newest_entry_per_set(name: str, results: Path = RESULTS) -> dict:
+    """Per data set (`bench.two_sets.SETS` order), its entry in the newest record that ran it:
+    `{"results": [entry, ...], "sources": [record, ...]}` (sets run apart, shown together)."""
+    newest_first = records(name, results)[::-1]
+    entries, sources = [], []
+    for data_set in ("fashion-mnist", "2500x16"):
+        for record in newest_first:
+            entry = next((e for e in record["results"] if e["set"] == data_set), None)
+            if entry is not None:
+                entries.append(entry)
+                sources += [] if record in sources else [record]
+                break
+    return {"results": entries, "sources": sources}
+
+
+def distill_targets(picked: dict) -> str:
+    """`bench.distill_targets`: per data set, the teacher and each student's accuracy on the
+    unread images, the test split and the validation split, the gap closed and the paired
+    unread differences to the student alone and to KD."""
+    def paired(figures: dict, key: str) -> str:
+        value = figures.get(key)
+        return "-" if value is None else f"{value[0]:+.4f} ± {value[1]:.4f}"
+
+    lines = ["| data set | student learns from | unread accuracy | test accuracy | validation | "
+             "gap closed (unread) | minus alone (unread, paired) | minus KD (unread, paired) |",
+             "| --- " * 8 + "|"]
+    for entry in picked["results"]:
+        shown = None
+        variants = entry["variants"]
+        for variant in sorted(variants, key=lambda v: (DISTILL_TARGETS_ORDER + [v]).index(v)):
+            figures = variants[variant]
+            gap = figures.get("gap_closed_unread")
+            lines.append(f"| {entry['set'] if entry['set'] != shown else ''} | {variant} | "
+                         f"{spread(*figures['unread'])} | {spread(*figures['test'])} | "
+                         f"{spread(*figures['val'])} | "
+                         f"{'-' if gap is None else f'{gap:+.2f}'} | "
+                         f"{paired(figures, 'minus_alone_unread')} | "
+                         f"{paired(figures, 'minus_kd_unread')} |")
+            shown = entry["set"]
+    chosen = "; ".join(f"{e['set']}: `{e['chosen_on_val']}`" for e in picked["results"])
+    setups = " ".join(f"Students train {r['base']['student_patience']}x the fitted budget "
+                      f"(`alone x1`: 1x); the teacher is warm-started "
+                      f"{r['base']['teacher_pretrain_epochs']} epochs. {provenance(r)}"
+                      for r in picked["sources"])
+    return "\n".join(lines) + f"\n\nBest on validation: {chosen}. {setups}\n"
+
+
 def inference_batch(record: dict) -> str:
     """`bench.inference_batch`'s networks: images per second of a scoring pass at the device's
     batch and at the baseline batch (median over the rounds), and their paired ratio."""
@@ -483,10 +534,12 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"image_text": image_text, "cascad
                                                "area_rule": area_rule,
                                                "descriptions": descriptions,
                                                "distill_bank": distill_bank,
+                                               "distill_targets": distill_targets,
                                                "serving": serving}
 
 
 PICKERS: dict[str, Callable[[str, Path], dict]] = {"sparsify": newest_per_task,
+                                                   "distill_targets": newest_entry_per_set,
                                                    "cascade": newest_per_set,
                                                    "descriptions": newest_per_variant,
                                                    "small_data": newest_per_flow}

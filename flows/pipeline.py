@@ -51,7 +51,12 @@ from flows.skeleton import (
 from flows.sparsify import train_sparse
 from tasks.adapters import tracking
 from tasks.adapters.caching import code_version, result_fields
-from tasks.adapters.registration import CHAMPION, Policy, Registration
+from tasks.adapters.registration import (
+    CHAMPION,
+    Policy,
+    Registration,
+    register_and_promote,
+)
 from tasks.adapters.reporting import publish_summary
 from tasks.adapters.runners import task_runner
 from tasks.adapters.versioning import ArtifactRef
@@ -109,6 +114,8 @@ class PipelineSummary(BaseModel):
     steps: list[StepResult] = []
     fallback: Fallback | None = None
     test_accuracy: float | None = None
+    front: str | None = None  # the step whose student the registered model runs first
+    student_alone: bool = False  # registered without the teacher (`student_alone`)
     registration: Registration | None = None
 
 
@@ -268,22 +275,23 @@ def run_sparsify(config: PipelineConfig, prepared: Prepared, run_id: str, start:
 
 
 def run_cascade(config: PipelineConfig, dataset: DatasetRef, run_id: str,
-                steps: list[StepResult]) -> tuple[Fallback, list[StepResult]]:
-    """Step 5 on its nested run `fallback`: the cascade of the sparse student and the teacher
-    (`fit-fallback`: its routing and threshold), its latency table, then every step's network
-    and the cascade timed side by side (`time-steps`); the cascade and the steps with their
-    times and sizes."""
+                steps: list[StepResult], front: str) -> tuple[Fallback, list[StepResult]]:
+    """Step 5 on its nested run `fallback`: the cascade of the `front` step's student and the
+    teacher (`fit-fallback`: its routing and threshold), its latency table, then every step's
+    network and the cascade timed side by side (`time-steps`); the cascade and the steps with
+    their times and sizes."""
     by_name = {step.name: step for step in steps}
-    sparse, teacher = by_name["sparsify"], by_name["teacher"]
+    student, teacher = by_name[front], by_name["teacher"]
     with tracking.tracked_run(FLOW_NAME, "fallback", parent_run_id=run_id) as fallback_run:
-        fallback = fit_fallback(sparse.classifier, teacher.classifier, dataset, sparse.checkpoint,
-                                teacher.checkpoint, config.fallback_tolerance,
-                                config.fallback_predictor, config.run.seed)
+        fallback = fit_fallback(student.classifier, teacher.classifier, dataset,
+                                student.checkpoint, teacher.checkpoint,
+                                config.fallback_tolerance, config.fallback_predictor,
+                                config.run.seed)
         tracking.log_dict(fallback_run, fallback.latency, "cascade/latency.json")
         tracking.set_tags(fallback_run, {"cascade.routing": fallback.routing})
         timing = time_steps([StepModel(name=s.name, classifier=s.classifier,
                                        checkpoint=s.checkpoint, weights=s.weights)
-                             for s in steps], dataset, fallback, "sparsify", "teacher")
+                             for s in steps], dataset, fallback, front, "teacher")
         steps = [s.model_copy(update={"ms_per_image_b1": timing[s.name]["ms_per_image_b1"],
                                       "parameters": int(timing[s.name]["parameters"])})
                  for s in steps]
@@ -292,6 +300,21 @@ def run_cascade(config: PipelineConfig, dataset: DatasetRef, run_id: str,
         tracking.log_metrics(fallback_run, fallback.metrics
                              | {"tolerance": config.fallback_tolerance})
     return fallback, steps
+
+
+def kept_over(step: StepResult, before: StepResult) -> tuple[StepResult, str]:
+    """`step` marked kept where it does not lose to `before` on validation; the decision in
+    words."""
+    kept = step.val_accuracy >= before.val_accuracy
+    return step.model_copy(update={"kept": kept}), (
+        f"{'kept' if kept else 'not kept'}: validation {step.val_accuracy:.4f} against "
+        f"{before.name}'s {before.val_accuracy:.4f}")
+
+
+def student_alone(fallback: Fallback) -> bool:
+    """Whether the student answers every validation image at the calibrated threshold: then
+    the teacher adds nothing there and the student is registered alone."""
+    return fallback.metrics["val_student_share"] >= 1.0
 
 
 @flow(name=FLOW_NAME, description="The retraining pipeline: data check, distillation from a "
@@ -327,7 +350,7 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
         steps = []
         teacher_step, teacher_test = tested("teacher", teacher, prepared, last.teacher.checkpoint,
                                             last.teacher.metrics["val_accuracy"], run_id)
-        student_step, _ = tested("distill", classifier_config(plan.student), prepared,
+        student_step, student_test = tested("distill", classifier_config(plan.student), prepared,
                                  last.student.checkpoint, last.student.metrics["val_accuracy"],
                                  run_id)
         steps += [teacher_step, student_step]
@@ -339,40 +362,69 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
         logger.info("image-text step %s", text_decision)
         tracking.set_tags(run_id, {"pipeline.image_text": text_decision})
         tracking.log_artifact_refs(run_id, {"start.pbt": handed})
+        front = text_step if text_step is not None and text_step.kept else student_step
+        programs = {"distill": student_test.program}
         pbt_classifier, best = run_pbt(config, prepared, run_id, handed)  # 3.
-        pbt_step, _ = tested("pbt", pbt_classifier, prepared, best.checkpoint,
-                             best.metrics["val_accuracy"], run_id, SCORED_WEIGHTS)
+        pbt_step, pbt_test = tested("pbt", pbt_classifier, prepared, best.checkpoint,
+                                    best.metrics["val_accuracy"], run_id, SCORED_WEIGHTS)
+        pbt_step, pbt_decision = kept_over(pbt_step, front)
         steps.append(pbt_step)
-        handed = hand_over(best.checkpoint, SCORED_WEIGHTS, "pbt")
-        tracking.log_artifact_refs(run_id, {"handover.pbt": handed})
+        programs["pbt"] = pbt_test.program
+        if pbt_step.kept:
+            front = pbt_step
+            handed = hand_over(best.checkpoint, SCORED_WEIGHTS, "pbt")
+            tracking.log_artifact_refs(run_id, {"handover.pbt": handed})
         sparse_classifier, sparse, report = run_sparsify(config, prepared, run_id, handed)  # 4.
         zeros = sum(layer.zero_fraction for layer in report.layers.values()) / max(
             len(report.layers), 1)
         sparse_step, sparse_test = tested("sparsify", sparse_classifier, prepared,
                                           sparse.checkpoint, sparse.metrics["val_accuracy"],
                                           run_id, zero_fraction=zeros)
+        sparse_step, sparse_decision = kept_over(sparse_step, front)
         steps.append(sparse_step)
-        fallback, steps = run_cascade(config, dataset, run_id, steps)  # 5.
+        programs["sparsify"] = sparse_test.program
+        if sparse_step.kept:
+            front = sparse_step
+        if front.name not in programs:  # the distilled (or image-text) student itself
+            programs[front.name] = test_and_export(front.classifier, dataset, front.checkpoint,
+                                                   front.weights).program
+        tracking.set_tags(run_id, {"pipeline.pbt": pbt_decision,
+                                   "pipeline.sparsify": sparse_decision,
+                                   "pipeline.front": front.name})
+        logger.info("PBT step %s; sparse step %s; the cascade's student: %s", pbt_decision,
+                    sparse_decision, front.name)
+        fallback, steps = run_cascade(config, dataset, run_id, steps, front.name)  # 5.
+        alone = student_alone(fallback)
         tracking.log_metrics(run_id, {f"fallback_{k}": v for k, v in fallback.metrics.items()}
-                             | {"test_accuracy": fallback.metrics["test_accuracy"],
-                                "val_accuracy": fallback.metrics["val_accuracy"]}
+                             | {"test_accuracy": fallback.metrics[
+                                 "test_student_accuracy" if alone else "test_accuracy"],
+                                "val_accuracy": fallback.metrics["val_accuracy"],
+                                "registered_student_alone": float(alone)}
                              | {f"step_{s.name}_{key}": getattr(s, key) for s in steps
                                 for key in ("ms_per_image_b1", "parameters")})
         table = step_table(steps, fallback)
         tracking.log_text(run_id, table, "pipeline/steps.md")
+        test_accuracy = fallback.metrics["test_student_accuracy" if alone else "test_accuracy"]
+        front_program = programs[front.name]
         finished = conclude(  # 6.
             run_id, config.run, prepared, fallback.metrics["val_accuracy"],
-            TestResult(metrics={"test_accuracy": fallback.metrics["test_accuracy"]},
-                       program=sparse_test.program),
-            lambda refusal: register_fallback(
-                run_id, name, dataset, sparse_test.program, teacher_test.program, fallback,
+            TestResult(metrics={"test_accuracy": test_accuracy}, program=front_program),
+            lambda refusal: register_and_promote(
+                run_id, name, dataset, front_program, Policy.of(config.run), refusal,
+                {KEY_TAG: key}) if alone else register_fallback(
+                run_id, name, dataset, front_program, teacher_test.program, fallback,
                 Policy.of(config.run), refusal, {KEY_TAG: key}))
         summary = PipelineSummary(run_id=run_id, steps=steps, fallback=fallback,
-                                  test_accuracy=fallback.metrics["test_accuracy"],
-                                  registration=finished.registration)
+                                  test_accuracy=test_accuracy, front=front.name,
+                                  student_alone=alone, registration=finished.registration)
     publish("pipeline-summary", f"pipeline: {config.teacher_model} -> {config.student_model} "
             f"on {config.dataset.data}", run_id, finished, {
                 "image-text step": text_decision,
+                "PBT step": pbt_decision,
+                "sparse step": sparse_decision,
+                "registered": f"the {front.name} student alone: it answers every validation "
+                              "image at the calibrated threshold" if alone else
+                              f"the cascade of the {front.name} student and the teacher",
                 "fallback cascade": fallback_row(fallback),
                 "routing (chosen on validation)": routing_row(fallback),
             }, table)

@@ -23,8 +23,13 @@ CLASS_DESCRIPTIONS = str(Path(__file__).parent / "data" / "fashion_classes.csv")
 
 
 def smoke_pipeline(**overrides) -> PipelineConfig:
+    """The smoke pipeline with a warm-started teacher, better than the student after its
+    later steps, and tolerance 0 (every image the teacher gets right is kept): the teacher
+    answers some images and the registered model is the cascade."""
     return PipelineConfig(**{"profile": "smoke", "registry": True, "model_name": NAME,
-                             "class_descriptions": CLASS_DESCRIPTIONS, **overrides})
+                             "class_descriptions": CLASS_DESCRIPTIONS,
+                             "teacher_pretrain_epochs": 4, "fallback_tolerance": 0.0,
+                             **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +59,7 @@ def test_every_step_is_tracked_under_one_parent_run(run):
     assert len(members) == 2
     assert parent.data.tags["pipeline.key"] == tracking.version_tags(
         NAME, run.registration.version)["pipeline.key"]
+    assert not run.student_alone and run.fallback.metrics["val_student_share"] < 1
     assert metrics["test_accuracy"] == run.fallback.metrics["test_accuracy"] > 0.2
     # each step's size and time beside the others, and the table of steps on the run
     steps = {step.name: step for step in run.steps}
@@ -61,12 +67,12 @@ def test_every_step_is_tracked_under_one_parent_run(run):
     assert all(step.ms_per_image_b1 > 0 and step.program_bytes > 0 for step in run.steps)
     assert metrics["step_sparsify_parameters"] == steps["sparsify"].parameters
     assert run.fallback.metrics["steps_parameters"] == (steps["teacher"].parameters
-                                                        + steps["sparsify"].parameters)
+                                                        + steps[run.front].parameters)
     table = client.download_artifacts(run.run_id, "pipeline/steps.md")
     rows = [line.split(" | ")[0].strip("| ") for line in Path(table).read_text().splitlines()[2:]]
-    text = steps["image_text"]
-    assert rows == ["teacher", "distill", "image_text" + ("" if text.kept else " (not kept)"),
-                    "pbt", "sparsify", f"cascade ({run.fallback.routing} routing)"]
+    assert rows == ["teacher", "distill", *(name + ("" if steps[name].kept else " (not kept)")
+                                            for name in ("image_text", "pbt", "sparsify")),
+                    f"cascade ({run.fallback.routing} routing)"]
     # the cascade's routing and latency table on its own run
     fallback = next(c for c in children if c.data.tags["mlflow.runName"] == "fallback")
     assert fallback.data.tags["cascade.routing"] == run.fallback.routing
@@ -88,7 +94,7 @@ def test_each_step_starts_from_the_last_ones_weights(run):
     refs = tracking.artifact_refs(run.run_id)  # this run's own hand-overs, not the store's
     handed = {step: torch.load(store.path_of(refs[f"handover.{step}"]["path"]),
                                map_location="cpu", weights_only=True)
-              for step in ("distill", "pbt")}
+              for step in ("distill", "pbt") if f"handover.{step}" in refs}
     client = MlflowClient()
     student = next(c for c in client.search_runs(
         [client.get_run(run.run_id).info.experiment_id],
@@ -101,6 +107,36 @@ def test_each_step_starts_from_the_last_ones_weights(run):
     for key, value in student_weights.items():
         assert torch.equal(handed["distill"]["model"][key], value), key
     assert "program.pbt" in refs
+    # sparsity fine-tuning starts from PBT's best only where PBT did not lose on validation
+    steps = {step.name: step for step in run.steps}
+    assert steps["pbt"].kept == (steps["pbt"].val_accuracy >= steps["distill"].val_accuracy)
+    assert ("pbt" in handed) == steps["pbt"].kept
+    if steps["pbt"].kept:
+        best = torch.load(store.path_of(steps["pbt"].checkpoint.path), map_location="cpu",
+                          weights_only=True)["kept"]
+        assert all(torch.equal(handed["pbt"]["model"][k], v) for k, v in best.items())
+    kept = [s for s in run.steps if s.name in ("distill", "pbt", "sparsify") and s.kept]
+    assert run.front == kept[-1].name
+    assert client.get_run(run.run_id).data.tags["pipeline.front"] == run.front
+
+
+def test_a_student_answering_every_validation_image_is_registered_without_the_teacher(run):
+    import mlflow
+
+    from flows.pipeline import pipeline
+
+    alone = pipeline(smoke_pipeline(fallback_tolerance=1.0))
+    assert alone.student_alone and alone.fallback.metrics["val_student_share"] == 1.0
+    model = mlflow.pyfunc.load_model(alone.registration.model_uri)
+    served = model.unwrap_python_model().implementation
+    assert not hasattr(served, "fallback")  # a plain classifier: the student's program only
+    steps = {step.name: step for step in alone.steps}
+    served_size = sum(t.numel() for t in (*served.program.parameters(),
+                                          *served.program.buffers()))
+    assert int(tracking.version_tags(NAME, alone.registration.version)["parameters"]) == \
+        served_size < steps["teacher"].parameters
+    assert sum(p.numel() for p in served.program.parameters()) == steps[alone.front].parameters
+    assert alone.test_accuracy == alone.fallback.metrics["test_student_accuracy"]
 
 
 def test_the_image_text_step_goes_on_only_where_it_beats_the_student_on_validation(run):

@@ -341,8 +341,10 @@ Compare = Callable[[dict[str, str]], tuple[Scorer | None, Comparison]]
 @task(task_run_name="register-and-promote", retries=2, retry_delay_seconds=10,
       retry_condition_fn=lambda _task, _run, state: transient(state))
 def register_and_promote(run_id: str, name: str, dataset: DatasetRef, program: ArtifactRef,
-                         policy: Policy, refusal: str | None = None) -> Registration:
-    """Logs the pyfunc, scores it and the champion on the test split, registers, sets alias.
+                         policy: Policy, refusal: str | None = None,
+                         tags: dict[str, str] | None = None) -> Registration:
+    """Logs the pyfunc, scores it and the champion on the test split, registers (tagged with
+    `tags`), sets alias.
 
     With a `refusal` (the baseline gate's, `Baseline.refusal`) it is registered as a
     challenger only."""
@@ -355,7 +357,7 @@ def register_and_promote(run_id: str, name: str, dataset: DatasetRef, program: A
         model_uri = log_served_model(run_id, "classifier", {
             "program": str(store.fetch(program)), "meta": str(meta_path)})
     return promote_on_test_images(run_id, name, model_uri, dataset, program.md5, policy,
-                                  refusal)
+                                  refusal, tags)
 
 
 def promote_on_test_images(run_id: str, name: str, model_uri: str, dataset: DatasetRef,

@@ -79,7 +79,7 @@ class PipelineConfig(DistillConfig):
         "layer's activations below a threshold costing at most this validation accuracy; "
         "none: no thresholds")
     # the fallback cascade
-    fallback_tolerance: float = Field(0.003, ge=0.0, le=1.0, description="the sparse student "
+    fallback_tolerance: float = Field(0.003, ge=0.0, le=1.0, description="the cascade's student "
                                       "answers an image when its confidence is above a "
                                       "threshold, calibrated on validation as the cheapest "
                                       "that loses at most this fraction of the images the "
