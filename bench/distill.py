@@ -32,7 +32,8 @@ import torch
 from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
 
 from bench.common import mean_std, print_json, print_table
-from flows.distill import distill, role_budgets
+from flows.distill import distill
+from flows.steps.distill import role_budgets
 from tasks.adapters.checkpoints import load_checkpoint
 from tasks.adapters.versioning import ArtifactStore
 from tasks.configs.distill import DistillConfig

@@ -20,28 +20,20 @@ from __future__ import annotations
 from prefect import flow
 from pydantic import BaseModel, ConfigDict
 
-from flows.skeleton import (
-    Prepared,
-    conclude,
-    log_budget,
-    prepare,
-    publish,
-    run_rounds,
-    run_tags,
-)
+from flows.skeleton import conclude, prepare, publish, run_tags
+from flows.steps.image_text import train_image_text
 from tasks.adapters import tracking
 from tasks.adapters.registration import Registration
 from tasks.adapters.versioning import ArtifactRef
 from tasks.configs.image_text import ImageTextConfig
-from tasks.image_text import Descriptions, ImageTextRound, describe_images, mix_heads
+from tasks.image_text import Descriptions, mix_heads
 from tasks.image_text_evaluation import register_image_text, test_image_text
-from tasks.rounds import RoundResult
 from tasks.training import TestResult
-from training.budget import Budget
 
 # What other flows and the benchmarks may import (tests/test_layering.py): the flow and its
-# summary.
-__all__ = ["FLOW_NAME", "ImageTextSummary", "image_text", "train_image_text"]
+# summary. Its step, which the `pipeline` composes too (the rounds from given weights), is
+# `flows.steps.image_text`'s.
+__all__ = ["FLOW_NAME", "ImageTextSummary", "image_text"]
 
 FLOW_NAME = "image_text"
 
@@ -65,57 +57,6 @@ class ImageTextSummary(BaseModel):
     @property
     def test_accuracy(self) -> float:
         return self.test_metrics["test_accuracy"]
-
-
-def train_image_text(config: ImageTextConfig, prepared: Prepared, run_id: str,
-                     start: ArtifactRef | None = None
-                     ) -> tuple[ImageTextConfig, Descriptions, Budget, ArtifactRef | None,
-                                RoundResult]:
-    """The descriptions (logged on `run_id`), the budget, the alignment rounds and the joint
-    rounds with early stopping, the image side starting from `start`'s weights when given (a
-    classifier of the same network); the config with the budget's batch size, the
-    descriptions, the budget, the aligned checkpoint and the best round."""
-    dataset = prepared.dataset
-    described = describe_images(config, dataset)
-    tracking.log_artifact_refs(run_id, {"captions": described.captions,
-                                        "class_descriptions": described.classes,
-                                        "text_features": described.texts})
-    tracking.log_metrics(run_id, {"described_images": described.described_images,
-                                  "texts_per_image": described.texts_per_image,
-                                  "train_images": described.train_images,
-                                  "labelled_images": described.labelled_images,
-                                  "val_images": described.val_images}
-                         | described.matching)
-    if described.pool is not None:
-        tracking.log_artifact_refs(run_id, {"pool": described.pool})
-    captioned = described.captioned
-    if captioned is not None:
-        tracking.log_artifact_refs(run_id, {"generated_captions": captioned.captions,
-                                            "captioner": captioned.captioner})
-        tracking.log_metrics(run_id, {"generated_descriptions": captioned.generated,
-                                      "captioner_bleu": captioned.bleu,
-                                      "captioner_constant_bleu": captioned.constant_bleu})
-    rounds = config.align_epochs + config.epochs
-    budget = config.optim.budget(described.train_images, rounds)
-    log_budget(run_id, budget)
-    config = config.replace(batch_size=budget.batch_size)
-
-    def plan(phase: str, epoch: int) -> ImageTextRound:
-        return ImageTextRound(config=config, dataset=dataset, described=described,
-                              phase=phase, epoch=epoch, rounds=rounds,
-                              repeats=budget.repeats, start=start)
-
-    aligned = None
-    if config.align_epochs:  # the alignment phase's last round is where `joint` starts
-        aligned = run_rounds(config.align_epochs,
-                             lambda epoch, _previous: plan("align", epoch), run_id, None,
-                             described.val_images, round_name="align",
-                             metrics_prefix="align_", keep_last=True).checkpoint
-
-    best = run_rounds(config.epochs,
-                      lambda epoch, _previous: plan("joint", config.align_epochs + epoch),
-                      run_id, config.patience, described.val_images, previous=aligned)
-    return config, described, budget, aligned, best
 
 
 @flow(name=FLOW_NAME, description="Train an image network from images and their "

@@ -37,9 +37,6 @@ import json
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
-from flows.distill import distill_stages, fitted_plan
-from flows.image_text import train_image_text
-from flows.pbt import run_population
 from flows.skeleton import (
     Prepared,
     budgeted_classifier,
@@ -48,7 +45,10 @@ from flows.skeleton import (
     publish,
     run_tags,
 )
-from flows.sparsify import train_sparse
+from flows.steps.distill import distill_stages, fitted_plan
+from flows.steps.image_text import train_image_text
+from flows.steps.pbt import run_population
+from flows.steps.sparsify import train_sparse
 from tasks.adapters import tracking
 from tasks.adapters.caching import code_version, result_fields
 from tasks.adapters.registration import (

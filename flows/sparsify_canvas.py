@@ -17,6 +17,7 @@ from prefect import get_run_logger
 from pydantic import BaseModel, ConfigDict
 
 from flows.skeleton import run_rounds
+from flows.steps.sparsify import FLOW_NAME
 from tasks.adapters import tracking
 from tasks.adapters.registration import Registration
 from tasks.adapters.reporting import publish_summary
@@ -36,10 +37,9 @@ from tasks.rounds import RoundResult
 from tasks.sparsify import ActivationReport, SparsityReport, log_sweep, sparsity_figure
 
 # What other flows and the benchmarks may import (tests/test_layering.py): the flow
-# and its summary (the `sparsify` flow's canvas tasks).
-__all__ = ["FLOW_NAME", "CanvasSummary", "sparsify_canvas"]
-
-FLOW_NAME = "sparsify"
+# and its summary (the `sparsify` flow's canvas tasks); the technique's name is
+# `flows.steps.sparsify`'s.
+__all__ = ["CanvasSummary", "sparsify_canvas"]
 
 
 class CanvasSummary(BaseModel):

@@ -1,6 +1,7 @@
 """models/ and training/ stay free of Prefect, MLflow and DVC, and serving/ (what a registered
 model ships) of Prefect, DVC, tasks/ and flows/: arrows point down, nothing imports in a circle, no
-technique package imports a sibling (docs/architecture.md)."""
+technique package imports a sibling, and the pipeline composes the techniques through their steps
+(flows/steps/), never through a sibling flow (docs/architecture.md)."""
 
 import ast
 import subprocess
@@ -95,12 +96,13 @@ SHARED_FLOWS = {"flows.skeleton", "flows.cli", "flows.commands"}  # every flow's
 
 
 def test_flows_import_from_one_another_only_what_each_flow_offers():
-    """The pipeline (and a benchmark) composes a technique through what its flow module lists
-    in `__all__` (the flow, its summary, its steps), never through its internals."""
+    """A flow, a step (flows/steps/) or a benchmark uses another flow module, or a technique's
+    step module, through what it lists in `__all__` (the flow and its summary; the step),
+    never through its internals."""
     import importlib
 
     offenders = []
-    for path in [*(ROOT / "flows").glob("*.py"), *(ROOT / "bench").glob("*.py")]:
+    for path in [*(ROOT / "flows").rglob("*.py"), *(ROOT / "bench").glob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if not (isinstance(node, ast.ImportFrom) and node.module
                     and node.module.startswith("flows.")) or node.module in SHARED_FLOWS:
@@ -108,6 +110,32 @@ def test_flows_import_from_one_another_only_what_each_flow_offers():
             offered = importlib.import_module(node.module).__all__
             offenders += [f"{path.name}: {node.module}.{alias.name}" for alias in node.names
                           if alias.name not in offered]
+    assert offenders == []
+
+
+STEPS = ("distill", "pbt", "image_text", "sparsify")  # the techniques the pipeline composes
+
+
+def test_the_pipeline_imports_no_sibling_flow():
+    """Each technique's step (`flows.steps.<technique>`) is the one function its own flow and
+    the pipeline both call: flows/pipeline.py imports, of flows/, only the steps and the shared
+    skeleton, and a step only the skeleton, so the pipeline reaches no sibling flow through
+    them either."""
+    graph = import_graph()
+
+    def flow_imports(module: str) -> set[str]:
+        return {name for name in graph[module] if name.split(".")[0] == "flows"}
+
+    pipeline = flow_imports("flows.pipeline")
+    assert {f"flows.steps.{step}" for step in STEPS} <= pipeline
+    offenders = [f"flows.pipeline -> {name}" for name in sorted(pipeline)
+                 if name not in {"flows.skeleton", "flows.steps"}
+                 and not name.startswith("flows.steps.")]
+    for step in STEPS:
+        assert f"flows.steps.{step}" in flow_imports(f"flows.{step}")  # its own flow's step
+        offenders += [f"flows.steps.{step} -> {name}"
+                      for name in sorted(flow_imports(f"flows.steps.{step}"))
+                      if name != "flows.skeleton"]
     assert offenders == []
 
 
