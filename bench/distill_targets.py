@@ -48,10 +48,14 @@ from training.loops import evaluate
 
 LOGITS = {"teacher_layer": "fc", "student_layer": "fc", "feature_loss": "kl",
           "feature_weight": 0.5, "ce_weight": 0.5}
-# variant -> the `distill` config fields it sets (patience: the benchmark's, except `alone x1`)
+ALONE = {"targets": "bank", "teacher_layer": "pool", "student_layer": "pool",
+         "feature_loss": "cosine", "feature_weight": 0.0, "ce_weight": 1.0}
+# variant -> the `distill` config fields it sets, every one that differs between variants (so
+# a change of the flow's defaults leaves them as measured); patience: the benchmark's, except
+# `alone x1`
 VARIANTS: dict[str, dict] = {
-    "alone x1": {"feature_weight": 0.0, "student_patience": 1},
-    "alone": {"feature_weight": 0.0},
+    "alone x1": {**ALONE, "student_patience": 1},
+    "alone": ALONE,
     "kd": {"targets": "final", **LOGITS, "temperature": 4.0},
     "states-T1": {"targets": "states", **LOGITS, "temperature": 1.0},
     "states-T4": {"targets": "states", **LOGITS, "temperature": 4.0},
