@@ -25,10 +25,17 @@ from tests.conftest import kill_when_written
 NAME = "distill-smoke"
 
 
+# The bank's recipe (pooled features, cosine), which most tests here are about; the flow's
+# default learns from the teacher states themselves (a test below).
+BANK = {"targets": "bank", "teacher_layer": "pool", "student_layer": "pool",
+        "feature_loss": "cosine", "feature_weight": 1.0, "ce_weight": 1.0}
+
+
 def distill_smoke(**overrides) -> DistillConfig:
-    """A seconds-long `distill` config: resnet8 -> cnn2, 3 stages on 1024 images, 1 thread."""
+    """A seconds-long `distill` config: resnet8 -> cnn2, 3 stages on 1024 images, 1 thread,
+    the bank's recipe."""
     return DistillConfig(**{"profile": "smoke", "model_name": NAME, "stages": 3,
-                            "train_limit": 1024, "threads": 1, **overrides})
+                            "train_limit": 1024, "threads": 1, **BANK, **overrides})
 
 
 def all_task_states(flow_state) -> dict[str, str]:
@@ -92,7 +99,9 @@ def test_students_learn_from_each_teacher_state_or_the_last_on_their_own_batches
     teachers = [r.teacher.checkpoint.md5 for r in first_distill.stages]
     for targets, read in (("states", teachers), ("final", [teachers[-1]] * 3)):
         summary = distill(distill_smoke(targets=targets, teacher_layer="fc", student_layer="fc",
-                                        feature_loss="kl"))
+                                        feature_loss="kl") if targets == "final" else
+                          DistillConfig(profile="smoke", model_name=NAME, stages=3,
+                                        train_limit=1024, threads=1))  # the flow's default
         # the same teacher (its stages come from the cache), no bank, and student stage s
         # trained against the teacher state it names: s, or the last one
         assert [r.teacher.checkpoint.md5 for r in summary.stages] == teachers
@@ -127,7 +136,9 @@ def test_killed_run_resumes_from_the_last_finished_stage():
     # with a warm-started teacher (one epoch) whose state 0 fills the initial bank
     args = ["--profile", "smoke", "--model-name", "distill-resume", "--stages", "3",
             "--train-limit", "1024", "--seed", "6", "--threads", "1", "--teacher-width", "4",
-            "--teacher-pretrain-epochs", "1", "--initial-bank", "teacher"]
+            "--teacher-pretrain-epochs", "1", "--initial-bank", "teacher", "--targets", "bank",
+            "--teacher-layer", "pool", "--student-layer", "pool", "--feature-loss", "cosine",
+            "--feature-weight", "1", "--ce-weight", "1"]
     # teacher 2 runs before student 1 in-process: student 1's checkpoint appearing means
     # the warm start, teacher 1, bank 1 and teacher 2 have returned and their results are stored
     kill_when_written(["distill", *args], Path(os.environ["COMPACTML_ARTIFACTS"]),

@@ -39,7 +39,9 @@ def student_stage(student, dataset, stage, previous, bank):
 
 @pytest.fixture(scope="module")
 def setup():
-    config = DistillConfig(profile="smoke", train_limit=400, stages=3, seed=4, threads=2)
+    config = DistillConfig(profile="smoke", train_limit=400, stages=3, seed=4, threads=2,
+                           targets="bank", teacher_layer="pool", student_layer="pool",
+                           feature_loss="cosine", feature_weight=1.0, ce_weight=1.0)
     data = config.dataset
     dataset = prepare_dataset.fn(data, source_version(data))
     return config, DistillPlan.of(config), dataset

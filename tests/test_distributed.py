@@ -94,7 +94,8 @@ def test_distill_teacher_and_student_stages_train_data_parallel_like_one_process
     # the teacher is a wider lenet (a copy of the role: the config wants a deeper teacher). The
     # student's width 8 gives a learned linear adapter from its 784 features to the bank's 1568.
     config = DistillConfig(profile="smoke", student_model="lenet", student_width=8, stages=2,
-                           train_limit=512, batch_size=64, threads=1)
+                           train_limit=512, batch_size=64, threads=1, targets="bank",
+                           teacher_layer="pool", student_layer="pool", feature_loss="cosine")
     data = config.dataset
     dataset = prepare_dataset.fn(data, source_version(data))
     plans = [DistillPlan.of(config.replace(ddp_procs=procs)) for procs in (1, 2)]

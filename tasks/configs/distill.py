@@ -17,13 +17,14 @@ def _layers_of(model: str) -> tuple[tuple[str, ...], int]:
 
 
 class DistillConfig(ProfiledConfig):
-    """The `distill` flow: a deeper teacher trained in stages fills a feature bank; a shallower
-    student learns stage by stage from the bank and the labels."""
+    """The `distill` flow: a deeper teacher trained in stages; a shallower, patient student
+    learns stage by stage from the labels and the teacher's states (by default each state run
+    on the student's own batches; or the feature bank the states fill, or the last state)."""
 
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
         "smoke": {"teacher_model": "resnet8", "student_model": "cnn2", "stages": 2,
                   "train_limit": 512, "test_limit": 256, "val_limit": 1000, "batch_size": 64,
-                  "lr": 0.1,
+                  "lr": 0.1, "student_patience": 1, "teacher_pretrain_epochs": 0,
                   "progress": False, "min_steps": None,
                   "baseline_gate": False, "registry": False},
         "quick": {},
@@ -40,7 +41,7 @@ class DistillConfig(ProfiledConfig):
     student_width: int | None = Field(None, ge=1, le=1024, description="the student's width; "
                                       "none: the model's default")
     stages: int = Field(10, ge=2, le=10000, description="S: teacher and student stages")
-    teacher_pretrain_epochs: int = Field(0, ge=0, le=1000, description="epochs the teacher "
+    teacher_pretrain_epochs: int = Field(8, ge=0, le=1000, description="epochs the teacher "
                                          "trains on all training images before stage 1 (a warm "
                                          "start: its state 0, which --initial-bank teacher "
                                          "fills the bank from); 0: from the seeded weights")
@@ -55,17 +56,17 @@ class DistillConfig(ProfiledConfig):
     student_queue: Literal["recency", "uniform"] = Field("recency", description="how the "
                                                          "student draws: like the teacher, or "
                                                          "uniformly")
-    teacher_layer: str = Field("pool", description="the teacher layer whose features fill "
+    teacher_layer: str = Field("fc", description="the teacher layer whose features fill "
                                "the bank (`fc`: the logits)")
-    student_layer: str = Field("pool", description="the student layer matched to the bank "
+    student_layer: str = Field("fc", description="the student layer matched to the bank "
                                "through the adapter")
     feature_loss: Literal["l2", "cosine", "kl", "dkd"] = Field(
-        "cosine", description="the feature sub-loss (kl: on softened outputs; dkd: decoupled "
+        "kl", description="the feature sub-loss (kl: on softened outputs; dkd: decoupled "
         "KD on the logits, the target class apart from the others, both layers `fc`)")
-    feature_weight: float = Field(1.0, ge=0.0, le=1000.0, description="weight of the feature "
+    feature_weight: float = Field(0.5, ge=0.0, le=1000.0, description="weight of the feature "
                                   "sub-loss")
-    ce_weight: float = Field(1.0, ge=0.0, le=1000.0, description="weight of the CE sub-loss")
-    temperature: float = Field(4.0, gt=0.0, le=100.0, description="softening temperature of "
+    ce_weight: float = Field(0.5, ge=0.0, le=1000.0, description="weight of the CE sub-loss")
+    temperature: float = Field(1.0, gt=0.0, le=100.0, description="softening temperature of "
                                "the kl and dkd feature losses")
     bank_mode: Literal["single", "per-state"] = Field("single", description="single: one bank, "
                                                       "each entry from the state that last "
@@ -80,12 +81,12 @@ class DistillConfig(ProfiledConfig):
                                                        "loss; teacher: filled by the initial "
                                                        "teacher (state 0)")
     targets: Literal["bank", "states", "final"] = Field(
-        "bank", description="what the student's stage s learns from: bank: the feature bank "
+        "states", description="what the student's stage s learns from: bank: the feature bank "
         "s (each image's features as a teacher state recorded them, on the view it saw then); "
         "states: teacher state s itself, run on the student's own augmented batch (the route "
         "of states, consistent with what the student sees); final: the last teacher state, "
         "on the student's batch, at every stage (plain KD when the layers are fc)")
-    student_patience: int = Field(1, ge=1, le=100, description="the student's passes per "
+    student_patience: int = Field(3, ge=1, le=100, description="the student's passes per "
                                   "stage as a multiple of its fitted budget (the teacher's "
                                   "stays): a patient student trains longer on the same "
                                   "targets")
