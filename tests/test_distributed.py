@@ -95,7 +95,8 @@ def test_distill_teacher_and_student_stages_train_data_parallel_like_one_process
     # student's width 8 gives a learned linear adapter from its 784 features to the bank's 1568.
     config = DistillConfig(profile="smoke", student_model="lenet", student_width=8, stages=2,
                            train_limit=512, batch_size=64, threads=1, targets="bank",
-                           teacher_layer="pool", student_layer="pool", feature_loss="cosine")
+                           teacher_layer="pool", student_layer="pool", feature_loss="cosine",
+                           feature_weight=1.0, ce_weight=1.0)
     data = config.dataset
     dataset = prepare_dataset.fn(data, source_version(data))
     plans = [DistillPlan.of(config.replace(ddp_procs=procs)) for procs in (1, 2)]
