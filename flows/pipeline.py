@@ -286,7 +286,7 @@ def run_cascade(config: PipelineConfig, dataset: DatasetRef, run_id: str,
         fallback = fit_fallback(student.classifier, teacher.classifier, dataset,
                                 student.checkpoint, teacher.checkpoint,
                                 config.fallback_tolerance, config.fallback_predictor,
-                                config.run.seed)
+                                config.run.seed, student_weights=student.weights)
         tracking.log_dict(fallback_run, fallback.latency, "cascade/latency.json")
         tracking.set_tags(fallback_run, {"cascade.routing": fallback.routing})
         timing = time_steps([StepModel(name=s.name, classifier=s.classifier,

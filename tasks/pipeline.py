@@ -92,16 +92,19 @@ def timing_calls(small: nn.Module, large: nn.Module, router: Router | None,
 def fit_fallback(student: ClassifierConfig, teacher: ClassifierConfig, dataset: DatasetRef,
                  student_checkpoint: ArtifactRef, teacher_checkpoint: ArtifactRef,
                  tolerance: float, predictor: str = "fitted", seed: int = 0,
-                 latency_images: int = 1000) -> Fallback:
+                 latency_images: int = 1000, student_weights: str = "model") -> Fallback:
     """Times the student and the teacher at batch 1 (passes interleaved: the latency table),
     and chooses the cascade's routing on the validation split (`training.cascade.routing`):
     with `predictor` "fitted", a predictor is fitted on one half and both routings are
     calibrated on the other, the predictor kept only where it is cheaper at the goal; the
     exit rule, when it stays, is calibrated on the whole split (`training.cascade.fallback`).
     Then measures the real cascade of each routing on the test split: accuracy, the share the
-    student answers, and milliseconds per image at batch 1 beside each network's alone."""
+    student answers, and milliseconds per image at batch 1 beside each network's alone.
+    `student_weights`: the entry of the student's checkpoint that holds its weights (a PBT
+    member's `kept`)."""
     device = setup_device(student)
-    small = place_model(trained_model(student, dataset, student_checkpoint), device).eval()
+    small = place_model(trained_model(student, dataset, student_checkpoint, student_weights),
+                        device).eval()
     large = place_model(trained_model(teacher, dataset, teacher_checkpoint), device).eval()
     data = load_dataset(dataset)
 

@@ -125,12 +125,14 @@ def test_a_student_answering_every_validation_image_is_registered_without_the_te
 
     from flows.pipeline import pipeline
 
-    alone = pipeline(smoke_pipeline(fallback_tolerance=1.0))
+    # a sparsity term strong enough to lose on validation: the student before it goes on
+    alone = pipeline(smoke_pipeline(fallback_tolerance=1.0, sparsity_lambda=1000.0))
     assert alone.student_alone and alone.fallback.metrics["val_student_share"] == 1.0
+    steps = {step.name: step for step in alone.steps}
+    assert not steps["sparsify"].kept and alone.front == "pbt"  # a PBT member's `kept` weights
     model = mlflow.pyfunc.load_model(alone.registration.model_uri)
     served = model.unwrap_python_model().implementation
     assert not hasattr(served, "fallback")  # a plain classifier: the student's program only
-    steps = {step.name: step for step in alone.steps}
     served_size = sum(t.numel() for t in (*served.program.parameters(),
                                           *served.program.buffers()))
     assert int(tracking.version_tags(NAME, alone.registration.version)["parameters"]) == \
