@@ -1,11 +1,14 @@
-"""The `distill` flow: stage-wise distillation from a multi-state teacher feature bank.
+"""The `distill` flow: stage-wise distillation from a multi-state teacher.
 
-Stage s = 1..S: the teacher trains on N queued images (state s -> s+1); its features for them
-replace their entries in the bank (bank s); the student trains on P queued images with CE plus
-a feature loss against bank s. The teacher's stage s+1 needs only its own state, so it runs
-while the student runs stage s: on two Dask workers they overlap, in-process they run in turn,
-and the results are the same either way (every task is a function of its inputs and the seed).
-After stage S the student is tested, registered, and promoted if it beats the champion.
+Stage s = 1..S: the teacher trains on N queued images (state s -> s+1); the student trains on
+P queued images with CE plus a loss against its targets: by default teacher state s itself,
+run on the student's own augmented batch (`--targets states`); or bank s, the features the
+states wrote for the images they trained on (`bank`); or the last state (`final`, plain KD).
+The teacher's stage s+1 needs only its own state, so it runs while the student runs stage s:
+on two Dask workers they overlap, in-process they run in turn, and the results are the same
+either way (every task is a function of its inputs and the seed). The stages are the step
+`flows.steps.distill`, which the `pipeline` runs too. After stage S the student is tested,
+registered, and promoted if it beats the champion.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ class DistillSummary(BaseModel):
     registration: Registration
 
 
-@flow(name=FLOW_NAME, description="Distil a deeper teacher, trained in stages, into a student "
-      "through a multi-state feature bank; register the student and promote it if it beats "
+@flow(name=FLOW_NAME, description="Distil a deeper teacher, trained in stages, into a patient "
+      "student through the teacher's states (each run on the student's batches, or the "
+      "multi-state feature bank they fill); register the student and promote it if it beats "
       "the champion and the raw-pixel baselines.")
 def distill(config: DistillConfig) -> DistillSummary:
     """Runs the stages, then tests, registers and promotes the student."""
