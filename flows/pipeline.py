@@ -94,13 +94,17 @@ class StepResult(BaseModel):
     classifier: ClassifierConfig
     checkpoint: ArtifactRef
     weights: str
+    program: ArtifactRef  # the exported program (`test_and_export`), what a registration serves
     val_accuracy: float
     test_accuracy: float
     zero_fraction: float | None = None
     kept: bool = True  # False: the step lost on validation and the next one starts before it
-    program_bytes: int | None = None
     ms_per_image_b1: float | None = None  # timed beside every other step (`time-steps`)
     parameters: int | None = None
+
+    @property
+    def program_bytes(self) -> int:
+        return self.program.size
 
 
 class PipelineSummary(BaseModel):
@@ -139,19 +143,19 @@ def unchanged_champion(name: str, key: str) -> str | None:
 
 def tested(step: str, classifier: ClassifierConfig, prepared: Prepared, checkpoint: ArtifactRef,
            val_accuracy: float, run_id: str, weights: str = "model",
-           zero_fraction: float | None = None) -> tuple[StepResult, TestResult]:
+           zero_fraction: float | None = None) -> StepResult:
     """A step's model scored on the test split and exported; logged on the parent run as
     `step_<step>_*`."""
     test = test_and_export(classifier, prepared.dataset, checkpoint, weights)
     result = StepResult(name=step, classifier=classifier, checkpoint=checkpoint, weights=weights,
                         val_accuracy=val_accuracy, test_accuracy=test.metrics["test_accuracy"],
-                        zero_fraction=zero_fraction, program_bytes=test.program.size)
+                        zero_fraction=zero_fraction, program=test.program)
     tracking.log_metrics(run_id, {f"step_{step}_val_accuracy": val_accuracy,
                                   f"step_{step}_test_accuracy": result.test_accuracy}
                          | ({} if zero_fraction is None
                             else {f"step_{step}_zero_fraction": zero_fraction}))
     tracking.log_artifact_refs(run_id, {f"program.{step}": test.program})
-    return result, test
+    return result
 
 
 def fallback_row(fallback: Fallback) -> str:
@@ -189,7 +193,7 @@ def step_table(steps: list[StepResult], fallback: Fallback) -> str:
 
     rows = [(s.name if s.kept else f"{s.name} (not kept)", s.val_accuracy, s.test_accuracy,
              s.ms_per_image_b1, s.parameters,
-             None if s.program_bytes is None else s.program_bytes / 1e6, s.zero_fraction)
+             s.program_bytes / 1e6, s.zero_fraction)
             for s in steps]
     metrics = fallback.metrics
     rows.append((f"cascade ({fallback.routing} routing)", metrics["val_accuracy"],
@@ -242,8 +246,8 @@ def image_text_step(config: PipelineConfig, prepared: Prepared, run_id: str,
                                           "--class-descriptions)")
     plain = run_image_text(config, prepared, run_id, student_checkpoint)
     kept = plain.val_accuracy > student.val_accuracy
-    step, _ = tested("image_text", student.classifier, prepared, plain.checkpoint,
-                     plain.val_accuracy, run_id)
+    step = tested("image_text", student.classifier, prepared, plain.checkpoint,
+                  plain.val_accuracy, run_id)
     decision = (f"{'kept' if kept else 'not kept'}: validation {plain.val_accuracy:.4f} "
                 f"against the distilled student's {student.val_accuracy:.4f}")
     return (step.model_copy(update={"kept": kept}),
@@ -348,11 +352,11 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
         plan, last = run_distill(config, prepared, run_id)  # 2.
         teacher = classifier_config(plan.teacher)
         steps = []
-        teacher_step, teacher_test = tested("teacher", teacher, prepared, last.teacher.checkpoint,
-                                            last.teacher.metrics["val_accuracy"], run_id)
-        student_step, student_test = tested("distill", classifier_config(plan.student), prepared,
-                                 last.student.checkpoint, last.student.metrics["val_accuracy"],
-                                 run_id)
+        teacher_step = tested("teacher", teacher, prepared, last.teacher.checkpoint,
+                              last.teacher.metrics["val_accuracy"], run_id)
+        student_step = tested("distill", classifier_config(plan.student), prepared,
+                              last.student.checkpoint, last.student.metrics["val_accuracy"],
+                              run_id)
         steps += [teacher_step, student_step]
         handed = hand_over(last.student.checkpoint, "model", "distill")
         tracking.log_artifact_refs(run_id, {"handover.distill": handed})
@@ -363,13 +367,11 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
         tracking.set_tags(run_id, {"pipeline.image_text": text_decision})
         tracking.log_artifact_refs(run_id, {"start.pbt": handed})
         front = text_step if text_step is not None and text_step.kept else student_step
-        programs = {"distill": student_test.program}
         pbt_classifier, best = run_pbt(config, prepared, run_id, handed)  # 3.
-        pbt_step, pbt_test = tested("pbt", pbt_classifier, prepared, best.checkpoint,
-                                    best.metrics["val_accuracy"], run_id, SCORED_WEIGHTS)
+        pbt_step = tested("pbt", pbt_classifier, prepared, best.checkpoint,
+                          best.metrics["val_accuracy"], run_id, SCORED_WEIGHTS)
         pbt_step, pbt_decision = kept_over(pbt_step, front)
         steps.append(pbt_step)
-        programs["pbt"] = pbt_test.program
         if pbt_step.kept:
             front = pbt_step
             handed = hand_over(best.checkpoint, SCORED_WEIGHTS, "pbt")
@@ -377,17 +379,12 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
         sparse_classifier, sparse, report = run_sparsify(config, prepared, run_id, handed)  # 4.
         zeros = sum(layer.zero_fraction for layer in report.layers.values()) / max(
             len(report.layers), 1)
-        sparse_step, sparse_test = tested("sparsify", sparse_classifier, prepared,
-                                          sparse.checkpoint, sparse.metrics["val_accuracy"],
-                                          run_id, zero_fraction=zeros)
+        sparse_step = tested("sparsify", sparse_classifier, prepared, sparse.checkpoint,
+                             sparse.metrics["val_accuracy"], run_id, zero_fraction=zeros)
         sparse_step, sparse_decision = kept_over(sparse_step, front)
         steps.append(sparse_step)
-        programs["sparsify"] = sparse_test.program
         if sparse_step.kept:
             front = sparse_step
-        if front.name not in programs:  # the distilled (or image-text) student itself
-            programs[front.name] = test_and_export(front.classifier, dataset, front.checkpoint,
-                                                   front.weights).program
         tracking.set_tags(run_id, {"pipeline.pbt": pbt_decision,
                                    "pipeline.sparsify": sparse_decision,
                                    "pipeline.front": front.name})
@@ -395,24 +392,22 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
                     sparse_decision, front.name)
         fallback, steps = run_cascade(config, dataset, run_id, steps, front.name)  # 5.
         alone = student_alone(fallback)
+        test_accuracy = fallback.metrics["test_student_accuracy" if alone else "test_accuracy"]
         tracking.log_metrics(run_id, {f"fallback_{k}": v for k, v in fallback.metrics.items()}
-                             | {"test_accuracy": fallback.metrics[
-                                 "test_student_accuracy" if alone else "test_accuracy"],
+                             | {"test_accuracy": test_accuracy,
                                 "val_accuracy": fallback.metrics["val_accuracy"],
                                 "registered_student_alone": float(alone)}
                              | {f"step_{s.name}_{key}": getattr(s, key) for s in steps
                                 for key in ("ms_per_image_b1", "parameters")})
         table = step_table(steps, fallback)
         tracking.log_text(run_id, table, "pipeline/steps.md")
-        test_accuracy = fallback.metrics["test_student_accuracy" if alone else "test_accuracy"]
-        front_program = programs[front.name]
         finished = conclude(  # 6.
             run_id, config.run, prepared, fallback.metrics["val_accuracy"],
-            TestResult(metrics={"test_accuracy": test_accuracy}, program=front_program),
+            TestResult(metrics={"test_accuracy": test_accuracy}, program=front.program),
             lambda refusal: register_and_promote(
-                run_id, name, dataset, front_program, Policy.of(config.run), refusal,
+                run_id, name, dataset, front.program, Policy.of(config.run), refusal,
                 {KEY_TAG: key}) if alone else register_fallback(
-                run_id, name, dataset, front_program, teacher_test.program, fallback,
+                run_id, name, dataset, front.program, teacher_step.program, fallback,
                 Policy.of(config.run), refusal, {KEY_TAG: key}))
         summary = PipelineSummary(run_id=run_id, steps=steps, fallback=fallback,
                                   test_accuracy=test_accuracy, front=front.name,
