@@ -153,22 +153,31 @@ def run_seed(name: str, seed: int, args: argparse.Namespace, device: torch.devic
                 {"warm": vars(warm)} if warm else {})}
 
 
+def split_summary(runs: list[dict], variants: list[str]) -> dict[str, dict]:
+    """The teacher's and each variant's mean and std on every split over `runs` (seeds), with
+    each variant's gap closed on the unread images where `alone` ran: (variant - alone) /
+    (teacher - alone), on the seeds' means."""
+    summary = {v: {split: mean_std([r["accuracy"][v][split] for r in runs]) for split in SPLITS}
+               for v in ["teacher", *variants]}
+    if "alone" in variants:
+        alone = summary["alone"]["unread"][0]
+        gap = summary["teacher"]["unread"][0] - alone
+        for variant in variants:
+            figures = summary[variant]
+            figures["gap_closed_unread"] = (figures["unread"][0] - alone) / gap if gap > 0 \
+                else None
+    return summary
+
+
 def summarize(runs: list[dict], variants: list[str]) -> dict:
     """Per variant: mean and std of each split's accuracy, the gap closed on the unread images
     ((variant - alone) / (teacher - alone), on the seeds' means), and the paired unread
     difference to the best final-teacher baseline on validation."""
-    names = ["teacher", *variants]
-    summary = {v: {split: mean_std([r["accuracy"][v][split] for r in runs]) for split in SPLITS}
-               for v in names}
+    summary = split_summary(runs, variants)
     finals = [v for v in FINAL_VARIANTS if v in variants]
     best_final = max(finals, key=lambda v: summary[v]["val"][0]) if finals else None
     for variant in variants:
         figures = summary[variant]
-        if "alone" in variants:
-            alone = summary["alone"]["unread"][0]
-            gap = summary["teacher"]["unread"][0] - alone
-            figures["gap_closed_unread"] = (figures["unread"][0] - alone) / gap if gap > 0 \
-                else None
         if best_final and variant in BANK_VARIANTS:
             figures["minus_best_final_unread"] = mean_std([
                 r["accuracy"][variant]["unread"] - r["accuracy"][best_final]["unread"]

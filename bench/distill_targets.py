@@ -35,7 +35,7 @@ import torch
 from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
 
 from bench.common import mean_std, parse_overrides, print_json, print_table
-from bench.distill_bank import unread_images
+from bench.distill_bank import SPLITS, split_summary, unread_images
 from bench.two_sets import SETS, small_data_fields
 from flows.distill import distill
 from tasks.configs.distill import DistillConfig
@@ -63,7 +63,6 @@ VARIANTS: dict[str, dict] = {
     "bank pool cosine": {"targets": "bank", "teacher_layer": "pool", "student_layer": "pool",
                          "feature_loss": "cosine", "feature_weight": 1.0, "ce_weight": 1.0},
 }
-SPLITS = ("val", "test", "unread")
 
 
 def scored(model, images: torch.Tensor, labels: torch.Tensor, dataset) -> float:
@@ -117,20 +116,13 @@ def run_seed(name: str, seed: int, variants: list[str], base: dict) -> dict:
 def summarize(runs: list[dict], variants: list[str]) -> dict:
     """Per variant: each split's mean and std, the gap closed on the unread images and the
     paired unread differences to `alone` and `kd`; the variant best on validation."""
-    names = ["teacher", *variants]
-    summary = {v: {split: mean_std([r["accuracy"][v][split] for r in runs]) for split in SPLITS}
-               for v in names}
+    summary = split_summary(runs, variants)
     for variant in variants:
-        row = summary[variant]
         for other in ("alone", "kd"):
             if other in variants and variant != other:
-                row[f"minus_{other}_unread"] = mean_std([
+                summary[variant][f"minus_{other}_unread"] = mean_std([
                     r["accuracy"][variant]["unread"] - r["accuracy"][other]["unread"]
                     for r in runs])
-        if "alone" in variants:
-            alone = summary["alone"]["unread"][0]
-            gap = summary["teacher"]["unread"][0] - alone
-            row["gap_closed_unread"] = (row["unread"][0] - alone) / gap if gap > 0 else None
     return {"variants": summary,
             "chosen_on_val": max(variants, key=lambda v: summary[v]["val"][0])}
 

@@ -408,6 +408,32 @@ DISTILL_BANK_ORDER = ["teacher", "alone", "kd", "l2", "dkd", "bank l2", "bank dk
                       "mean bank l2", "mean bank dkd"]
 
 
+def paired_cell(figures: dict, key: str) -> str:
+    """A paired difference's `mean ± std`, or `-` where the variant has none."""
+    value = figures.get(key)
+    return "-" if value is None else f"{value[0]:+.4f} ± {value[1]:.4f}"
+
+
+def distill_rows(results: list[dict], order: list[str], paired: tuple[str, ...]) -> list[str]:
+    """The distillation benchmarks' rows: per data set, each variant (in `order`) with its
+    accuracy on the unread images, the test split and validation, its gap closed, and the
+    paired differences under `paired`."""
+    lines = []
+    for entry in results:
+        shown = None
+        variants = entry["variants"]
+        for variant in sorted(variants, key=lambda v: (order + [v]).index(v)):
+            figures = variants[variant]
+            gap = figures.get("gap_closed_unread")
+            lines.append(f"| {entry['set'] if entry['set'] != shown else ''} | {variant} | "
+                         f"{spread(*figures['unread'])} | {spread(*figures['test'])} | "
+                         f"{spread(*figures['val'])} | "
+                         f"{'-' if gap is None else f'{gap:+.2f}'} | "
+                         + " | ".join(paired_cell(figures, key) for key in paired) + " |")
+            shown = entry["set"]
+    return lines
+
+
 def distill_bank(record: dict) -> str:
     """`bench.distill_bank`: per data set, the teacher and every student variant's accuracy on
     the unread images, the test split and the validation split, the gap closed on the unread
@@ -415,19 +441,8 @@ def distill_bank(record: dict) -> str:
     validation."""
     lines = ["| data set | student learns from | unread accuracy | test accuracy | validation | "
              "gap closed (unread) | unread, minus the best final-teacher loss (paired) |",
-             "| --- " * 7 + "|"]
-    for entry in record["results"]:
-        shown = None
-        variants = entry["variants"]
-        for variant in sorted(variants, key=lambda v: (DISTILL_BANK_ORDER + [v]).index(v)):
-            figures = variants[variant]
-            gap, paired = figures.get("gap_closed_unread"), figures.get("minus_best_final_unread")
-            lines.append(f"| {entry['set'] if entry['set'] != shown else ''} | {variant} | "
-                         f"{spread(*figures['unread'])} | {spread(*figures['test'])} | "
-                         f"{spread(*figures['val'])} | "
-                         f"{'-' if gap is None else f'{gap:+.2f}'} | "
-                         f"{'-' if paired is None else f'{paired[0]:+.4f} ± {paired[1]:.4f}'} |")
-            shown = entry["set"]
+             "| --- " * 7 + "|",
+             *distill_rows(record["results"], DISTILL_BANK_ORDER, ("minus_best_final_unread",))]
     best = "; ".join(f"{e['set']}: `{e['best_final_on_val']}` (best final-teacher loss), "
                      f"`{e['chosen_on_val']}` (best of all)" for e in record["results"])
     return "\n".join(lines) + f"\n\nChosen on validation: {best}. {provenance(record)}\n"
@@ -456,26 +471,11 @@ def distill_targets(picked: dict) -> str:
     """`bench.distill_targets`: per data set, the teacher and each student's accuracy on the
     unread images, the test split and the validation split, the gap closed and the paired
     unread differences to the student alone and to KD."""
-    def paired(figures: dict, key: str) -> str:
-        value = figures.get(key)
-        return "-" if value is None else f"{value[0]:+.4f} ± {value[1]:.4f}"
-
     lines = ["| data set | student learns from | unread accuracy | test accuracy | validation | "
              "gap closed (unread) | minus alone (unread, paired) | minus KD (unread, paired) |",
-             "| --- " * 8 + "|"]
-    for entry in picked["results"]:
-        shown = None
-        variants = entry["variants"]
-        for variant in sorted(variants, key=lambda v: (DISTILL_TARGETS_ORDER + [v]).index(v)):
-            figures = variants[variant]
-            gap = figures.get("gap_closed_unread")
-            lines.append(f"| {entry['set'] if entry['set'] != shown else ''} | {variant} | "
-                         f"{spread(*figures['unread'])} | {spread(*figures['test'])} | "
-                         f"{spread(*figures['val'])} | "
-                         f"{'-' if gap is None else f'{gap:+.2f}'} | "
-                         f"{paired(figures, 'minus_alone_unread')} | "
-                         f"{paired(figures, 'minus_kd_unread')} |")
-            shown = entry["set"]
+             "| --- " * 8 + "|",
+             *distill_rows(picked["results"], DISTILL_TARGETS_ORDER,
+                           ("minus_alone_unread", "minus_kd_unread"))]
     chosen = "; ".join(f"{e['set']}: `{e['chosen_on_val']}`" for e in picked["results"])
     setups = " ".join(f"Students train {r['base']['student_patience']}x the fitted budget "
                       f"(`alone x1`: 1x); the teacher is warm-started "
