@@ -62,7 +62,7 @@ bench: setup data  ## the benchmarks (tables, then one JSON line each)
 	$(PY) -m bench.throughput
 	$(PY) -m bench.inference_batch
 	$(PY) -m bench.train_accuracy
-	$(PY) -m bench.distill
+	$(PY) -m bench.distill_targets
 	$(PY) -m bench.pbt
 	$(PY) -m bench.small_data
 	$(PY) -m bench.sparsify

@@ -10,8 +10,10 @@ same teacher states, stage images, batches and schedule). Only the student's tar
   (`--targets final`, logits, T=4, CE and KD 0.5 each): the baseline;
 - `states`: teacher state s on the student's own batch at student stage s (`--targets states`,
   logits, KD at T=1 or T=4);
-- `bank`: bank s at stage s (`--targets bank`, the teacher's logits recorded on the view it saw,
-  KD at T=4);
+- `bank`: bank s at stage s (`--targets bank`, the teacher's logits of each image unaugmented,
+  KD at T=4 or T=1); `bank views`: a consistent bank (`--bank-views augmented`: each entry
+  records the augmented view its teacher state saw, and the student is shown that view);
+  `bank mean`: each entry the mean over the states that wrote it (`--bank-average mean`);
 - `bank pool cosine`: the flow's earlier default (pool features, cosine, masked bank).
 
 Every student but `alone x1` trains `--patience` times the fitted budget (`--student-patience`).
@@ -35,11 +37,12 @@ import torch
 from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
 
 from bench.common import mean_std, parse_overrides, print_json, print_table
-from bench.distill_bank import SPLITS, split_summary, unread_images
+from bench.report_set import ReportSet
+from bench.small_data import Holdout, set_positions
 from bench.two_sets import SETS, small_data_fields
 from flows.distill import distill
 from tasks.configs.distill import DistillConfig
-from tasks.configs.sections import classifier_config
+from tasks.configs.sections import DataSection, classifier_config
 from tasks.data import load_dataset
 from tasks.distill import DistillPlan
 from tasks.training import eval_batches, trained_model
@@ -60,9 +63,47 @@ VARIANTS: dict[str, dict] = {
     "states-T1": {"targets": "states", **LOGITS, "temperature": 1.0},
     "states-T4": {"targets": "states", **LOGITS, "temperature": 4.0},
     "bank": {"targets": "bank", **LOGITS, "temperature": 4.0},
+    "bank-T1": {"targets": "bank", **LOGITS, "temperature": 1.0, "bank_views": "clean",
+                "bank_average": "latest"},
+    "bank views-T1": {"targets": "bank", **LOGITS, "temperature": 1.0,
+                      "bank_views": "augmented", "bank_average": "latest"},
+    "bank mean-T1": {"targets": "bank", **LOGITS, "temperature": 1.0, "bank_views": "clean",
+                     "bank_average": "mean"},
     "bank pool cosine": {"targets": "bank", "teacher_layer": "pool", "student_layer": "pool",
                          "feature_loss": "cosine", "feature_weight": 1.0, "ce_weight": 1.0},
 }
+
+
+SPLITS = ("val", "test", "unread")
+
+
+def unread_images(name: str, data: DataSection, classes: list[str]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The images no choice read (`bench.two_sets`) as uint8 N x 1 x H x W and class indices
+    of the data set's `classes`."""
+    if name == "fashion-mnist":
+        report = ReportSet(data)
+        return report.tensor, report.labels
+    holdout = Holdout(data.image_size, "unread", set_positions(name))
+    index = {label: i for i, label in enumerate(classes)}
+    return (torch.from_numpy(holdout.images)[:, None],
+            torch.tensor([index[label] for label in holdout.labels]))
+
+
+def split_summary(runs: list[dict], variants: list[str]) -> dict[str, dict]:
+    """The teacher's and each variant's mean and std on every split over `runs` (seeds), with
+    each variant's gap closed on the unread images where `alone` ran: (variant - alone) /
+    (teacher - alone), on the seeds' means."""
+    summary = {v: {split: mean_std([r["accuracy"][v][split] for r in runs]) for split in SPLITS}
+               for v in ["teacher", *variants]}
+    if "alone" in variants:
+        alone = summary["alone"]["unread"][0]
+        gap = summary["teacher"]["unread"][0] - alone
+        for variant in variants:
+            figures = summary[variant]
+            figures["gap_closed_unread"] = (figures["unread"][0] - alone) / gap if gap > 0 \
+                else None
+    return summary
 
 
 def scored(model, images: torch.Tensor, labels: torch.Tensor, dataset) -> float:

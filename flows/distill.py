@@ -87,7 +87,9 @@ def distill(config: DistillConfig) -> DistillSummary:
                 "stages": f"{config.stages}, {plan.student.repeats} passes each (student), "
                           f"{plan.teacher.repeats} (teacher)",
                 "targets": f"bank ({config.bank_mode}, layer {config.teacher_layer}, "
-                           f"{config.bank_dtype}, filled {stages[-1].bank.fill_fraction:.3f})"
+                           f"{config.bank_dtype}, {config.bank_views} views, "
+                           f"{config.bank_average} state, filled "
+                           f"{stages[-1].bank.fill_fraction:.3f})"
                            if stages[-1].bank is not None else
                            f"teacher {config.targets}, layer {config.teacher_layer}, "
                            f"{config.feature_loss} (T={config.temperature}), patience "

@@ -41,7 +41,7 @@ from tasks.training import (
     resume,
     run_key,
 )
-from training.batches import Batches, Normalize
+from training.batches import Batches, Normalize, RecordedViews, draw_views, unmoved_views
 from training.budget import Budget
 from training.device import inference_batch, place_model
 from training.distill.feature_bank import DTYPES, FeatureBank
@@ -103,6 +103,8 @@ class BankConfig(StrictConfig):
     dtype: Literal["float16", "bfloat16", "float32"]
     memmap: bool
     initial: Literal["masked", "teacher"]
+    views: Literal["clean", "augmented"] = "clean"
+    average: Literal["latest", "mean"] = "latest"
 
 
 class DistillPlan(BaseModel):
@@ -143,7 +145,8 @@ class DistillPlan(BaseModel):
             temperature=config.temperature, bank_memmap=config.bank_memmap)
         bank = BankConfig(layer=config.teacher_layer, mode=config.bank_mode,
                           dtype=config.bank_dtype, memmap=config.bank_memmap,
-                          initial=config.initial_bank)
+                          initial=config.initial_bank, views=config.bank_views,
+                          average=config.bank_average)
         return cls(teacher=teacher, bank=bank, student=student)
 
 
@@ -168,14 +171,17 @@ def stage_ids(role: RoleConfig, train_ids: Tensor, stage: int) -> Tensor:
 
 
 def stage_round(role: RoleConfig, dataset: DatasetRef, data: LoadedDataset, ids: Tensor,
-                stage: int, step: StepSpec, network: NetworkSpec) -> Round:
+                stage: int, step: StepSpec, network: NetworkSpec,
+                views: RecordedViews | None = None) -> Round:
     """Stage `stage` (1-based) of `role`: `role.repeats` passes over one stream of shuffled,
-    augmented batches of the stage's images, on the cosine schedule spanning all stages
+    augmented batches of the stage's images (`views`: recorded views in place of their
+    images' draws), on the cosine schedule spanning all stages
     (`training.distill.stages.stage_passes`)."""
     passes, schedule = stage_passes(stage, role.epochs, role.repeats)
     return configured_round(
         role, network, step, image_batches(role, dataset, data, ids, role.optim.batch_size, passes,
-                                           stream_seed=role.run.seed * 1000 + stage),
+                                           stream_seed=role.run.seed * 1000 + stage,
+                                           views=views),
         passes, schedule, role.optim.warmup_epochs * role.repeats,
         progress=f"{role.role} stage {stage}/{role.epochs}" if role.run.progress else None)
 
@@ -241,11 +247,23 @@ class TeacherRound(RoundPlan):
 
 
 def teacher_features(model: nn.Module, layer: str, dataset: DatasetRef, data: LoadedDataset,
-                     ids: Tensor, device: torch.device) -> Tensor:
-    """Features at `layer` of `ids`' images (no augmentation, eval mode), on the CPU."""
+                     ids: Tensor, device: torch.device, views: RecordedViews | None = None,
+                     augment: float = 0.0) -> Tensor:
+    """Features at `layer` of `ids`' images (eval mode, on the CPU): unaugmented, or each
+    image in its recorded view (drawn at strength `augment`)."""
     return layer_features(model, layer, Batches(
         data.images, data.labels, ids, inference_batch(device),
-        Normalize(dataset.mean, dataset.std), device=device), device)
+        Normalize(dataset.mean, dataset.std), device=device, augment=augment, views=views),
+        device)
+
+
+def stage_views(teacher: RoleConfig, dataset: DatasetRef, ids: Tensor, stage: int
+                ) -> tuple[Tensor, Tensor]:
+    """The augmented views (flips, moves) a consistent bank records for `ids` at `stage`: the
+    teacher's augmentation, drawn from the seed and stage (a rerun records the same)."""
+    generator = torch.Generator().manual_seed(teacher.run.seed * 1_000_033 + stage)
+    return draw_views(len(ids), teacher.optim.augment, dataset.image_size, generator,
+                      teacher.optim.flips())
 
 
 def load_bank(store: ArtifactStore, ref: ArtifactRef, memmap: bool = False) -> FeatureBank:
@@ -292,7 +310,11 @@ def bank_snapshot(teacher: RoleConfig, bank: BankConfig, dataset: DatasetRef, st
         features = initial_bank(teacher, bank, dataset, data, model, initial_state, device)
         model.load_state_dict(checkpoint["model"])
     ids = checkpoint["ids"]
-    features.update(ids, teacher_features(model, bank.layer, dataset, data, ids, device), stage)
+    views = stage_views(teacher, dataset, ids, stage) if bank.views == "augmented" else None
+    recorded = None if views is None else RecordedViews.of(ids, *views)
+    features.update(ids, teacher_features(model, bank.layer, dataset, data, ids, device,
+                                          recorded, teacher.optim.augment),
+                    stage, bank.average == "mean", views)
     state = features.state_dict()
     ref = store.write(bank_path(teacher, bank, dataset, stage),
                       lambda path: torch_save(state, path))
@@ -312,10 +334,14 @@ def initial_bank(teacher: RoleConfig, bank: BankConfig, dataset: DatasetRef,
     model.load_state_dict(initial_state)
     example = data.images[train_ids[:1]].float()
     shape = layer_shape(model, bank.layer, example.to(device))
-    features = FeatureBank(train_ids, shape, DTYPES[bank.dtype])
+    views = None  # state 0's entries: the image as it is
+    if bank.views == "augmented":
+        views = unmoved_views(len(train_ids), teacher.optim.augment, dataset.image_size)
+    features = FeatureBank(train_ids, shape, DTYPES[bank.dtype],
+                           0 if views is None else views[1].shape[1])
     if bank.initial == "teacher":
         features.update(train_ids, teacher_features(model, bank.layer, dataset, data, train_ids,
-                                                    device), 0)
+                                                    device), 0, bank.average == "mean", views)
     return features
 
 
@@ -387,7 +413,8 @@ class StudentRound(RoundPlan):
         step = DistillStep(*loss, bank=features) if teacher is None else \
             TeacherStep(*loss, teacher=teacher, teacher_layer=student.teacher_layer)
         round_ = stage_round(student, self.dataset, data, ids, self.stage, step,
-                             classifier_network(student, self.dataset))
+                             classifier_network(student, self.dataset),
+                             None if features is None else features.recorded_views())
         return Opened(Trainee(model, optimizer, {"adapter": adapter}), round_,
                       {"data": data, "ids": ids, "bank": features})
 

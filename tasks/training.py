@@ -32,7 +32,7 @@ from tasks.configs.sections import ClassifierConfig, ProfiledConfig
 from tasks.configs.sparsify import SparsitySpec
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
 from tasks.rounds import Closed, Opened, RoundPlan, setup_device
-from training.batches import Batches, Normalize
+from training.batches import Batches, Normalize, RecordedViews
 from training.budget import Budget
 from training.device import inference_batch, place_model
 from training.features import WithEmbedding
@@ -157,15 +157,16 @@ def _keep_warm(checkpoint: ArtifactRef, key: str, model: nn.Module,
 
 def image_batches(config: ClassifierConfig, dataset: DatasetRef, data: LoadedDataset,
                   positions: torch.Tensor, batch_size: int, passes: Sequence[int],
-                  seeds: Sequence[int] | None = None, stream_seed: int | None = None
-                  ) -> ImageBatches:
+                  seeds: Sequence[int] | None = None, stream_seed: int | None = None,
+                  views: RecordedViews | None = None) -> ImageBatches:
     """A round's shuffled batches over `positions` (`training.rounds.ImageBatches`) with the
     data set's normalisation and `config`'s augmentation and flips: a shuffle per pass from
-    `seeds`, or one stream from `stream_seed`."""
+    `seeds`, or one stream from `stream_seed`; `views` shown in place of their images' draws."""
     return ImageBatches(data.images, data.labels, positions, batch_size, tuple(dataset.mean),
                         tuple(dataset.std), config.optim.augment, config.optim.flips(),
                         tuple(passes),
-                        seeds=None if seeds is None else tuple(seeds), stream_seed=stream_seed)
+                        seeds=None if seeds is None else tuple(seeds), stream_seed=stream_seed,
+                        views=views)
 
 
 def configured_round(config: ClassifierConfig, network: NetworkSpec | None, step: StepSpec,

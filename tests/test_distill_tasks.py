@@ -23,7 +23,10 @@ from tasks.distill import (
 )
 from tasks.rounds import train_round
 from tasks.training import ClassifierRound, new_model
+from training.batches import Normalize, shift_flip
 from training.distill.feature_bank import UNFILLED
+from training.distributed import Distributed
+from training.features import FeatureHooks
 
 
 def teacher_stage(teacher, dataset, stage, previous):
@@ -66,7 +69,7 @@ def test_stages_fill_the_bank_with_state_ids_and_resume_with_the_configured_lr(s
     b1 = bank_snapshot.fn(plan.teacher, plan.bank, dataset, 1, t1.checkpoint, None)
     assert b1.state_histogram == {UNFILLED: 80, 1: 320} and b1.fill_fraction == 0.8
     assert b1.entries == 400 and b1.feature_values == 64  # resnet8's pooled feature
-    assert b1.nbytes == 400 * 64 * 2 + 400 * 6
+    assert b1.nbytes == 400 * 64 * 2 + 400 * 8
     t2 = teacher_stage(plan.teacher, dataset, 2, t1.checkpoint)
     b2 = bank_snapshot.fn(plan.teacher, plan.bank, dataset, 2, t2.checkpoint, b1.bank)
     assert b2.bank.path == b1.bank.path and b2.bank.md5 != b1.bank.md5  # single mode: one file
@@ -162,3 +165,38 @@ def test_a_warm_started_teacher_is_state_zero_of_the_bank_and_of_stage_one(setup
     # stage 1 continued from the warm start: its loss starts where the warm-up's ended
     t1_cold = teacher_stage(plan.teacher, dataset, 1, None)
     assert t1.metrics["loss"] < t1_cold.metrics["loss"]
+
+
+def test_a_consistent_bank_holds_each_entrys_view_and_shows_the_student_that_view(setup):
+    config, _, dataset = setup
+    plan = DistillPlan.of(config.replace(bank_views="augmented"))
+    store, cpu = ArtifactStore(), torch.device("cpu")
+    t1 = teacher_stage(plan.teacher, dataset, 1, None)
+    snapshot = bank_snapshot.fn(plan.teacher, plan.bank, dataset, 1, t1.checkpoint, None)
+    bank = load_bank(store, snapshot.bank)
+    views = bank.recorded_views()
+    ids = bank.ids[bank.state == 1][:16].long()
+    rows = torch.searchsorted(views.ids, ids)
+    flips, moves = views.flips[rows], views.moves[rows].long()  # 28 pixels: whole-pixel shifts
+    assert flips.any() and moves.abs().sum() > 0  # the views moved and flipped images
+    # the teacher's feature of each entry is of its recorded view, computed here by hand
+    data = load_dataset(dataset)
+    model = new_model(plan.teacher, dataset)
+    model.load_state_dict(load_checkpoint(store, t1.checkpoint)["model"])
+    viewed = Normalize(dataset.mean, dataset.std)(shift_flip(data.images[ids], flips, moves))
+    with FeatureHooks(model.eval(), [plan.bank.layer], detach=True) as hooks, torch.no_grad():
+        model(viewed)
+        expected = hooks[plan.bank.layer].flatten(1)
+    assert torch.allclose(bank.lookup(ids)[0], expected, atol=1e-2, rtol=1e-2)
+    clean = teacher_features(model, plan.bank.layer, dataset, data, ids, cpu)
+    assert not torch.allclose(bank.lookup(ids)[0], clean, atol=1e-2, rtol=1e-2)
+    # the student's batches show each image with an entry in that same view
+    opened = StudentRound(config=plan.student, dataset=dataset, stage=1,
+                          bank=snapshot.bank).open(None, cpu)
+    batches = opened.round.batches.for_passes(cpu, Distributed())(0)
+    seen = {}
+    for batch_ids, x, _ in batches:
+        seen |= dict(zip(batch_ids.tolist(), x, strict=True))
+    shown = [n for n, i in enumerate(ids.tolist()) if i in seen]
+    assert len(shown) > 8
+    assert torch.allclose(torch.stack([seen[ids[n].item()] for n in shown]), viewed[shown])

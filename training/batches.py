@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -108,6 +109,57 @@ def max_shift_for(augment: float, size: int) -> float:
     return float(math.floor(shift + 1e-9)) if shift >= 1 - 1e-9 else shift
 
 
+def draw_views(n: int, augment: float, size: int, generator: torch.Generator,
+               flip: bool = True) -> tuple[Tensor, Tensor]:
+    """The flips and moves of `n` images of `size` pixels at augmentation strength `augment`
+    (`draw_shift_flip` at `max_shift_for`; no flips unless `flip`), as `Batches` draws them."""
+    flips, moves = draw_shift_flip(n, max_shift_for(augment, size), generator,
+                                   WARP_TURN * augment, WARP_ZOOM * augment)
+    return flips & flip, moves
+
+
+def unmoved_views(n: int, augment: float, size: int) -> tuple[Tensor, Tensor]:
+    """`n` views in `draw_views`' layout that leave each image as it is (no flip, no move; a
+    warp's scale 1)."""
+    shift = max_shift_for(augment, size)
+    moves = torch.zeros(n, 4 if 0 < shift < 1 else 2)
+    if 0 < shift < 1:
+        moves[:, 3] = 1.0
+    return torch.zeros(n, dtype=torch.bool), moves
+
+
+@dataclass(frozen=True)
+class RecordedViews:
+    """One recorded augmentation per dataset id (a consistent feature bank's): where
+    `recorded`, image `ids[i]` is shown flipped by `flips[i]` and moved by `moves[i]` (see
+    `draw_shift_flip`) instead of by a fresh draw. `ids` sorted."""
+
+    ids: Tensor
+    flips: Tensor
+    moves: Tensor
+    recorded: Tensor
+
+    @classmethod
+    def of(cls, ids: Tensor, flips: Tensor, moves: Tensor) -> RecordedViews:
+        """Views drawn for `ids` (any order), every one recorded."""
+        order = ids.argsort()
+        return cls(ids[order].long(), flips[order], moves[order].float(),
+                   torch.ones(len(ids), dtype=torch.bool))
+
+    def over(self, ids: Tensor, flips: Tensor, moves: Tensor) -> tuple[Tensor, Tensor]:
+        """The drawn `flips` and `moves` of a batch of `ids`, with each recorded view in place
+        of its image's draw."""
+        ids = ids.cpu().long()
+        rows = torch.searchsorted(self.ids, ids).clamp_(max=len(self.ids) - 1)
+        known = (self.ids[rows] == ids) & self.recorded[rows]
+        if self.moves.shape[1] != moves.shape[1]:
+            raise ValueError(f"recorded views move by {self.moves.shape[1]} values, this "
+                             f"augmentation by {moves.shape[1]}: the bank was written at "
+                             "another augmentation strength or image size")
+        return (torch.where(known, self.flips[rows], flips),
+                torch.where(known[:, None], self.moves[rows].to(moves.dtype), moves))
+
+
 class Batches:
     """Iterates `(ids, images, labels)` batches over `indices` of an image tensor.
 
@@ -130,6 +182,8 @@ class Batches:
             the images at positions `rank, rank + world_size, ...` of the batch all processes
             draw alike (same order, same augmentation), so the union over ranks is the batch
             one process would see.
+        views: recorded views shown in place of the fresh draws of their images (the draws
+            still happen, so the other images' augmentation does not change).
     """
 
     def __init__(
@@ -147,6 +201,7 @@ class Batches:
         rank: int = 0,
         world_size: int = 1,
         flip: bool = True,
+        views: RecordedViews | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -164,6 +219,7 @@ class Batches:
         self.seed = seed
         self.augment = augment
         self.flip = flip
+        self.views = views
         self.drop_last = drop_last
         self.passes = 0
 
@@ -177,14 +233,13 @@ class Batches:
         order = self.indices
         if self.shuffle:
             order = order[torch.randperm(len(order), generator=generator)]
-        max_shift = max_shift_for(self.augment, self.images.shape[-1])
         for start in range(0, len(self) * self.batch_size, self.batch_size):
             ids = order[start:start + self.batch_size]
             if self.augment > 0:
-                flips, moves = draw_shift_flip(len(ids), max_shift, generator,
-                                               WARP_TURN * self.augment,
-                                               WARP_ZOOM * self.augment)
-                flips &= self.flip
+                flips, moves = draw_views(len(ids), self.augment, self.images.shape[-1],
+                                          generator, self.flip)
+                if self.views is not None:
+                    flips, moves = self.views.over(ids, flips, moves)
             mine = slice(self.rank, None, self.world_size)
             ids = ids[mine]
             on_device = ids.to(self.device)

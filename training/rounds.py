@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
 
 from models import build_model
-from training.batches import Batches, Normalize
+from training.batches import Batches, Normalize, RecordedViews
 from training.distributed import Distributed, wrap
 from training.loops import Step, classification_step
 from training.recipe import train_round
@@ -145,7 +145,8 @@ class ImageBatches:
     """Shuffled, augmented batches over `positions` of `images`: a new shuffle per pass from
     that pass's seed (`seeds`, in pass order), or one stream drawn pass after pass from
     `stream_seed` (a distillation stage). A short last batch is dropped, so BatchNorm never
-    sees a batch of one; in a DDP job each process takes its share of every batch."""
+    sees a batch of one; in a DDP job each process takes its share of every batch. `views`:
+    recorded views shown in place of their images' draws (a consistent bank's)."""
 
     images: Tensor
     labels: Tensor
@@ -158,6 +159,7 @@ class ImageBatches:
     passes: tuple[int, ...]
     seeds: tuple[int, ...] | None = None
     stream_seed: int | None = None
+    views: RecordedViews | None = None
 
     def __post_init__(self) -> None:
         if (self.seeds is None) == (self.stream_seed is None):
@@ -169,7 +171,8 @@ class ImageBatches:
         return Batches(self.images, self.labels, self.positions, self.batch_size,
                        Normalize(self.mean, self.std), shuffle=True, seed=seed,
                        augment=self.augment, drop_last=True, device=device,
-                       rank=place.rank, world_size=place.world_size, flip=self.flip)
+                       rank=place.rank, world_size=place.world_size, flip=self.flip,
+                       views=self.views)
 
     def for_passes(self, device: torch.device, place: Distributed
                    ) -> Callable[[int], Batches]:

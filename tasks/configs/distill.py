@@ -80,6 +80,14 @@ class DistillConfig(ProfiledConfig):
                                                        "no stage wrote are left out of the "
                                                        "loss; teacher: filled by the initial "
                                                        "teacher (state 0)")
+    bank_views: Literal["clean", "augmented"] = Field(
+        "clean", description="clean: the bank holds the teacher's features of each image "
+        "unaugmented (the student trains on other, augmented views); augmented: each entry "
+        "records the augmented view its teacher state saw, and the student is shown that same "
+        "view of the image (a consistent bank)")
+    bank_average: Literal["latest", "mean"] = Field(
+        "latest", description="latest: each entry holds the last teacher state that wrote it; "
+        "mean: the running mean of every state's features for the image (clean views only)")
     targets: Literal["bank", "states", "final"] = Field(
         "states", description="what the student's stage s learns from: bank: the feature bank "
         "s (each image's features as a teacher state recorded them, on the view it saw then); "
@@ -113,6 +121,12 @@ class DistillConfig(ProfiledConfig):
         if self.targets != "bank" and self.run.ddp_procs > 1:
             raise ValueError(f"targets {self.targets!r} runs a live teacher beside the student, "
                              "in one process: use --targets bank with --ddp-procs")
+        if self.bank_views == "augmented" and self.bank_average == "mean":
+            raise ValueError("bank_average mean averages features of different views: use it "
+                             "with bank_views clean")
+        if self.bank_views == "augmented" and self.optim.augment == 0:
+            raise ValueError("bank_views augmented records each entry's augmentation, but "
+                             "augment is 0: set augment above 0 or bank_views clean")
         if self.feature_loss == "dkd" and (self.teacher_layer, self.student_layer) != ("fc",
                                                                                        "fc"):
             raise ValueError("feature_loss dkd compares logits: set teacher_layer and "

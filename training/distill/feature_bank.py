@@ -7,8 +7,16 @@ they hold for a real feature. Everything lives in buffers: `bank.to(device)` mov
 `state_dict()` is the whole bank. Features are stored in float16 by default (half the memory of
 float32); a lookup returns float32.
 
-Memory is `M * D * bytes_per_value` for M entries of D values, plus 6 bytes per entry (an int32
-id and an int16 state).
+Two options keep more per entry:
+- `average=True` in `update`: the entry becomes the running mean of every state's feature for
+  that image (a mean bank) instead of the last state's; `writes` counts the states averaged.
+- `views=k` at construction: each entry also records the augmented view its teacher saw (a
+  flip and k move values, `training.batches.draw_shift_flip`), and `recorded_views()` hands
+  them to the student's batches, which then show the student that same view (a consistent
+  bank: the target belongs to the image the student sees).
+
+Memory is `M * D * bytes_per_value` for M entries of D values, plus 8 bytes per entry (an int32
+id, an int16 state and an int16 write count), plus `1 + 4 k` bytes with views.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
+
+from training.batches import RecordedViews
 
 UNFILLED = -1
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -29,10 +39,11 @@ class FeatureBank(nn.Module):
         ids: the dataset ids the bank covers (any order, no repeats).
         feature_shape: the shape of one feature (a vector `(D,)` or a map `(C, H, W)`).
         dtype: how features are stored.
+        views: move values per recorded view (2: whole-pixel shifts, 4: warps); 0 records none.
     """
 
     def __init__(self, ids: Tensor, feature_shape: Sequence[int],
-                 dtype: torch.dtype = torch.float16) -> None:
+                 dtype: torch.dtype = torch.float16, views: int = 0) -> None:
         super().__init__()
         ids = torch.as_tensor(ids).flatten()
         if len(ids) == 0:
@@ -45,6 +56,10 @@ class FeatureBank(nn.Module):
         self.register_buffer("ids", ordered.to(torch.int32))
         self.register_buffer("features", torch.zeros(len(ordered), *feature_shape, dtype=dtype))
         self.register_buffer("state", torch.full((len(ordered),), UNFILLED, dtype=torch.int16))
+        self.register_buffer("writes", torch.zeros(len(ordered), dtype=torch.int16))
+        if views:
+            self.register_buffer("view_flips", torch.zeros(len(ordered), dtype=torch.bool))
+            self.register_buffer("view_moves", torch.zeros(len(ordered), views))
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Tensor]) -> FeatureBank:
@@ -55,10 +70,23 @@ class FeatureBank(nn.Module):
             if name not in state:
                 raise KeyError(f"feature bank state has no {name!r} tensor")
             bank.register_buffer(name, state[name])
-        if len(bank.ids) != len(bank.features) or len(bank.ids) != len(bank.state):
-            raise ValueError(f"feature bank tensors disagree in length: ids {len(bank.ids)}, "
-                             f"features {len(bank.features)}, state {len(bank.state)}")
+        # a bank written before write counts were kept: one write per filled entry
+        bank.register_buffer("writes", state.get("writes", (bank.state != UNFILLED)
+                                                 .to(torch.int16)))
+        if ("view_flips" in state) != ("view_moves" in state):
+            raise KeyError("feature bank state has one of view_flips and view_moves alone")
+        for name in ("view_flips", "view_moves"):
+            if name in state:
+                bank.register_buffer(name, state[name])
+        lengths = {name: len(tensor) for name, tensor in bank.named_buffers()}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"feature bank tensors disagree in length: {lengths}")
         return bank
+
+    @property
+    def has_views(self) -> bool:
+        """Whether each entry records the augmented view its teacher saw."""
+        return hasattr(self, "view_flips")
 
     @property
     def feature_shape(self) -> tuple[int, ...]:
@@ -82,16 +110,45 @@ class FeatureBank(nn.Module):
         return rows
 
     @torch.no_grad()
-    def update(self, ids: Tensor, features: Tensor, state: int) -> None:
-        """Writes `features` (one per id) as teacher state `state`'s entries for `ids`."""
+    def update(self, ids: Tensor, features: Tensor, state: int, average: bool = False,
+               views: tuple[Tensor, Tensor] | None = None) -> None:
+        """Writes `features` (one per id) as teacher state `state`'s entries for `ids`: in
+        place of what the entries held, or (`average`) into the running mean of every state's
+        feature for them. `views`: the flips and moves of the views the features were taken on
+        (required exactly when the bank records views)."""
         if state < 0 or state >= 2**15:
             raise ValueError(f"teacher state must be in [0, 32767], got {state}")
         if tuple(features.shape[1:]) != self.feature_shape or len(features) != len(ids):
             raise ValueError(f"features of shape {tuple(features.shape)} do not fit "
                              f"{len(ids)} entries of shape {self.feature_shape}")
+        if (views is not None) != self.has_views:
+            raise ValueError("this bank records views: pass the views the features were taken "
+                             "on" if self.has_views else "this bank records no views")
+        if average and self.has_views:
+            raise ValueError("a bank that records views keeps each entry's last view: a mean "
+                             "over states would mix features of different views")
         rows = self.rows(ids)
-        self.features[rows] = features.to(self.features.device, self.features.dtype)
+        features = features.to(self.features.device, torch.float32)
+        if average:
+            writes = self.writes[rows].float().view(-1, *[1] * (features.dim() - 1))
+            features = (self.features[rows].float() * writes + features) / (writes + 1)
+            self.writes[rows] += 1
+        else:
+            self.writes[rows] = 1
+        self.features[rows] = features.to(self.features.dtype)
         self.state[rows] = state
+        if views is not None:
+            flips, moves = views
+            self.view_flips[rows] = flips.to(self.view_flips.device)
+            self.view_moves[rows] = moves.to(self.view_moves.device, torch.float32)
+
+    def recorded_views(self) -> RecordedViews | None:
+        """The views the filled entries were taken on (a copy in memory), or None without
+        views."""
+        if not self.has_views:
+            return None
+        return RecordedViews(self.ids.long().clone(), self.view_flips.clone(),
+                             self.view_moves.clone(), self.state != UNFILLED)
 
     def lookup(self, ids: Tensor, device: torch.device | str | None = None
                ) -> tuple[Tensor, Tensor]:
@@ -114,4 +171,4 @@ class FeatureBank(nn.Module):
 
     def nbytes(self) -> int:
         """Bytes held by the bank's tensors."""
-        return sum(t.numel() * t.element_size() for t in (self.ids, self.features, self.state))
+        return sum(t.numel() * t.element_size() for t in self.buffers())

@@ -1,7 +1,7 @@
 """The staged-distillation core, pure PyTorch: which images a stage draws, the teacher's
-features for them, and one stage of training (`training.recipe.train_round`).
+features for them, the passes of a stage and the order of the stages.
 
-Shared by the `distill` flow's tasks and the benchmarks, so both run the same method.
+The `distill` flow's tasks call these; the benchmarks run the flow itself.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from training.batches import Batches
 from training.device import autocast
 from training.distill.data_queue import RecencyQueue
 from training.features import FeatureHooks
-from training.loops import Step, evaluate
-from training.recipe import train_round
 
 Role = Literal["teacher", "student"]
 
@@ -58,22 +56,6 @@ def layer_features(model: nn.Module, layer: str, batches: Batches,
 def stage_passes(stage: int, stages: int, repeats: int) -> tuple[range, tuple[int, int]]:
     """The global pass numbers of stage `stage` (1-based) and the schedule spanning all stages."""
     return range((stage - 1) * repeats, stage * repeats), (0, stages * repeats)
-
-
-def train_stage(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Batches,
-                val: Batches, step: Step, device: torch.device, stage: int, stages: int,
-                repeats: int, lr: float, warmup_epochs: float = 0.0,
-                grad_clip: float | None = None, progress: str | None = None
-                ) -> dict[str, float]:
-    """Stage `stage` (1-based) of `stages`: `repeats` passes over the stage's batches on the
-    cosine schedule spanning all stages, then the validation score (what the `distill` flow's
-    `tasks.distill.TeacherRound` and `StudentRound` do through `training.rounds`)."""
-    passes, schedule = stage_passes(stage, stages, repeats)
-    metrics = train_round(model, optimizer, lambda _: batches, step, device, passes, lr,
-                          schedule, warmup_epochs * repeats, grad_clip, progress)
-    scored = evaluate(model, val, device)
-    return metrics | {"val_accuracy": scored["accuracy"], "val_loss": scored["loss"],
-                      "images": float(len(passes) * len(batches) * batches.batch_size)}
 
 
 Waiter = Callable[[], Any]
