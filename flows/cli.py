@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import signal
 import sys
+import threading
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -160,6 +162,19 @@ def make_parser(commands: Sequence[Command], chosen: str | None = None
             subparsers[command.name].usage = f"python -m flows {command.name} {words} [options]"
         subparsers[command.name].set_defaults(_command=command)
     return parser, subparsers
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM ends the command as Ctrl-C does, by an exception (SystemExit, status 143) in
+    the main thread, instead of Python's default, which kills the process on the spot: the run
+    is then marked KILLED, its training loops stop (`training.stopping`), and the exit handlers
+    run, which stop the temporary Prefect server the command started. During a flow Prefect's
+    own handler raises first and hands the signal on to this one when the flow has ended."""
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, stop)
 
 
 def main(commands: Sequence[Command], argv: Sequence[str] | None = None) -> Any:

@@ -12,6 +12,7 @@ from flows.cli import main
 from flows.commands import COMMANDS
 from flows.train import train
 from tasks.adapters import tracking
+from tasks.adapters.registration import seen_by
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tests.conftest import smoke
 
@@ -62,3 +63,19 @@ def test_gc_frees_an_old_run_and_keeps_the_registered_versions(own_stores, capsy
     # the old config again: its cached results named the freed files, so it trains anew
     again = train(smoke(**tiny, seed=12, model_name="gc-old"))
     assert again.test_accuracy == pytest.approx(old.test_accuracy)
+
+
+def test_gc_keeps_what_a_registered_versions_lineage_names_after_its_run_was_deleted(
+        own_stores):
+    with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: True}):
+        made = train(smoke(epochs=1, train_limit=256, seed=13, model_name="gc-deleted",
+                           registry=True))
+    refs = _refs(made.run_id)
+    tracking.client().delete_run(made.run_id)  # as the MLflow UI's delete does
+    main(COMMANDS, ["gc", "--keep", "0", "--min-age-hours", "0"])
+    store = ArtifactStore()
+    for ref in refs.values():  # the data set a promotion reads back, the checkpoints
+        assert store.path_of(ref).is_file(), ref.path
+    # the lineage a promotion reads: the version's data set loads
+    tags = tracking.version_tags("gc-deleted", "1")
+    assert seen_by(tags) is not None

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from training.stopping import check_stop
+
 
 class Normalize:
     """`(x / 255 - mean) / std` per channel, on uint8 (N, C, H, W) input."""
@@ -234,6 +236,7 @@ class Batches:
         if self.shuffle:
             order = order[torch.randperm(len(order), generator=generator)]
         for start in range(0, len(self) * self.batch_size, self.batch_size):
+            check_stop()  # an interrupted run's loops end within a batch (training.stopping)
             ids = order[start:start + self.batch_size]
             if self.augment > 0:
                 flips, moves = draw_views(len(ids), self.augment, self.images.shape[-1],

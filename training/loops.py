@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from training.device import autocast
 from training.distributed import sum_over_processes
+from training.stopping import check_stop
 
 Step = Callable[[nn.Module, Tensor, Tensor, Tensor], dict[str, Tensor]]
 
@@ -73,6 +74,7 @@ def train_epoch(
 
     Raises:
         NonFiniteLossError: the loss is NaN or infinite at some batch.
+        StopRequested: the run was interrupted (`training.stopping`).
     """
     model.train()
     sums: dict[str, Tensor] = {}
@@ -80,6 +82,7 @@ def train_epoch(
     bar = tqdm(batches, desc=progress, leave=False, disable=progress is None, unit="batch",
                mininterval=0.5 if sys.stderr.isatty() else 30.0)  # logs get few lines
     for index, (ids, x, y) in enumerate(bar):
+        check_stop()
         if lr_at is not None:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(first_step + index)

@@ -3,8 +3,10 @@
 Every run records its versioned artifacts (`dvc/artifacts.json`: data set, per-round
 checkpoints, banks, programs). What is kept: the artifacts of the last N top-level runs of
 every experiment, of every run still running, and of every registered model version's run
-tree (the run that made it, its parent and siblings: the lineage the version came from). The
-registered models themselves live in MLflow's artifact store and are never touched.
+tree (the run that made it, its parent and siblings: the lineage the version came from), also
+when that run was deleted in the MLflow UI, plus every hash a version's own tags name (its data
+set, which a promotion reads back to leave out the images the champion saw). The registered
+models themselves live in MLflow's artifact store and are never touched.
 
 Everything else is removed where it is stored: the file and its `.dvc` pointer in the artifact
 store, its object in the store's DVC cache and on the DVC remote. A content hash that a kept
@@ -19,16 +21,20 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mlflow.entities import ViewType
 from pydantic import Field
 
 from tasks.adapters import tracking
 from tasks.adapters.versioning import ArtifactStore, data_dvc_hash
 from tasks.configs.sections import StrictConfig
+
+MD5 = re.compile(r"[0-9a-f]{32}")
 
 
 class GcConfig(StrictConfig):
@@ -66,25 +72,45 @@ def _every(search: Callable[..., Any]) -> list:
 
 
 def _all_runs() -> list:
+    """Every run, those deleted in the UI too (a registered version's may be one)."""
     client = tracking.client()
-    experiments = [e.experiment_id for e in _every(client.search_experiments)]
+    experiments = [e.experiment_id for e in _every(
+        lambda page_token: client.search_experiments(ViewType.ALL, page_token=page_token))]
     if not experiments:
         return []
-    return _every(lambda page_token: client.search_runs(experiments, max_results=1000,
+    return _every(lambda page_token: client.search_runs(experiments, run_view_type=ViewType.ALL,
+                                                        max_results=1000,
                                                         page_token=page_token))
 
 
-def _registered_run_ids() -> set[str]:
+def _registered_versions() -> list:
     client = tracking.client()
-    return {version.run_id for model in _every(client.search_registered_models)
+    return [version for model in _every(client.search_registered_models)
             for version in _every(lambda page_token, name=model.name:
                                   client.search_model_versions(f"name = '{name}'",
-                                                               page_token=page_token))
-            if version.run_id}
+                                                               page_token=page_token))]
 
 
-def kept_run_ids(runs: list, keep: int) -> set[str]:
-    """The runs whose artifacts stay (the module docstring)."""
+def lineage_hashes(tags: dict[str, str]) -> set[str]:
+    """The content hashes a registered version's tags name (`dataset`, `program`, the data
+    set's `dataset.ref`: what a promotion reads back), whatever became of its run."""
+    hashes = set()
+    for value in tags.values():
+        if MD5.fullmatch(value):
+            hashes.add(value)
+        elif value.startswith("{"):
+            try:
+                found = json.loads(value).get("md5", "")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(found, str) and MD5.fullmatch(found):
+                hashes.add(found)
+    return hashes
+
+
+def kept_run_ids(runs: list, keep: int, registered: set[str]) -> set[str]:
+    """The runs whose artifacts stay (the module docstring); a run deleted in the UI counts
+    only through a registered version (`registered`: their run ids)."""
     parent = {r.info.run_id: r.data.tags.get("mlflow.parentRunId") for r in runs}
 
     def root(run_id: str) -> str:
@@ -94,14 +120,15 @@ def kept_run_ids(runs: list, keep: int) -> set[str]:
 
     roots: set[str] = set()
     by_experiment: dict[str, list] = {}
-    for run in runs:
+    live = [run for run in runs if run.info.lifecycle_stage != "deleted"]
+    for run in live:
         if not parent[run.info.run_id]:
             by_experiment.setdefault(run.info.experiment_id, []).append(run)
     for tops in by_experiment.values():
         tops.sort(key=lambda r: r.info.start_time or 0, reverse=True)
         roots |= {r.info.run_id for r in tops[:keep]}
-    roots |= {root(r.info.run_id) for r in runs if r.info.status == "RUNNING"}
-    roots |= {root(run_id) for run_id in _registered_run_ids() if run_id in parent}
+    roots |= {root(r.info.run_id) for r in live if r.info.status == "RUNNING"}
+    roots |= {root(run_id) for run_id in registered if run_id in parent}
     return {run_id for run_id in parent if root(run_id) in roots}
 
 
@@ -130,13 +157,15 @@ def collect(config: GcConfig, store: ArtifactStore | None = None) -> Freed:
     """Removes (with `dry_run`: only lists) what no kept run records (the module
     docstring)."""
     store = store or ArtifactStore()
-    runs = _all_runs()
-    kept = kept_run_ids(runs, config.keep)
+    runs, versions = _all_runs(), _registered_versions()
+    kept = kept_run_ids(runs, config.keep, {v.run_id for v in versions if v.run_id})
     recorded: dict[str, set[str]] = {}  # run id -> the hashes it records
     for run in runs:
         recorded[run.info.run_id] = {ref["md5"] for ref in
                                      tracking.artifact_refs(run.info.run_id).values()}
     keep_hashes = set().union(*(recorded[run_id] for run_id in kept)) if kept else set()
+    keep_hashes |= set().union(*(lineage_hashes(v.tags) for v in versions)) if versions \
+        else set()
     anyone = set().union(*recorded.values()) if recorded else set()
     old = time.time() - config.min_age_hours * 3600
     # a running task records its files when its run ends: while any run is running, a file

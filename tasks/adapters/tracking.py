@@ -26,11 +26,13 @@ from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunT
 from mlflow.exceptions import MlflowException
 from mlflow.models import Model, ModelSignature
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+from prefect.exceptions import TerminationSignal
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
 from tasks.adapters.environment import PROJECT_ROOT
 from tasks.adapters.versioning import ArtifactRef, data_dvc_hash
+from training.stopping import StopRequested, clear_stop, request_stop
 
 
 def client() -> MlflowClient:
@@ -120,6 +122,11 @@ def end_run(run_id: str, status: str = "FINISHED") -> None:
     client().set_terminated(run_id, status=status)
 
 
+# what ends a run as KILLED rather than FAILED: a signal or Ctrl-C (Prefect turns SIGTERM into
+# TerminationSignal during a flow; the command line's handler into SystemExit outside one)
+INTERRUPTIONS = (KeyboardInterrupt, SystemExit, TerminationSignal, StopRequested)
+
+
 @contextmanager
 def tracked_run(
     experiment: str,
@@ -129,14 +136,20 @@ def tracked_run(
     parent_run_id: str | None = None,
 ) -> Iterator[str]:
     """A run for the block: params are the whole config, by the fields' command-line names;
-    FAILED if the block raises."""
+    KILLED if the block was interrupted (SIGTERM, Ctrl-C: the training loops of the process are
+    then asked to stop, `training.stopping`), FAILED if it raised anything else."""
     params = None if config is None else to_jsonable_python(
         config.flat() if hasattr(config, "flat") else config.model_dump())
+    if parent_run_id is None:  # a new top-level run: an earlier interruption is over
+        clear_stop()
     run_id = start_run(experiment, run_name, params, tags, parent_run_id)
     try:
         yield run_id
-    except BaseException:
-        end_run(run_id, "FAILED")
+    except BaseException as error:
+        interrupted = isinstance(error, INTERRUPTIONS)
+        if interrupted:
+            request_stop()
+        end_run(run_id, "KILLED" if interrupted else "FAILED")
         raise
     end_run(run_id, "FINISHED")
 

@@ -1,0 +1,73 @@
+"""An interrupted run stops: SIGTERM or Ctrl-C ends a flow's training loops within a batch,
+marks its MLflow run KILLED and leaves no process behind (the temporary Prefect server its
+command started included)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from mlflow.entities import ViewType
+
+from tasks.adapters import tracking
+from tests.conftest import assert_whole_after_kill
+from training.stopping import StopRequested, check_stop, stop_requested
+
+
+def test_ctrl_c_inside_a_run_marks_it_killed_and_stops_the_loops_until_the_next_run():
+    with pytest.raises(KeyboardInterrupt), \
+            tracking.tracked_run("interruption", "ctrl-c") as run_id:
+        raise KeyboardInterrupt
+    assert tracking.client().get_run(run_id).info.status == "KILLED"
+    assert stop_requested()
+    with pytest.raises(StopRequested):
+        check_stop()  # what every batch of a training loop in this process now meets
+    with pytest.raises(ValueError), tracking.tracked_run("interruption", "error") as failed:
+        assert not stop_requested()  # a new run: the loops may train again
+        raise ValueError("a plain error")
+    assert tracking.client().get_run(failed).info.status == "FAILED"
+
+
+def test_sigterm_stops_a_distill_run_its_threads_and_its_temporary_prefect_server():
+    """The command line without PREFECT_API_URL, as a user runs it: the run starts its own
+    Prefect server, trains its teacher in a task runner's thread, and gets SIGTERM in its
+    second teacher stage."""
+    checkpoints = Path(os.environ["COMPACTML_ARTIFACTS"]) / "checkpoints" / "distill"
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows", "distill", "--profile", "smoke", "--stages", "8",
+         "--train-limit", "2000", "--seed", "23", "--model-name", "interrupted"],
+        cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while not list(checkpoints.rglob("teacher-001.pt")) and proc.poll() is None \
+                and time.time() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None, "the run ended before it could be stopped"
+        family = [proc, *psutil.Process(proc.pid).children(recursive=True)]
+        assert any("uvicorn" in " ".join(p.cmdline()) for p in family[1:]), \
+            "the command started no temporary Prefect server"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM  # a hang guard, not a timing
+        psutil.wait_procs(family[1:], timeout=10)
+        assert not [p for p in family[1:] if p.is_running()
+                    and p.status() != psutil.STATUS_ZOMBIE], "a process was left behind"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    client = tracking.client()
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    [top] = client.search_runs(experiments, "attributes.run_name LIKE 'distill-%-seed23'",
+                               ViewType.ACTIVE_ONLY)
+    children = client.search_runs(experiments,
+                                  f"tags.mlflow.parentRunId = '{top.info.run_id}'")
+    assert top.info.status == "KILLED" and children
+    assert {run.info.status for run in children} == {"KILLED"}  # the teacher's and student's
+    assert_whole_after_kill(checkpoints, "teacher-*.pt")  # no half-written stage
