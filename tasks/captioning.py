@@ -24,7 +24,7 @@ from models.image_text import image_backbone
 from tasks.adapters.caching import computation_key
 from tasks.adapters.checkpoints import torch_save
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
-from tasks.configs.image_text import ImageTextConfig, seen_training_positions
+from tasks.configs.image_text import ImageTextConfig, seen_positions
 from tasks.data import DatasetRef, load_dataset
 from tasks.rounds import setup_device
 from tasks.training import run_key
@@ -86,7 +86,7 @@ def caption_images(config: ImageTextConfig, dataset: DatasetRef,
     store = ArtifactStore()
     data = load_dataset(dataset)
     table = pd.read_parquet(store.fetch(captions))
-    train = seen_training_positions(config, dataset.classes, data.labels, data.splits["train"])
+    train = seen_positions(config, dataset.classes, data.labels, data.splits["train"])
     table = table[table["position"].isin(set(train.tolist()))]
     described = described_positions(table)
     if len(described) < 2:

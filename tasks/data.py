@@ -267,17 +267,18 @@ def pixel_baselines(dataset: DatasetRef, labels_per_class: int | None = None, sp
     """The k-NN and linear baselines on the raw pixels of the prepared splits
     (`training.baselines`): what a model must beat on validation to be promoted.
 
-    The baselines hold the labels the run holds, no more: the training images of
-    `left_out_labels` are left out (image_text's unseen classes), and with
+    The baselines hold the labels the run holds, no more: the training and validation images
+    of `left_out_labels` are left out (image_text's unseen classes), and with
     `labels_per_class` K they fit on the same K training images per class the run keeps
     labelled and choose k and the penalty on the same K validation images per class its
     choices read (`training.datasets.labelled_images`, `validation_images`). The test split
     stays whole. `train_images` and `val_images` say how many they read."""
     data = load_dataset(dataset)
     splits = dict(data.splits)
-    if left_out_labels:
-        train = splits["train"]
-        splits["train"] = train[~torch.isin(data.labels[train], torch.tensor(left_out_labels))]
+    for split in ("train", "val") if left_out_labels else ():
+        positions = splits[split]
+        splits[split] = positions[~torch.isin(data.labels[positions],
+                                              torch.tensor(left_out_labels))]
     splits["train"] = labelled_images(data.labels, splits["train"], labels_per_class, split_seed,
                                       data.keys)
     splits["val"] = validation_images(data.labels, splits["val"], labels_per_class, split_seed,

@@ -38,13 +38,12 @@ from tasks.captions import (
     source_classes,
     wordnet_classes,
 )
-from tasks.configs.image_text import ImageTextConfig, seen_training_positions, unseen_labels
+from tasks.configs.image_text import ImageTextConfig, seen_positions, unseen_labels
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
 from tasks.pool import folder_pool, match_training_images, own_pool
 from tasks.rounds import Closed, Opened, RoundPlan, setup_device
 from tasks.training import (
     configured_round,
-    eval_batches,
     image_batches,
     position_batches,
     run_key,
@@ -145,7 +144,7 @@ def describe_images(config: ImageTextConfig, dataset: DatasetRef) -> Description
     captions_ref = store.write(f"image_text/{key}/captions.parquet",
                                lambda path: captions.to_parquet(path, index=False))
     captioned = None
-    seen = seen_training_positions(config, dataset.classes, data.labels, data.splits["train"])
+    seen = seen_positions(config, dataset.classes, data.labels, data.splits["train"])
     seen_captions = captions[captions["position"].isin(set(seen.tolist()))]
     if config.caption_missing and config.contrastive_weight > 0 and \
             len(undescribed(seen, seen_captions)) and \
@@ -167,10 +166,7 @@ def describe_images(config: ImageTextConfig, dataset: DatasetRef) -> Description
                         described_images=len(counts),
                         texts_per_image=float(counts.mean()) if len(counts) else 0.0,
                         train_images=len(train), labelled_images=int(labelled.sum()),
-                        val_images=len(validation_images(data.labels, data.splits["val"],
-                                                         config.labels_per_class,
-                                                         config.dataset.split_seed,
-                                                         data.keys)),
+                        val_images=len(chosen_validation(config, dataset, data)),
                         pool=pool_ref, matching=matching, captioned=captioned)
 
 
@@ -199,9 +195,18 @@ def text_side(config: ImageTextConfig, dataset: DatasetRef, data: LoadedDataset,
         class_rows=torch.tensor(classes["text"].map(text_id).tolist()),
         class_labels=torch.tensor(classes["class"].map(name_to_label).tolist()),
         train=train, labelled=labelled,
-        validation=validation_images(data.labels, data.splits["val"], config.labels_per_class,
-                                     config.dataset.split_seed, data.keys),
+        validation=chosen_validation(config, dataset, data),
         unseen=unseen_labels(config, dataset.classes))
+
+
+def chosen_validation(config: ImageTextConfig, dataset: DatasetRef, data: LoadedDataset
+                      ) -> Tensor:
+    """The validation positions the run's choices read (`validation_images`): the unseen
+    classes' images left out, like their training images, so that no choice (the round kept,
+    the head mixing) reads a label of a class the zero-shot figure claims was never seen."""
+    return validation_images(data.labels, seen_positions(config, dataset.classes, data.labels,
+                                                         data.splits["val"]),
+                             config.labels_per_class, config.dataset.split_seed, data.keys)
 
 
 def training_images(config: ImageTextConfig, dataset: DatasetRef, data: LoadedDataset
@@ -209,7 +214,7 @@ def training_images(config: ImageTextConfig, dataset: DatasetRef, data: LoadedDa
     """The training positions a round passes over (the unseen classes' left out; without the
     contrastive sub-loss, the labelled ones only) and, over all positions, which keep their
     label."""
-    train = seen_training_positions(config, dataset.classes, data.labels, data.splits["train"])
+    train = seen_positions(config, dataset.classes, data.labels, data.splits["train"])
     labelled = torch.zeros(len(data.labels), dtype=torch.bool)
     labelled[labelled_images(data.labels, train, config.labels_per_class,
                              config.dataset.split_seed, data.keys)] = True
@@ -345,15 +350,17 @@ def as_classifier(config: ImageTextConfig, dataset: DatasetRef, described: Descr
                         config.network.width)
     plain.load_state_dict(dict(model.backbone.state_dict())
                           | {"fc.weight": plain.fc.weight, "fc.bias": plain.fc.bias})
+    validation = chosen_validation(config, dataset, data)
     with torch.no_grad():
-        norms = [model.image_proj(model.backbone(x.cpu())).norm(dim=1)
-                 for _, x, _ in eval_batches(data, dataset, "val", torch.device("cpu"))]
+        norms = [model.image_proj(model.backbone(x.cpu())).norm(dim=1) for _, x, _ in
+                 position_batches(data, dataset, validation, torch.device("cpu"))]
         scale = torch.cat(norms).mean().clamp_min(1e-6)
         head, proj = model.head.weight, model.image_proj
         plain.fc.weight.copy_(head @ proj.weight / scale)
         plain.fc.bias.copy_(head @ proj.bias / scale)
     plain = place_model(plain, device)
-    accuracy = evaluate(plain, eval_batches(data, dataset, "val", device), device)["accuracy"]
+    accuracy = evaluate(plain, position_batches(data, dataset, validation, device),
+                        device)["accuracy"]
     relpath = (f"checkpoints/image_text/{run_key(config, dataset)}/"
                f"as-classifier-{checkpoint.md5[:12]}.pt")
     saved = save_checkpoint(store, relpath, {"model": {k: v.cpu() for k, v in

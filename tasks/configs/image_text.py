@@ -120,8 +120,9 @@ class ImageTextConfig(ProfiledConfig, RoundsFields):
                               "trained + (1 - alpha) x zero-shot, alpha in 0, 0.25, .., 1 "
                               "chosen on validation); the mixed head is tested and registered")
     unseen_classes: CommaList[tuple[str, ...]] = Field(
-        (), description="comma-separated classes whose training images, labels and descriptions "
-        "are left out; the test classifies them zero-shot from their descriptions")
+        (), description="comma-separated classes whose training and validation images, labels "
+        "and descriptions are left out (no choice reads them); the test classifies them "
+        "zero-shot from their descriptions")
 
     @field_validator("captions", "class_descriptions")
     @classmethod
@@ -191,7 +192,8 @@ def unseen_labels(config: ImageTextConfig, classes: list[str]) -> torch.Tensor:
     return torch.tensor([classes.index(c) for c in config.unseen_classes], dtype=torch.long)
 
 
-def seen_training_positions(config: ImageTextConfig, classes: list[str], labels: torch.Tensor,
-                            train: torch.Tensor) -> torch.Tensor:
-    """The training positions `train` less the unseen classes' images."""
-    return train[~torch.isin(labels[train], unseen_labels(config, classes))]
+def seen_positions(config: ImageTextConfig, classes: list[str], labels: torch.Tensor,
+                   positions: torch.Tensor) -> torch.Tensor:
+    """`positions` (of the training or validation split) less the unseen classes' images:
+    what the run may train on or choose by."""
+    return positions[~torch.isin(labels[positions], unseen_labels(config, classes))]
