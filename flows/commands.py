@@ -100,7 +100,8 @@ def run_train(config: TrainConfig) -> None:
 
 
 def run_distill(config: DistillConfig) -> None:
-    """Distil a teacher trained in stages into a student through a feature bank; register it."""
+    """Distil a teacher trained in stages into a student that learns from its states (or their
+    feature bank); register it."""
     from flows.distill import distill
 
     summary = _exit_on_data_error(lambda: distill(config))

@@ -1,12 +1,21 @@
 """The DVC adapter against a real DVC repository and a real local remote."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 from dvc_objects.fs.utils import tmp_fname
 
-from tasks.adapters.versioning import ArtifactStore, data_dvc_hash, md5_of, project_data_status
+from tasks.adapters.versioning import (
+    HOST_TAG,
+    ArtifactStore,
+    data_dvc_hash,
+    md5_of,
+    project_data_status,
+)
 
 
 @pytest.fixture
@@ -61,6 +70,23 @@ def test_dvc_temporaries_of_a_killed_commit_are_removed_by_the_next_one(store, c
     assert not debris.exists() and ours.exists()
     assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == [ours.name]
     assert "removed 1 temporary file(s) of a killed DVC command" in caplog.text
+
+
+def test_a_killed_writers_temporary_is_removed_by_the_next_write_of_its_target(store):
+    folder = store.root / "runs"
+    folder.mkdir(parents=True)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid = int(gone.stdout)  # a process that has ended, as a kill -9 leaves its writer
+    dead = folder / f".k.{HOST_TAG}-{dead_pid}-q1w2e3r4.bin"  # what atomic_path names
+    live = folder / f".k.{HOST_TAG}-{os.getpid()}-a1s2d3f4.bin"  # a writer still at work
+    elsewhere = folder / f".k.0badc0de-{dead_pid}-z9x8c7v6.bin"  # another host's: unknowable
+    other = folder / f".l.{HOST_TAG}-{dead_pid}-p0o9i8u7.bin"  # another target's
+    for path in (dead, live, elsewhere, other):
+        path.write_bytes(b"half")
+    ref = store.write("runs/k.bin", lambda p: p.write_bytes(b"k"))
+    assert store.path_of(ref).read_bytes() == b"k"
+    assert not dead.exists() and live.exists() and elsewhere.exists() and other.exists()
 
 
 def test_unknown_hash_is_a_clear_error(store):

@@ -13,12 +13,14 @@ never leaves a half-written artifact behind.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import io
 import json
 import logging
 import os
 import re
+import socket
 import tempfile
 import threading
 import time
@@ -67,11 +69,46 @@ def md5_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+# a temporary's name says who writes it: `.<stem>.<host tag>-<pid>-<random><suffix>`
+HOST_TAG = hashlib.md5(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_dead_temporaries(target: Path) -> list[str]:
+    """Deletes the temporaries of `target` whose writer, a process of this host, is gone (a
+    kill -9 in the middle of a write); a live writer's, or another host's, stay. Returns the
+    names removed."""
+    owned = re.compile(rf"\.{re.escape(target.stem)}\.{HOST_TAG}-(\d+)-\w+"
+                       rf"{re.escape(target.suffix)}")
+    removed = []
+    for path in target.parent.glob(f".{glob.escape(target.stem)}.*"):
+        found = owned.fullmatch(path.name)
+        if found and not _alive(int(found.group(1))):
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    if removed:
+        logger.warning("removed %d temporary file(s) of a killed writer of %s: %s",
+                       len(removed), target, ", ".join(sorted(removed)))
+    return removed
+
+
 @contextmanager
 def atomic_path(target: Path):
-    """Yields a temporary path beside `target`; renames it onto `target` only on success."""
+    """Yields a temporary path beside `target`; renames it onto `target` only on success.
+    A dead writer's temporaries of the same target are deleted first."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}.",
+    remove_dead_temporaries(target)
+    handle, temporary = tempfile.mkstemp(dir=target.parent,
+                                         prefix=f".{target.stem}.{HOST_TAG}-{os.getpid()}-",
                                          suffix=target.suffix)  # some writers check suffixes
     os.close(handle)
     try:
