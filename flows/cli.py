@@ -199,9 +199,17 @@ def main(commands: Sequence[Command], argv: Sequence[str] | None = None) -> Any:
             f"{_suggestion(unknown.split('=')[0], flags)}")
     args.pop("command")
     config_cls = command.config_class()
-    if config_cls is None:
-        return command.handler(**args)
-    return command.handler(build_config(config_cls, args))
+    try:
+        if config_cls is None:
+            return command.handler(**args)
+        return command.handler(build_config(config_cls, args))
+    except Exception as error:
+        from tasks.adapters.tracking import unanswered
+
+        if (reason := unanswered(error)) is None:
+            raise
+        print(f"error: {reason} ({type(error).__name__})", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 __all__ = ["main"]

@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -172,3 +174,33 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
         code = stop.code
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_mlflow_server(folder: Path, port: int) -> tuple[subprocess.Popen, str]:
+    """A real MLflow tracking server on 127.0.0.1:`port` with its SQLite store and artifacts in
+    `folder` (the same folder again: the same store), once it answers; and its URI. Stop it
+    with `os.killpg(proc.pid, ...)`."""
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
+         "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{folder}/server.db",
+         "--default-artifact-root", f"file://{folder}/artifacts"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2):
+                return proc, uri
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+                raise RuntimeError(f"no MLflow server answered at {uri}") from None
+            time.sleep(0.3)

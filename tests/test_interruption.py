@@ -13,10 +13,16 @@ from pathlib import Path
 
 import psutil
 import pytest
+from mlflow import MlflowClient
 from mlflow.entities import ViewType
 
 from tasks.adapters import tracking
-from tests.conftest import assert_whole_after_kill
+from tests.conftest import (
+    assert_whole_after_kill,
+    free_port,
+    start_mlflow_server,
+    subprocess_env,
+)
 from training.stopping import StopRequested, check_stop, stop_requested
 
 
@@ -71,3 +77,51 @@ def test_sigterm_stops_a_distill_run_its_threads_and_its_temporary_prefect_serve
     assert top.info.status == "KILLED" and children
     assert {run.info.status for run in children} == {"KILLED"}  # the teacher's and student's
     assert_whole_after_kill(checkpoints, "teacher-*.pt")  # no half-written stage
+
+
+def test_the_mlflow_server_going_away_ends_the_run_with_a_clear_error_and_the_rerun_resumes(
+        tmp_path):
+    port = free_port()
+    server, uri = start_mlflow_server(tmp_path, port)
+    checkpoints = Path(os.environ["COMPACTML_ARTIFACTS"]) / "checkpoints" / "train"
+    args = [sys.executable, "-m", "flows", "train", "--profile", "smoke", "--epochs", "2",
+            "--train-limit", "512", "--min-steps", "200", "--seed", "31", "--model-name",
+            "server-away"]
+    # MLflow's own retries off, so the test need not wait out its backoff (minutes by default)
+    env = subprocess_env() | {"MLFLOW_TRACKING_URI": uri, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+                              "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+    before = set(checkpoints.rglob("epoch-001.pt")) if checkpoints.exists() else set()
+    proc = subprocess.Popen(args, cwd=Path(__file__).resolve().parents[1], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while not set(checkpoints.rglob("epoch-001.pt")) - before and proc.poll() is None \
+                and time.time() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before the server went away"
+        os.killpg(server.pid, signal.SIGKILL)  # the server goes away mid-run
+        server.wait()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: the MLflow tracking server at {uri} did not answer"), last
+    [first_round] = set(checkpoints.rglob("epoch-001.pt")) - before
+    written = first_round.stat().st_mtime_ns
+    # the server back on its store: the same command resumes from the finished round
+    server, uri = start_mlflow_server(tmp_path, port)
+    try:
+        again = subprocess.run(args, cwd=Path(__file__).resolve().parents[1], env=env,
+                               capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stderr[-2000:]
+        assert first_round.stat().st_mtime_ns == written  # round 1 came from the cache
+        runs = MlflowClient(uri).search_runs(
+            [e.experiment_id for e in MlflowClient(uri).search_experiments()],
+            "attributes.status = 'FINISHED'")
+        assert [run.info.run_name for run in runs] == ["train-cnn2-seed31"]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(30)

@@ -7,11 +7,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -19,37 +17,17 @@ import pytest
 from tasks.adapters import tracking
 from tasks.adapters.aliases import CHAMPION, moves
 from tasks.adapters.locks import LockLost, RegistryLease, read_lease
+from tests.conftest import free_port, start_mlflow_server
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture
 def mlflow_server(tmp_path):
     """A real MLflow tracking server on 127.0.0.1 with its own SQLite store (the server that
     two machines of a team would share); its URI."""
-    port = _free_port()
-    server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
-         "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
-         "--default-artifact-root", f"file://{tmp_path}/artifacts"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
+    server, uri = start_mlflow_server(tmp_path, free_port())
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2):
-                    break
-            except OSError:
-                assert server.poll() is None and time.time() < deadline, "no MLflow server"
-                time.sleep(0.3)
         yield uri
     finally:
         os.killpg(server.pid, signal.SIGTERM)

@@ -122,6 +122,25 @@ def end_run(run_id: str, status: str = "FINISHED") -> None:
     client().set_terminated(run_id, status=status)
 
 
+def unanswered(error: BaseException) -> str | None:
+    """Where `error` (or an error it came from) is the tracking server not answering, a
+    sentence saying so that names its URI; None for any other error."""
+    import requests
+
+    seen: BaseException | None = error
+    while seen is not None:
+        text = str(seen)
+        if isinstance(seen, requests.exceptions.ConnectionError) or (
+                isinstance(seen, MlflowException) and "API request to" in text
+                and any(sign in text for sign in ("Max retries exceeded", "Connection refused",
+                                                  "Failed to establish", "timed out"))):
+            return (f"the MLflow tracking server at {tracking_uri()} did not answer; the run "
+                    "stopped there. Its finished rounds are cached: run the same command again "
+                    "once the server is back, and it resumes from them")
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 # what ends a run as KILLED rather than FAILED: a signal or Ctrl-C (Prefect turns SIGTERM into
 # TerminationSignal during a flow; the command line's handler into SystemExit outside one)
 INTERRUPTIONS = (KeyboardInterrupt, SystemExit, TerminationSignal, StopRequested)
@@ -149,7 +168,8 @@ def tracked_run(
         interrupted = isinstance(error, INTERRUPTIONS)
         if interrupted:
             request_stop()
-        end_run(run_id, "KILLED" if interrupted else "FAILED")
+        if unanswered(error) is None:  # (a server that did not answer cannot mark the run)
+            end_run(run_id, "KILLED" if interrupted else "FAILED")
         raise
     end_run(run_id, "FINISHED")
 
