@@ -525,6 +525,31 @@ def serving(record: dict) -> str:
         f"`{record['command']}` (commit {record['commit'][:7]}).\n")
 
 
+def faults(record: dict) -> str:
+    """`bench.faults`: per flow, the trials, how many were killed mid-run, how many reruns
+    passed every check, and the reruns' seconds; the checks and the command below."""
+    lines = ["| flow | clean run | trials | killed mid-run | rerun passed | rerun seconds |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for flow, clean in record["clean_seconds"].items():
+        trials = [t for t in record["trials"] if t["flow"] == flow]
+        if not trials:
+            continue
+        seconds = ", ".join(f"{t['rerun_seconds']:.0f}" for t in trials)
+        lines.append(f"| {flow} | {clean:.0f} s | {len(trials)} | "
+                     f"{sum(t['killed'] for t in trials)} | "
+                     f"{sum(t['passed'] for t in trials)} of {len(trials)} | {seconds} |")
+    failed = [f"{t['flow']} (seed {t['seed']}): status {t['rerun_status']}, {t['versions']} "
+              f"versions, lock {'free' if t['lock_free'] else 'held'}, leftovers "
+              f"{', '.join(t['leftovers']) or 'none'}" for t in record["trials"] if not t["passed"]]
+    return "\n".join(lines) + (
+        f"\n\n{record['passed']} of {len(record['trials'])} trials passed: the rerun ended with "
+        "status 0, one registered version, the registry lock free, no temporary or "
+        "half-written artifact left"
+        + (f"; failed: {'; '.join(failed)}" if failed else "")
+        + f". Kill moments drawn uniformly over each flow's clean run (seed {record['seed']}); "
+        f"command: `{record['command']}` (commit {record['commit'][:7]}).\n")
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {"image_text": image_text, "cascade": cascade,
                                                "pipeline": pipeline, "pbt": pbt,
                                                "small_data": small_data,
@@ -535,7 +560,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"image_text": image_text, "cascad
                                                "descriptions": descriptions,
                                                "distill_bank": distill_bank,
                                                "distill_targets": distill_targets,
-                                               "serving": serving}
+                                               "serving": serving, "faults": faults}
 
 
 PICKERS: dict[str, Callable[[str, Path], dict]] = {"sparsify": newest_per_task,
