@@ -82,11 +82,10 @@ worker: setup  ## a process worker that runs deployments from the `local` pool
 	$(VENV)/bin/prefect worker start --pool local
 
 # NAME as the MLflow UI shows it; none: what `make run` registers (tasks.configs.sections.model_name_of).
-serve: setup  ## serve models:/NAME@champion on 127.0.0.1:5001 (NAME=compactml-pipeline by default)
+serve: setup  ## serve NAME's champion on 127.0.0.1:5001, following the alias (NAME=compactml-pipeline by default)
 	name=$$($(PY) -c 'import sys; from tasks.configs.sections import model_name_of; print(model_name_of(None, sys.argv[1] or None, "pipeline"))' \
 	  "$(NAME)") && \
-	PATH="$(ROOT)/$(VENV)/bin:$$PATH" $(VENV)/bin/mlflow models serve -m "models:/$$name@champion" \
-	  --env-manager local --host 127.0.0.1 --port 5001
+	$(PY) -m flows serve "$$name" --host 127.0.0.1 --port 5001
 
 clean:
 	rm -rf .prefect artifacts mlruns/mlflow.db mlruns/artifacts

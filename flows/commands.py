@@ -12,6 +12,7 @@ from flows.cli import Command
 if TYPE_CHECKING:  # the stack is imported by the command that runs, not by `--help`
     from tasks.adapters.aliases import PromoteConfig, RegistryConfig, RollbackConfig
     from tasks.adapters.retention import GcConfig
+    from tasks.adapters.serve import ServeConfig
     from tasks.configs.cascade import CascadeConfig
     from tasks.configs.distill import DistillConfig
     from tasks.configs.image_text import ImageTextConfig
@@ -289,6 +290,14 @@ def run_registry(config: RegistryConfig) -> None:
                 else unlock_by_hand(name))
 
 
+def run_serve(config: ServeConfig) -> None:
+    """Serve a registered model's champion over HTTP (MLflow's scoring server), following the
+    alias: when the registry crowns another version, the server restarts on it."""
+    from tasks.adapters.serve import follow_champion
+
+    follow_champion(config)
+
+
 def run_splits(config: SplitsConfig) -> None:
     """Print every image's split as CSV (`path,split`): train, val, test, or unused (left out
     by --train-limit / --test-limit); the path is relative to --data (Fashion-MNIST: train/N,
@@ -347,6 +356,7 @@ COMMANDS = [
     Command("promote", "tasks.adapters.aliases:PromoteConfig", run_promote),
     Command("rollback", "tasks.adapters.aliases:RollbackConfig", run_rollback),
     Command("registry", "tasks.adapters.aliases:RegistryConfig", run_registry),
+    Command("serve", "tasks.adapters.serve:ServeConfig", run_serve),
     Command("splits", "tasks.configs.sections:SplitsConfig", run_splits),
     Command("gc", "tasks.adapters.retention:GcConfig", run_gc),
     Command("prepare-data", None, prepare_data),

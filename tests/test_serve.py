@@ -4,10 +4,14 @@ import base64
 import io
 import json
 import os
+import queue
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -124,3 +128,67 @@ def test_a_registered_model_loads_with_only_serving_models_and_training(first_ru
     served = json.loads(done.stdout.strip().splitlines()[-1])
     assert served["modules"] == []
     assert served["labels"] == tracking.load_pyfunc(uri).predict(pixels)["label"].tolist()
+
+
+def _lines(stream) -> queue.Queue:
+    """The lines of `stream`, read in a thread (a test can wait for one with a timeout)."""
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in stream], daemon=True).start()
+    return lines
+
+
+def _wait_for(lines: queue.Queue, prefix: str, timeout: float = 120) -> str:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            continue
+        if line.startswith(prefix):
+            return line.strip()
+    pytest.fail(f"no line starting {prefix!r} within {timeout:.0f} s")
+
+
+def _answer(url: str, deadline: float) -> list:
+    """The server's predictions for two blank images, once it answers."""
+    while True:
+        try:
+            return post(f"{url}/invocations",
+                        {"inputs": np.zeros((2, 28, 28), dtype=np.uint8).tolist()})[
+                "predictions"]
+        except urllib.error.HTTPError:
+            raise  # the server answered: a refusal is the test's failure, not a wait
+        except OSError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def test_serve_follows_the_champion_alias_to_a_new_version(first_run):
+    name = "follow-the-champion"
+    source = f"models:/{SMOKE_MODEL}/1"
+    first = tracking.register_model(source, name, first_run.run_id, {})
+    second = tracking.register_model(source, name, first_run.run_id, {})
+    tracking.set_alias(name, "champion", first)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows", "serve", name, "--port", str(port), "--poll-seconds",
+         "0.5"], cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        lines = _lines(proc.stdout)
+        assert _wait_for(lines, "serving ") == (f"serving models:/{name}/{first} (champion) on "
+                                                f"{url}")
+        assert len(_answer(url, time.time() + 120)) == 2
+        tracking.set_alias(name, "champion", second)  # the registry crowns another version
+        assert _wait_for(lines, "serving ") == (
+            f"serving models:/{name}/{second} (champion, was version {first}) on {url}")
+        assert len(_answer(url, time.time() + 120)) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        with pytest.raises(OSError):  # the scoring server went with it
+            urllib.request.urlopen(f"{url}/ping", timeout=2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
