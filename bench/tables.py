@@ -449,21 +449,48 @@ def distill_bank(record: dict) -> str:
 
 
 DISTILL_TARGETS_ORDER = ["teacher", "alone x1", "alone", "kd", "states-T1", "states-T4", "bank",
-                         "bank pool cosine"]
+                         "bank-T1", "bank views-T1", "bank mean-T1", "bank pool cosine"]
 
 
-def newest_entry_per_set(name: str, results: Path = RESULTS) -> dict:
-    """Per data set (`bench.two_sets.SETS` order), its entry in the newest record that ran it:
-    `{"results": [entry, ...], "sources": [record, ...]}` (sets run apart, shown together)."""
+def merged_variants_per_set(name: str, results: Path = RESULTS) -> dict:
+    """Per data set (`bench.two_sets.SETS` order), each variant as the newest record that ran
+    it on that set measured it (sets and variants run apart, shown together):
+    `{"results": [entry, ...], "sources": [record, ...]}`. The teacher row is the newest
+    record's; the gap closed and the paired differences to `alone` and `kd` are taken again
+    over the merged rows, pairing runs by seed (every record of a set trains the same seeded
+    teacher and student data)."""
     newest_first = records(name, results)[::-1]
     entries, sources = [], []
     for data_set in ("fashion-mnist", "2500x16"):
+        variants: dict[str, dict] = {}
+        by_seed: dict[str, dict[int, float]] = {}
         for record in newest_first:
             entry = next((e for e in record["results"] if e["set"] == data_set), None)
-            if entry is not None:
-                entries.append(entry)
-                sources += [] if record in sources else [record]
-                break
+            fresh = [v for v in (entry or {}).get("variants", {}) if v not in variants]
+            for variant in fresh:
+                variants[variant] = {k: v for k, v in entry["variants"][variant].items()
+                                     if k in ("val", "test", "unread")}
+                by_seed[variant] = {r["seed"]: r["accuracy"][variant]["unread"]
+                                    for r in entry["runs"]}
+            if fresh and record not in sources:
+                sources.append(record)
+        if not variants:
+            continue
+        alone = variants.get("alone", {}).get("unread", (None,))[0]
+        teacher = variants["teacher"]["unread"][0]
+        for variant, figures in variants.items():
+            if variant == "teacher":
+                continue
+            if alone is not None and teacher > alone:
+                figures["gap_closed_unread"] = (figures["unread"][0] - alone) / (teacher - alone)
+            for other in ("alone", "kd"):
+                seeds = sorted(set(by_seed[variant]) & set(by_seed.get(other, {})))
+                if other != variant and seeds:
+                    figures[f"minus_{other}_unread"] = mean_std(
+                        [by_seed[variant][s] - by_seed[other][s] for s in seeds])
+        students = [v for v in variants if v != "teacher"]
+        entries.append({"set": data_set, "variants": variants,
+                        "chosen_on_val": max(students, key=lambda v: variants[v]["val"][0])})
     return {"results": entries, "sources": sources}
 
 
@@ -564,7 +591,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"image_text": image_text, "cascad
 
 
 PICKERS: dict[str, Callable[[str, Path], dict]] = {"sparsify": newest_per_task,
-                                                   "distill_targets": newest_entry_per_set,
+                                                   "distill_targets": merged_variants_per_set,
                                                    "cascade": newest_per_set,
                                                    "descriptions": newest_per_variant,
                                                    "small_data": newest_per_flow}
