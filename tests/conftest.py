@@ -7,6 +7,7 @@ session-wide `prefect_test_harness`. The data is the real Fashion-MNIST prepared
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -23,10 +24,14 @@ import pytest
 from tasks.adapters.environment import read_env_file  # Prefect and MLflow are not imported yet
 
 _SESSION_DIR = Path(tempfile.mkdtemp(prefix="compactml-tests-"))
+atexit.register(shutil.rmtree, _SESSION_DIR, ignore_errors=True)
 # A tracking URI chosen by the user (a test server, say) is honoured; the project's own default
-# store is never written by tests.
-if os.environ.get("MLFLOW_TRACKING_URI") in (None, read_env_file()["MLFLOW_TRACKING_URI"]):
+# store is never written by tests. Under pytest-xdist each worker has a store of its own: a
+# worker inherits the store its controller chose (marked below), never shares it.
+if os.environ.get("MLFLOW_TRACKING_URI") in (None, read_env_file()["MLFLOW_TRACKING_URI"],
+                                             os.environ.get("COMPACTML_TEST_SESSION_STORE")):
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_SESSION_DIR}/mlruns/mlflow.db"
+    os.environ["COMPACTML_TEST_SESSION_STORE"] = os.environ["MLFLOW_TRACKING_URI"]
 os.environ["COMPACTML_ARTIFACTS"] = str(_SESSION_DIR / "artifacts")
 os.environ["COMPACTML_DVC_REMOTE"] = str(_SESSION_DIR / "dvc-remote")
 os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
