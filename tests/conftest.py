@@ -111,6 +111,19 @@ def subprocess_env() -> dict[str, str]:
     return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
 
 
+def wait_for_new_files(proc: subprocess.Popen, folder: Path, pattern: str, before: set[Path],
+                       timeout: float) -> set[Path]:
+    """The files matching `pattern` under `folder` that are not in `before` (other runs'),
+    as soon as one appears while `proc` runs; empty if it ends or `timeout` passes first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        new = set(folder.rglob(pattern)) - before
+        if new:
+            return new
+        time.sleep(0.05)
+    return set()
+
+
 def kill_when_written(args: list[str], folder: Path, pattern: str,
                       timeout: float = 180) -> list[Path]:
     """Runs `python -m flows *args` and SIGKILLs it (and its children) as soon as a new file
@@ -121,13 +134,7 @@ def kill_when_written(args: list[str], folder: Path, pattern: str,
                             cwd=Path(__file__).resolve().parents[1], env=subprocess_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    deadline = time.time() + timeout
-    new: set[Path] = set()
-    while time.time() < deadline and proc.poll() is None:
-        new = set(folder.rglob(pattern)) - before
-        if new:
-            break
-        time.sleep(0.05)
+    new = wait_for_new_files(proc, folder, pattern, before, timeout)
     running = proc.poll() is None
     if running:
         os.killpg(proc.pid, signal.SIGKILL)

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -22,6 +21,7 @@ from tests.conftest import (
     free_port,
     start_mlflow_server,
     subprocess_env,
+    wait_for_new_files,
 )
 from training.stopping import StopRequested, check_stop, stop_requested
 
@@ -54,10 +54,7 @@ def test_sigterm_stops_a_run_its_threads_and_its_temporary_prefect_server():
         cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.time() + 240
-        while not set(checkpoints.rglob("epoch-001.pt")) - before and proc.poll() is None \
-                and time.time() < deadline:
-            time.sleep(0.05)
+        wait_for_new_files(proc, checkpoints, "epoch-001.pt", before, 240)
         assert proc.poll() is None, "the run ended before it could be stopped"
         family = [proc, *psutil.Process(proc.pid).children(recursive=True)]
         assert any("uvicorn" in " ".join(p.cmdline()) for p in family[1:]), \
@@ -93,10 +90,7 @@ def test_the_mlflow_server_going_away_ends_the_run_with_a_clear_error_and_the_re
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        deadline = time.time() + 180
-        while not set(checkpoints.rglob("epoch-001.pt")) - before and proc.poll() is None \
-                and time.time() < deadline:
-            time.sleep(0.05)
+        wait_for_new_files(proc, checkpoints, "epoch-001.pt", before, 180)
         assert proc.poll() is None, "the run ended before the server went away"
         os.killpg(server.pid, signal.SIGKILL)  # the server goes away mid-run
         server.wait()

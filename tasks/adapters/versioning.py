@@ -89,15 +89,20 @@ def remove_dead_temporaries(target: Path) -> list[str]:
     names removed."""
     owned = re.compile(rf"\.{re.escape(target.stem)}\.{HOST_TAG}-(\d+)-\w+"
                        rf"{re.escape(target.suffix)}")
-    removed = []
-    for path in target.parent.glob(f".{glob.escape(target.stem)}.*"):
-        found = owned.fullmatch(path.name)
-        if found and not _alive(int(found.group(1))):
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
+    dead = [path for path in target.parent.glob(f".{glob.escape(target.stem)}.*")
+            if (found := owned.fullmatch(path.name)) and not _alive(int(found.group(1)))]
+    return _remove(dead, f"a killed writer of {target}")
+
+
+def _remove(paths: list[Path], whose: str) -> list[str]:
+    """Deletes `paths` (temporaries a killed process left) with one warning naming `whose`
+    they were; returns their names."""
+    for path in paths:
+        path.unlink(missing_ok=True)
+    removed = sorted(path.name for path in paths)
     if removed:
-        logger.warning("removed %d temporary file(s) of a killed writer of %s: %s",
-                       len(removed), target, ", ".join(sorted(removed)))
+        logger.warning("removed %d temporary file(s) of %s: %s", len(removed), whose,
+                       ", ".join(removed))
     return removed
 
 
@@ -135,16 +140,9 @@ def remove_dvc_debris(folder: Path) -> list[str]:
     Call only under the repository lock: DVC writes such files only while it holds that lock,
     so none of them belongs to a command still running. Returns the names removed.
     """
-    removed = []
-    if folder.is_dir():
-        for path in folder.iterdir():
-            if DVC_TEMPORARY.fullmatch(path.name) and path.is_file():
-                path.unlink(missing_ok=True)
-                removed.append(path.name)
-    if removed:
-        logger.warning("removed %d temporary file(s) of a killed DVC command in %s: %s",
-                       len(removed), folder, ", ".join(sorted(removed)))
-    return removed
+    debris = [path for path in folder.iterdir()
+              if DVC_TEMPORARY.fullmatch(path.name) and path.is_file()] if folder.is_dir() else []
+    return _remove(debris, f"a killed DVC command in {folder}")
 
 
 def repair_rwlock(lock_dir: Path) -> None:
