@@ -78,8 +78,14 @@ deploy: setup  ## register prefect.yaml's deployments with the server at PREFECT
 	$(VENV)/bin/prefect work-pool create local --type process --overwrite
 	$(VENV)/bin/prefect --no-prompt deploy --all
 
+# Each run executes in a fresh clone of the deployed commit (prefect.yaml's pull step); its data,
+# artifacts, DVC remote, MLflow store and Prefect results stay where this folder's project.env
+# puts them unless the environment names shared ones (README, Deployments).
+worker: export COMPACTML_DATA_DIR ?= $(ROOT)/data
+worker: export COMPACTML_ARTIFACTS ?= $(ROOT)/artifacts
 worker: setup  ## a process worker that runs deployments from the `local` pool
-	$(VENV)/bin/prefect worker start --pool local
+	COMPACTML_DVC_REMOTE="$${COMPACTML_DVC_REMOTE:-$$($(PY) -c 'from tasks.adapters.versioning import project_remote_url; print(project_remote_url())')}" \
+	  $(VENV)/bin/prefect worker start --pool local
 
 # NAME as the MLflow UI shows it; none: what `make run` registers (tasks.configs.sections.model_name_of).
 serve: setup  ## serve NAME's champion on 127.0.0.1:5001, following the alias (NAME=compactml-pipeline by default)

@@ -6,7 +6,7 @@ group with SIGKILL at a moment drawn uniformly over the flow's clean run time (m
 per flow first, on a seed of its own), and runs the same command again. A trial passes when
 the rerun ends with status 0 and leaves: exactly one registered version of its model; no
 temporary file of ours and no half-written artifact in the artifact store (every `.dvc`
-pointer's file has the bytes its pointer records); the registry lock free. Everything lives
+pointer's file has the bytes its pointer records); the registry lock and the model's run slot free. Everything lives
 in stores of the campaign's own (a temporary folder: artifacts, DVC remote, MLflow, Prefect),
 so the user's are untouched.
 
@@ -72,12 +72,13 @@ def leftovers(artifacts: Path) -> list[str]:
 
 
 def checked(flow: str, seed: int) -> dict:
-    """What a trial's rerun left in the registry: its versions and the lock."""
+    """What a trial's rerun left in the registry: its versions, the lock and the run slot."""
     from tasks.adapters import tracking
-    from tasks.adapters.locks import read_lease
+    from tasks.adapters.locks import RUN_TAG, read_lease
 
     name = f"faults-{flow}-{seed}"
-    return {"versions": len(tracking.model_versions(name)), "lock_free": read_lease(name) is None}
+    return {"versions": len(tracking.model_versions(name)),
+            "lock_free": read_lease(name) is None and read_lease(name, RUN_TAG) is None}
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ from flows.skeleton import (
     prepare,
     publish,
     run_rounds,
-    run_tags,
+    tracked_flow_run,
 )
 from tasks.adapters import tracking
 from tasks.adapters.registration import Registration
@@ -114,7 +114,7 @@ def cascade(config: CascadeConfig) -> CascadeSummary:
     logger = get_run_logger()
     run_name = f"{FLOW_NAME}-{'-'.join(map(str, config.widths))}-seed{config.run.seed}"
     experiment = config.run.experiment(FLOW_NAME)
-    with tracking.tracked_run(experiment, run_name, config, run_tags(config)) as run_id:
+    with tracked_flow_run(config, experiment, run_name, name) as run_id:
         prepared = prepare(config, run_id)
         config = prepared.apply(config)
         dataset = prepared.dataset

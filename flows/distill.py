@@ -16,7 +16,7 @@ from __future__ import annotations
 from prefect import flow
 from pydantic import BaseModel, ConfigDict
 
-from flows.skeleton import finish, prepare, publish, run_tags
+from flows.skeleton import finish, prepare, publish, tracked_flow_run
 from flows.steps.distill import StageRecord, distill_stages, fitted_plan
 from tasks.adapters import tracking
 from tasks.adapters.registration import Registration
@@ -56,7 +56,7 @@ def distill(config: DistillConfig) -> DistillSummary:
     name = config.run.registered_name(FLOW_NAME)
     run_name = f"{FLOW_NAME}-{config.teacher_model}-to-{config.student_model}-seed{config.run.seed}"
     experiment = config.run.experiment(FLOW_NAME)
-    with tracking.tracked_run(experiment, run_name, config, run_tags(config)) as run_id:
+    with tracked_flow_run(config, experiment, run_name, name) as run_id:
         prepared = prepare(config, run_id)
         config = prepared.apply(config)
         dataset = prepared.dataset

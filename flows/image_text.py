@@ -20,7 +20,7 @@ from __future__ import annotations
 from prefect import flow
 from pydantic import BaseModel, ConfigDict
 
-from flows.skeleton import conclude, prepare, publish, run_tags
+from flows.skeleton import conclude, prepare, publish, tracked_flow_run
 from flows.steps.image_text import train_image_text
 from tasks.adapters import tracking
 from tasks.adapters.registration import Registration
@@ -68,7 +68,7 @@ def image_text(config: ImageTextConfig) -> ImageTextSummary:
     name = config.run.registered_name(FLOW_NAME)
     run_name = f"{FLOW_NAME}-{config.network.model}-{config.text_encoder}-seed{config.run.seed}"
     experiment = config.run.experiment(FLOW_NAME)
-    with tracking.tracked_run(experiment, run_name, config, run_tags(config)) as run_id:
+    with tracked_flow_run(config, experiment, run_name, name) as run_id:
         prepared = prepare(config, run_id)
         config = prepared.apply(config)
         dataset = prepared.dataset

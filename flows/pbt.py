@@ -17,7 +17,7 @@ from __future__ import annotations
 from prefect import flow
 from pydantic import BaseModel, ConfigDict
 
-from flows.skeleton import finish, prepare, publish, run_tags
+from flows.skeleton import finish, prepare, publish, tracked_flow_run
 from flows.steps.pbt import FLOW_NAME, PopulationResult, run_population
 from tasks.adapters import tracking
 from tasks.adapters.registration import Registration
@@ -52,7 +52,7 @@ def pbt(config: PBTConfig) -> PBTSummary:
     name = config.run.registered_name(FLOW_NAME)
     run_name = f"{FLOW_NAME}-{config.network.model}-x{config.members}-seed{config.run.seed}"
     experiment = config.run.experiment(FLOW_NAME)
-    with tracking.tracked_run(experiment, run_name, config, run_tags(config)) as run_id:
+    with tracked_flow_run(config, experiment, run_name, name) as run_id:
         prepared = prepare(config, run_id)
         config = prepared.apply(config)
         best_config, population, budget = run_population(config, prepared, run_id)

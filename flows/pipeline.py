@@ -43,7 +43,7 @@ from flows.skeleton import (
     conclude,
     prepare,
     publish,
-    run_tags,
+    tracked_flow_run,
 )
 from flows.steps.distill import distill_stages, fitted_plan
 from flows.steps.image_text import train_image_text
@@ -333,7 +333,7 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
     name = config.run.registered_name(FLOW_NAME)
     run_name = f"{FLOW_NAME}-{config.teacher_model}-to-{config.student_model}-seed{config.run.seed}"
     experiment = config.run.experiment(FLOW_NAME)
-    with tracking.tracked_run(experiment, run_name, config, run_tags(config)) as run_id:
+    with tracked_flow_run(config, experiment, run_name, name) as run_id:
         prepared = prepare(config, run_id)  # 1. the data check
         config = prepared.apply(config)
         key = pipeline_key(config, prepared.dataset.artifact.md5)

@@ -8,7 +8,8 @@ A flow adds only its own training between `prepare` and `finish`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TypeVar
 
@@ -17,6 +18,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict
 
 from tasks.adapters import tracking
+from tasks.adapters.locks import run_slot
 from tasks.adapters.registration import Baseline, Policy, Registration, register_and_promote
 from tasks.adapters.reporting import publish_summary
 from tasks.adapters.versioning import ArtifactRef
@@ -83,6 +85,20 @@ def run_tags(config: ProfiledConfig) -> dict[str, str]:
     """The tags every flow's MLflow run gets: its Prefect flow run, and the config's profile."""
     return {"prefect.flow_run_id": str(flow_run.get_id() or "none"),
             "profile": config.profile}
+
+
+@contextmanager
+def tracked_flow_run(config: ProfiledConfig, experiment: str, run_name: str, registered: str,
+                     tags: dict[str, str] | None = None) -> Iterator[str]:
+    """A flow's own MLflow run (`tracking.tracked_run`, tagged `run_tags` and `tags`); a run
+    that registers holds `registered`'s run slot for its whole length, so a second run of the
+    same model (from the command line, a deployment or a schedule, on any machine sharing the
+    MLflow server) waits for it (`tasks.adapters.locks.run_slot`)."""
+    all_tags = run_tags(config) | (tags or {})
+    slot = (run_slot(registered, f"{run_name}, Prefect flow run {all_tags['prefect.flow_run_id']}")
+            if config.run.registry else nullcontext())
+    with slot, tracking.tracked_run(experiment, run_name, config, all_tags) as run_id:
+        yield run_id
 
 
 def prepare(config: ProfiledConfig, run_id: str) -> Prepared:

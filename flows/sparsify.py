@@ -23,7 +23,7 @@ from flows.skeleton import (
     finish,
     prepare,
     publish,
-    run_tags,
+    tracked_flow_run,
 )
 from flows.sparsify_canvas import CanvasSummary, sparsify_canvas
 from flows.steps.sparsify import FLOW_NAME, train_sparse
@@ -99,8 +99,8 @@ def sparsify(config: SparsifyConfig) -> SparsifySummary | CanvasSummary:
     run_name = f"{FLOW_NAME}-{config.network.model}-{config.transform}-seed{config.run.seed}"
     canvas = config.task != "classification"
     experiment = config.run.experiment(FLOW_NAME)
-    with tracking.tracked_run(experiment, run_name, config, run_tags(config)
-                              | ({"task": config.task} if canvas else {})) as run_id:
+    with tracked_flow_run(config, experiment, run_name, name,
+                  {"task": config.task} if canvas else None) as run_id:
         if canvas:
             return sparsify_canvas(config, name, run_id)
         prepared = prepare(config, run_id)

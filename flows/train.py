@@ -10,10 +10,9 @@ from flows.skeleton import (
     finish,
     prepare,
     publish,
-    run_tags,
+    tracked_flow_run,
     train_epochs,
 )
-from tasks.adapters import tracking
 from tasks.configs.train import TrainConfig
 
 # What other flows and the benchmarks may import (tests/test_layering.py): the flow and its
@@ -37,7 +36,7 @@ def train(config: TrainConfig) -> TrainSummary:
     name = config.run.registered_name(FLOW_NAME)
     run_name = f"{FLOW_NAME}-{config.network.model}-seed{config.run.seed}"
     experiment = config.run.experiment(FLOW_NAME)
-    with tracking.tracked_run(experiment, run_name, config, run_tags(config)) as run_id:
+    with tracked_flow_run(config, experiment, run_name, name) as run_id:
         prepared = prepare(config, run_id)
         config = prepared.apply(config)
         classifier, budget = budgeted_classifier(config, prepared, run_id, config.epochs)

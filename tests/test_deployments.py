@@ -128,17 +128,28 @@ def deployed(server):
     """prefect.yaml deployed to the server, with the process work pool it names."""
     url, env = server
     _cli(env, "work-pool", "create", "local", "--type", "process", "--overwrite")
-    _cli(env, "--no-prompt", "deploy", "--all")
+    # the repository a worker clones: this checkout (`make deploy`: the git remote `origin`)
+    _cli({**env, "COMPACTML_REPOSITORY": str(ROOT)}, "--no-prompt", "deploy", "--all")
     return url, env
 
 
-def _run_deployment(url: str, env: dict, name: str, params: dict) -> dict:
+def _head() -> str:
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def _run_deployment(url: str, env: dict, name: str, params: dict, folder: Path) -> dict:
     """Starts a run of deployment `name` as the UI's Run button does, lets a process worker
-    run it, and returns the flow run (the newest of that deployment)."""
+    started in `folder` (not the project) run it, and returns the flow run."""
     deployment = _api(url, f"/deployments/name/{name}")
     created = _api(url, f"/deployments/{deployment['id']}/create_flow_run",
                    {"parameters": params})  # the server checks them against the schema
-    _cli(env, "worker", "start", "--pool", "local", "--run-once", timeout=600)
+    # what `make worker` sets: the data and stores stay with the worker's project
+    worker_env = {**env, "COMPACTML_DATA_DIR": str(ROOT / "data")}
+    done = subprocess.run([PREFECT, "worker", "start", "--pool", "local", "--run-once"],
+                          cwd=folder, env=worker_env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return _api(url, f"/flow_runs/{created['id']}")
 
 
@@ -157,6 +168,9 @@ def test_deploy_registers_every_deployment_of_prefect_yaml(deployed):
     for deployment in deployments.values():  # one run at a time; the next one waits
         assert deployment["global_concurrency_limit"]["limit"] == 1, deployment["name"]
         assert deployment["concurrency_options"]["collision_strategy"] == "ENQUEUE"
+    for deployment in deployments.values():  # each runs the commit deployed, cloned anew
+        assert deployment["pull_steps"] == [{"prefect.deployments.steps.git_clone": {
+            "repository": str(ROOT), "commit_sha": _head()}}], deployment["name"]
     schedules = deployments["pipeline-nightly"]["schedules"]
     assert [s["schedule"]["cron"] for s in schedules] == ["0 3 * * *"]
     assert not schedules[0]["active"]  # retraining is switched on in the UI, not by deploying
@@ -182,10 +196,12 @@ def test_the_nightly_pipeline_retrains_only_when_the_data_changed(deployed, mlfl
     client = MlflowClient()
 
     flow_runs = []
+    elsewhere = tmp_path / "worker"  # a worker outside the project folder
+    elsewhere.mkdir()
 
     def nightly():
         """The pipeline's MLflow run of one triggered nightly run (completed)."""
-        run = _run_deployment(url, env, "pipeline/pipeline-nightly", params)
+        run = _run_deployment(url, env, "pipeline/pipeline-nightly", params, elsewhere)
         assert run["state"]["type"] == "COMPLETED", run["state"].get("message")
         flow_runs.append(run)
         found = client.search_runs(
@@ -196,6 +212,12 @@ def test_the_nightly_pipeline_retrains_only_when_the_data_changed(deployed, mlfl
 
     first = nightly()
     assert tracking.alias_version("nightly", "champion") == "1"
+    # the run executed the deployed commit, cloned by the pull step (not this work tree, which
+    # may hold changes: then its commit tag would end in -dirty), and wrote nothing into it
+    assert first.data.tags["git.commit"] == _head()
+    logs = _api(url, "/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_runs[0]["id"]]}}})
+    assert any("git_clone" in log["message"] for log in logs)
+    assert not list(elsewhere.iterdir())  # the clone was the run's temporary folder
     # no descriptions given: the image-text step is skipped and the run says why
     assert first.data.tags["pipeline.image_text"].startswith("skipped: the run has no "
                                                              "descriptions")

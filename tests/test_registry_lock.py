@@ -10,13 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
 from tasks.adapters import tracking
 from tasks.adapters.aliases import CHAMPION, moves
-from tasks.adapters.locks import LockLost, RegistryLease, read_lease
+from tasks.adapters.locks import Lease, LockBusy, LockLost, RegistryLease, read_lease
 from tests.conftest import free_port, start_mlflow_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +76,7 @@ def test_a_lease_is_exclusive_checked_before_writes_and_expires_when_its_holder_
     name = "leased"
     holder = RegistryLease(name, "test holder", lease_seconds=30, settle_seconds=0.05)
     holder.acquire()
-    with pytest.raises(TimeoutError, match="test holder") as waited:
+    with pytest.raises(LockBusy, match="test holder") as waited:
         RegistryLease(name, "waiter", settle_seconds=0.05).acquire(wait_seconds=1)
     assert "registry unlock" in str(waited.value)
     holder.check()
@@ -84,24 +85,86 @@ def test_a_lease_is_exclusive_checked_before_writes_and_expires_when_its_holder_
         holder.check()
     holder.release()
 
-    # a holder killed with -9 stops renewing: its lease expires by itself
+    # a holder killed with -9 on this machine: its lease is taken at once (its process is
+    # gone); one held on another machine stops renewing and expires by itself
     child = subprocess.Popen(
         [sys.executable, "-c", "import sys, time\n"
          "from tasks.adapters.locks import RegistryLease\n"
-         f"RegistryLease({name!r}, 'doomed', lease_seconds=3, settle_seconds=0.05).acquire()\n"
+         f"RegistryLease({name!r}, 'doomed', lease_seconds=600, settle_seconds=0.05).acquire()\n"
          "print('held', flush=True)\ntime.sleep(600)"],
         cwd=ROOT, env=os.environ.copy(), stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "held"
     child.kill()
     child.wait()
     assert read_lease(name).purpose == "doomed"
-    started = time.monotonic()
     heir = RegistryLease(name, "heir", settle_seconds=0.05)
-    heir.acquire(wait_seconds=60)
-    assert 0.5 < time.monotonic() - started < 30
+    heir.acquire(wait_seconds=5)  # (its lease had 600 s left)
     assert read_lease(name).token == heir.token
     heir.release()
     assert read_lease(name) is None
+
+    elsewhere = Lease(token="t", owner="another-machine:1", purpose="remote", acquired=time.time(),
+                      expires=time.time() + 3)
+    tracking.set_model_tag(name, "registry.lock", json.dumps(asdict(elsewhere)))
+    started = time.monotonic()
+    heir = RegistryLease(name, "heir", settle_seconds=0.05)
+    heir.acquire(wait_seconds=60)
+    assert 1.0 < time.monotonic() - started < 30
+    heir.release()
+
+
+def test_one_run_per_registered_model_at_a_time_from_any_entry_point(monkeypatch):
+    """The run slot: a flow run that registers model M holds M's slot for its whole length; a
+    second one waits for it (and one that does not register never does); a flow whose slot
+    stays taken fails naming the holder, before it opens an MLflow run."""
+    import threading
+
+    from flows.skeleton import tracked_flow_run
+    from flows.train import train
+    from tasks.adapters import locks
+    from tests.conftest import smoke
+
+    name = "one-run-at-a-time"
+    config = smoke(model_name=name, registry=True)
+    held, spans = threading.Event(), {}
+
+    def first() -> None:
+        with tracked_flow_run(config, "slot-test", "first", name):
+            spans["first"] = time.time()
+            held.set()
+            time.sleep(1.5)
+        spans["first_end"] = time.time()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    held.wait(30)
+    assert read_lease(name, locks.RUN_TAG).purpose.startswith("first")
+    with tracked_flow_run(config.replace(registry=False), "slot-test", "unregistered", name):
+        assert time.time() - spans["first"] < 1.5  # did not wait
+    with tracked_flow_run(config, "slot-test", "second", name):
+        second = time.time()
+    thread.join()
+    assert second >= spans["first_end"] - 0.05 and read_lease(name, locks.RUN_TAG) is None
+
+    # a real flow: its slot held by a run on another machine
+    holder = RegistryLease(name, "nightly on another machine", lease_seconds=30,
+                           settle_seconds=0.05, tag=locks.RUN_TAG)
+    holder.acquire()
+    monkeypatch.setattr(locks, "RUN_WAIT_SECONDS", 1.0)
+
+    def runs() -> int:
+        import mlflow
+
+        return len(mlflow.search_runs(search_all_experiments=True,
+                                      filter_string=f"params.model_name = '{name}'"))
+
+    before = runs()
+    try:
+        with pytest.raises(LockBusy, match=r"run slot .*\(nightly on another machine\)"):
+            train(config)
+    finally:
+        holder.release()
+    assert before == 3 and runs() == before  # the three above; the flow opened none
 
 
 def test_registry_unlock_and_status_from_the_command_line(capsys):

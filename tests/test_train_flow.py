@@ -155,3 +155,42 @@ def test_pyfunc_takes_encoded_bytes_base64_and_arrays(first_run):
         model.predict(pd.DataFrame({"pixels": png}))
     with pytest.raises(ValueError, match="cannot decode"):
         model.predict(pd.DataFrame({"image": [b"not an image"]}))
+
+
+def test_a_run_killed_while_it_holds_the_registry_lock_leaves_it_to_the_rerun(monkeypatch):
+    """kill -9 during the promotion (the registry lock and the run slot held by the dead
+    process, leases of an hour): the same command again takes both at once (their holder's
+    process is gone), registers the model once and crowns it, and frees both."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tasks.adapters.locks import RUN_TAG, read_lease
+    from tests.conftest import subprocess_env
+
+    name = "killed-in-promotion"
+    args = ["--profile", "smoke", "--register", "--model-name", name, "--epochs", "1",
+            "--train-limit", "512", "--seed", "7"]
+    proc = subprocess.Popen([sys.executable, "-m", "flows", "train", *args],
+                            cwd=Path(__file__).resolve().parents[1],
+                            env={**subprocess_env(), "COMPACTML_REGISTRY_LEASE_SECONDS": "3600"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    while read_lease(name) is None and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    held = proc.poll() is None and read_lease(name) is not None
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert held, "the run ended (or never promoted) before it could be killed in promotion"
+    assert read_lease(name) is not None and read_lease(name, RUN_TAG) is not None
+
+    from tasks.adapters import locks
+
+    monkeypatch.setattr(locks, "RUN_WAIT_SECONDS", 5.0)  # not the hour its lease has left
+    summary = train(TrainConfig(profile="smoke", model_name=name, epochs=1, train_limit=512,
+                                seed=7, registry=True))
+    assert summary.registration.alias == "champion"
+    assert tracking.model_versions(name) == [summary.registration.version]
+    assert read_lease(name) is None and read_lease(name, RUN_TAG) is None

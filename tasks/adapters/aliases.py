@@ -21,7 +21,14 @@ from mlflow.exceptions import MlflowException
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tasks.adapters import tracking
-from tasks.adapters.locks import RegistryLease, read_lease, registry_lock, unlock
+from tasks.adapters.locks import (
+    LOCK_TAG,
+    RUN_TAG,
+    RegistryLease,
+    read_lease,
+    registry_lock,
+    unlock,
+)
 from tasks.configs.sections import Project, StrictConfig, model_name_of, project_field
 
 CHAMPION, CHALLENGER = "champion", "challenger"
@@ -204,8 +211,9 @@ def registry_status(name: str) -> str:
     """Who holds `name`'s registry lock, the champion and its last moves, in lines."""
     if not tracking.model_versions(name) and read_lease(name) is None:
         raise RegistryError(f"no registered model {name!r} has versions")
-    lease = read_lease(name)
+    lease, slot = read_lease(name), read_lease(name, RUN_TAG)
     lines = [f"{name}: lock {'free' if lease is None else lease.describe()}",
+             f"run slot: {'free' if slot is None else slot.describe()}",
              f"champion: version {tracking.alias_version(name, CHAMPION) or 'none'}"]
     lines += [f"  move {m.number}: {m.action} version {m.version} at {m.at or '?'}"
               + (f" by {m.by}" if m.by else "") + (f": {m.reason}" if m.reason else "")
@@ -214,7 +222,9 @@ def registry_status(name: str) -> str:
 
 
 def unlock_by_hand(name: str) -> str:
-    """Removes `name`'s registry lock (`tasks.adapters.locks.unlock`); says what it removed."""
-    removed = unlock(name)
-    return (f"{name}: no lock was held" if removed is None else
-            f"{name}: removed the lock {removed.describe()}")
+    """Removes `name`'s registry lock and run slot (`tasks.adapters.locks.unlock`); says what
+    it removed."""
+    removed = [(what, unlock(name, tag)) for what, tag in (("lock", LOCK_TAG),
+                                                          ("run slot", RUN_TAG))]
+    said = [f"removed the {what} {lease.describe()}" for what, lease in removed if lease]
+    return f"{name}: " + ("; ".join(said) if said else "no lock was held")
