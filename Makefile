@@ -17,8 +17,11 @@ PROFILE ?= quick
 run: setup data  ## the retraining pipeline on Fashion-MNIST: train, test, register, promote
 	$(PY) -m flows pipeline --profile $(PROFILE)
 
+# Two pytest workers, one thread each (the tests' models are tiny: a second thread per worker only
+# contends), a test file's tests on one worker (its module fixtures run once).
+TEST_WORKERS ?= 2
 test: setup data browser  ## the fast test suite
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 setup: $(STAMP)
 
