@@ -6,9 +6,9 @@ group with SIGKILL at a moment drawn uniformly over the flow's clean run time (m
 per flow first, on a seed of its own), and runs the same command again. A trial passes when
 the rerun ends with status 0 and leaves: exactly one registered version of its model; no
 temporary file of ours and no half-written artifact in the artifact store (every `.dvc`
-pointer's file has the bytes its pointer records); the registry lock and the model's run slot free. Everything lives
-in stores of the campaign's own (a temporary folder: artifacts, DVC remote, MLflow, Prefect),
-so the user's are untouched.
+pointer's file has the bytes its pointer records); the registry lock and the model's run slot
+free. Everything lives in stores of the campaign's own (a temporary folder: artifacts, DVC
+remote, MLflow, Prefect), so the user's are untouched.
 
     python -m bench.faults                    # 20 trials over the seven flows, about 40 minutes
     python -m bench.faults --trials 7 --seed 1

@@ -117,6 +117,28 @@ def test_train_epoch_learns_a_separable_toy_problem():
     assert after["accuracy"] == 1.0 and after["loss"] < before["loss"]
 
 
+def test_a_progress_bar_is_drawn_on_a_terminal_only(monkeypatch):
+    """In a log file or CI (stderr not a TTY) an epoch writes nothing; on a terminal its bar."""
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    images, labels = _toy()
+    model = models.build_model("cnn2", 1, 2, width=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = Batches(images, labels, torch.arange(64), 16, Normalize([0.5], [0.4]))
+    written = {}
+    for kind, stream in (("log", io.StringIO()), ("terminal", Terminal())):
+        monkeypatch.setattr(sys, "stderr", stream)
+        train_epoch(model, opt, batches, classification_step(), CPU, progress="train epoch 1")
+        written[kind] = stream.getvalue()
+    assert written["log"] == ""
+    assert "train epoch 1:" in written["terminal"] and "/4 [" in written["terminal"]
+
+
 def test_non_finite_loss_stops_training():
     torch.manual_seed(0)
     images, labels = _toy()

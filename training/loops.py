@@ -69,7 +69,8 @@ def train_epoch(
         lr_at: learning rate for a global step number, set before each step when given.
         first_step: global step number of this epoch's first batch.
         grad_clip: clip the gradients' total norm to this value.
-        progress: a label for a progress bar (batches, running loss); `None` hides it.
+        progress: a label for a progress bar (batches, running loss) on a terminal (stderr a
+            TTY); `None` hides it.
         after_step: called after every optimizer step (e.g. to update a weight average).
 
     Raises:
@@ -79,8 +80,10 @@ def train_epoch(
     model.train()
     sums: dict[str, Tensor] = {}
     seen = 0
-    bar = tqdm(batches, desc=progress, leave=False, disable=progress is None, unit="batch",
-               mininterval=0.5 if sys.stderr.isatty() else 30.0)  # logs get few lines
+    # a bar only on a terminal: in a log file or CI each round's one line says enough (a bar
+    # per epoch wrote a line of `0/13 batch` per epoch there)
+    bar = tqdm(batches, desc=progress, leave=False, unit="batch", mininterval=0.5,
+               disable=progress is None or not sys.stderr.isatty())
     for index, (ids, x, y) in enumerate(bar):
         check_stop()
         if lr_at is not None:
