@@ -38,7 +38,8 @@ from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
 
 from bench.common import mean_std, parse_overrides, print_json, print_table
 from bench.report_set import ReportSet
-from bench.small_data import Holdout, set_positions
+from bench.sets import set_positions
+from bench.small_data import Holdout
 from bench.two_sets import SETS, small_data_fields
 from flows.distill import distill
 from tasks.configs.distill import DistillConfig

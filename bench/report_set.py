@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from bench.sets import tuning_sets
 from tasks.adapters.registration import pyfunc_accuracy, raw_images
 from tasks.configs.sections import FASHION_MNIST, DataSection
 from tasks.data import split_assignment, split_source
@@ -45,20 +46,12 @@ def earlier_validation(labels: Tensor, fraction: float = 0.1, seed: int = 1) -> 
     return set(held)
 
 
-def tuning_set_images(labels: Tensor) -> set[int]:
-    """The training-file positions of `bench.small_data`'s Fashion-MNIST tuning sets (its
-    draw, per class in label order, seeded by `images x 1000 + size`)."""
-    from bench.small_data import tuning_sets
-
-    return tuning_sets(labels)
-
-
 def unread_positions(keys: list[str], labels: Tensor, left: set[int], count: int,
                      what: str) -> Tensor:
     """`count` of the training-file positions in `left` that no earlier choice read
-    (`earlier_validation`, `tuning_set_images`), those whose keys hash lowest (salt `report`).
+    (`earlier_validation`, `bench.sets.tuning_sets`), those whose keys hash lowest (salt `report`).
     `keys` and `labels` are the training file's, position for position."""
-    read = earlier_validation(labels) | tuning_set_images(labels)
+    read = earlier_validation(labels) | tuning_sets(labels)
     kept = sorted(left - read)
     if count > len(kept):
         raise ValueError(f"only {len(kept)} unread training images are left; {what}")

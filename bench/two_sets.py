@@ -14,7 +14,8 @@ the images no choice read that each reports on.
 from __future__ import annotations
 
 from bench.report_set import REPORT_IMAGES, ReportSet
-from bench.small_data import Holdout, image_folder, set_positions
+from bench.sets import image_folder, set_positions
+from bench.small_data import Holdout
 from tasks.configs.sections import DataSection
 
 SETS = ("fashion-mnist", "2500x16")

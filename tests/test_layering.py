@@ -43,13 +43,13 @@ def test_importing_pure_packages_loads_no_pipeline_module():
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Each project module and the project modules it imports (anywhere in the file), without
-    its own enclosing packages (importing `models.registry` from `models.cnn` runs `models`
-    first: that is nesting, not a circle)."""
+    """Each project module (the benchmarks' too) and the project modules it imports (anywhere in
+    the file), without its own enclosing packages (importing `models.registry` from
+    `models.cnn` runs `models` first: that is nesting, not a circle)."""
     from tasks.adapters.caching import CODE_PACKAGES, imported_names
 
     files = {}
-    for package in CODE_PACKAGES:
+    for package in (*CODE_PACKAGES, "bench"):
         for path in (ROOT / package).rglob("*.py"):
             parts = path.relative_to(ROOT).with_suffix("").parts
             files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path

@@ -5,7 +5,8 @@ run's splits, not in the validation split of before stable splits, not in a tuni
 import pytest
 import torch
 
-from bench.report_set import earlier_validation, report_positions, tuning_set_images
+from bench.report_set import earlier_validation, report_positions
+from bench.sets import tuning_sets
 from tasks.configs.sections import DataSection
 from tasks.data import split_source
 
@@ -28,7 +29,7 @@ def test_report_images_are_read_by_no_split_and_no_earlier_choice(source):
     labels = images.labels[train_file]
     earlier = earlier_validation(labels)
     assert len(earlier) == 6000 and torch.bincount(labels[list(earlier)]).tolist() == [600] * 10
-    tuned = tuning_set_images(labels)
+    tuned = tuning_sets(labels)
     assert 8000 < len(tuned) <= 500 + 1500 + 5000 + 1500  # the four sets may share images
     assert not (earlier | tuned) & set(chosen.tolist())  # train-file positions = source's
     assert torch.equal(chosen, report_positions(data, images.keys, images.labels, 2000))
