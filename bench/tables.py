@@ -425,7 +425,11 @@ def distill_rows(results: list[dict], order: list[str], paired: tuple[str, ...])
         for variant in sorted(variants, key=lambda v: (order + [v]).index(v)):
             figures = variants[variant]
             gap = figures.get("gap_closed_unread")
-            lines.append(f"| {entry['set'] if entry['set'] != shown else ''} | {variant} | "
+            seeds = figures.get("seeds", [0, 1, 2])  # (merged rows say which seeds they hold)
+            label = variant if len(seeds) >= 3 else (
+                f"{variant} (seed{'s' if len(seeds) > 1 else ''} "
+                f"{', '.join(map(str, seeds))} only)")
+            lines.append(f"| {entry['set'] if entry['set'] != shown else ''} | {label} | "
                          f"{spread(*figures['unread'])} | {spread(*figures['test'])} | "
                          f"{spread(*figures['val'])} | "
                          f"{'-' if gap is None else f'{gap:+.2f}'} | "
@@ -453,27 +457,31 @@ DISTILL_TARGETS_ORDER = ["teacher", "alone x1", "alone", "kd", "states-T1", "sta
 
 
 def merged_variants_per_set(name: str, results: Path = RESULTS) -> dict:
-    """Per data set (`bench.two_sets.SETS` order), each variant as the newest record that ran
-    it on that set measured it (sets and variants run apart, shown together):
-    `{"results": [entry, ...], "sources": [record, ...]}`. The teacher row is the newest
-    record's; the gap closed and the paired differences to `alone` and `kd` are taken again
-    over the merged rows, pairing runs by seed (every record of a set trains the same seeded
-    teacher and student data)."""
+    """Per data set (`bench.two_sets.SETS` order), each variant's runs merged by seed, each
+    seed's from the newest record that ran that variant on that set with that seed (sets,
+    variants and seeds run apart, e.g. one seed a session, shown together):
+    `{"results": [entry, ...], "sources": [record, ...]}`. The gap closed and the paired
+    differences to `alone` and `kd` are taken over the merged runs, pairing them by seed (every
+    record of a set trains the same seeded teacher and student data)."""
     newest_first = records(name, results)[::-1]
     entries, sources = [], []
     for data_set in ("fashion-mnist", "2500x16"):
-        variants: dict[str, dict] = {}
-        by_seed: dict[str, dict[int, float]] = {}
+        by_seed: dict[str, dict[int, dict[str, float]]] = {}
         for record in newest_first:
             entry = next((e for e in record["results"] if e["set"] == data_set), None)
-            fresh = [v for v in (entry or {}).get("variants", {}) if v not in variants]
-            for variant in fresh:
-                variants[variant] = {k: v for k, v in entry["variants"][variant].items()
-                                     if k in ("val", "test", "unread")}
-                by_seed[variant] = {r["seed"]: r["accuracy"][variant]["unread"]
-                                    for r in entry["runs"]}
+            fresh = False
+            for run in (entry or {}).get("runs", []):
+                for variant, splits in run["accuracy"].items():
+                    if run["seed"] not in by_seed.setdefault(variant, {}):
+                        by_seed[variant][run["seed"]] = splits
+                        fresh = True
             if fresh and record not in sources:
                 sources.append(record)
+        variants = {variant: {split: mean_std([runs[seed][split] for seed in sorted(runs)])
+                              for split in ("val", "test", "unread")} | {"seeds": sorted(runs)}
+                    for variant, runs in by_seed.items()}
+        by_seed = {variant: {seed: splits["unread"] for seed, splits in runs.items()}
+                   for variant, runs in by_seed.items()}
         if not variants:
             continue
         alone = variants.get("alone", {}).get("unread", (None,))[0]

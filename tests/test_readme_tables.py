@@ -66,3 +66,34 @@ def test_the_descriptions_table_merges_variants_run_apart_and_pairs_them_with_on
     assert variants["agreement"]["minus_one_unread"][0] == pytest.approx(0.05)
     assert variants["one"]["minus_one_unread"] is None
     assert [s["command"] for s in picked["sources"]] == [first["command"], second["command"]]
+
+
+def test_the_distillation_table_merges_seeds_run_apart_and_pairs_them_by_seed(tmp_path):
+    """2500x16 run one seed a record (the set takes about an hour a seed on 2 cores): the
+    rows hold every seed, the newest record's where two ran the same seed, the paired
+    differences pair by seed, and a row short of three seeds says which it holds."""
+    from bench.tables import distill_rows, merged_variants_per_set
+
+    def record(seed: int, alone: float, kd: float, teacher: float = 0.9) -> dict:
+        runs = [{"seed": seed, "accuracy": {
+            name: {"val": value, "test": value, "unread": value}
+            for name, value in (("teacher", teacher), ("alone", alone), ("kd", kd))}}]
+        return {"command": f"python -m bench.distill_targets --seeds {seed}",
+                "results": [{"set": "2500x16", "runs": runs}]}
+
+    records = [record(0, 0.80, 0.81), record(1, 0.70, 0.74), record(1, 0.72, 0.75),
+               record(2, 0.90, 0.92)]
+    (tmp_path / "distill_targets.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in records))
+    picked = merged_variants_per_set("distill_targets", tmp_path)
+    [entry] = picked["results"]
+    kd = entry["variants"]["kd"]
+    assert kd["seeds"] == [0, 1, 2]
+    assert kd["unread"][0] == pytest.approx((0.81 + 0.75 + 0.92) / 3)  # seed 1: the newest
+    assert kd["minus_alone_unread"][0] == pytest.approx((0.01 + 0.03 + 0.02) / 3)
+    assert [s["command"] for s in picked["sources"]] == [records[3]["command"],
+                                                        records[2]["command"],
+                                                        records[0]["command"]]
+    (tmp_path / "distill_targets.jsonl").write_text(json.dumps(records[0]) + "\n")
+    one = merged_variants_per_set("distill_targets", tmp_path)["results"]
+    assert "| kd (seed 0 only) |" in "\n".join(distill_rows(one, ["alone", "kd"], ()))
