@@ -1,12 +1,13 @@
-"""README tables generated from the benchmarks' raw records (`bench/results/<name>.jsonl`).
+"""Result tables generated from the benchmarks' raw records (`bench/results/<name>.jsonl`).
 
-A table in README.md between `<!-- table: NAME -->` and `<!-- /table -->` is exactly what
-`python -m bench.tables NAME` prints for the newest record of benchmark NAME (its last line);
-`tests/test_readme_tables.py` checks every such table against the committed records, so a
-README figure cannot drift from the raw output and the command that made it.
+A table in README.md (the summary) or docs/benchmarks.md (every benchmark) between
+`<!-- table: NAME -->` and `<!-- /table -->` is exactly what `python -m bench.tables NAME`
+prints for the newest record of benchmark NAME (its last line; `PICKERS`: merged from the
+records it names); `tests/test_readme_tables.py` checks every such table against the committed
+records, so a figure cannot drift from the raw output and the command that made it.
 
     python -m bench.tables image_text          # print the table
-    python -m bench.tables image_text --write  # and replace it in README.md
+    python -m bench.tables image_text --write  # and replace it where its block is
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from bench.common import ROOT, mean_std
 
 RESULTS = ROOT / "bench" / "results"
 README = ROOT / "README.md"
+BENCHMARKS = ROOT / "docs" / "benchmarks.md"
+DOCUMENTS = (README, BENCHMARKS)  # where generated tables live
 BLOCK = re.compile(r"<!-- table: (?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /table -->", re.S)
 
 
@@ -585,6 +588,59 @@ def faults(record: dict) -> str:
         f"command: `{record['command']}` (commit {record['commit'][:7]}).\n")
 
 
+def summary(results: Path) -> dict:
+    """The README's summary: the picked records of the benchmarks it quotes."""
+    return {"pipeline": newest("pipeline", results),
+            "distill": merged_variants_per_set("distill_targets", results),
+            "pbt": newest("pbt", results), "small_data": newest_per_flow("small_data", results)}
+
+
+def summary_table(picked: dict) -> str:
+    """One row per headline result (unread images: never read by a choice; 3 seeds), each
+    linking its table in docs/benchmarks.md."""
+    runs = picked["pipeline"]["runs"]
+
+    def mean_of(model: str, key: str) -> float:
+        return mean_std([run[model][key] for run in runs])[0]
+
+    def ratio(key: str) -> float:
+        return mean_std([run["pipeline"][key] / run["train"][key] for run in runs])[0]
+
+    share = runs[0]["pipeline"]["student_parameters"] / runs[0]["train"]["parameters"]
+    rows = [("the pipeline (`make run`) against `train`",
+             f"{mean_of('pipeline', 'report_accuracy'):.4f} against "
+             f"{mean_of('train', 'report_accuracy'):.4f}; served {ratio('ms'):.2f}x of "
+             f"`train`'s time per image at batch 1, {ratio('ms_b64'):.2f}x at batch 64; common "
+             f"path {share:.0%} of its parameters", "the-pipeline")]
+    for entry in picked["distill"]["results"]:
+        variants = entry["variants"]
+        if "states-T1" in variants and "kd" in variants:
+            default = variants["states-T1"]
+            rows.append((f"`distill`'s default, {entry['set']}",
+                         f"{default['unread'][0]:.4f}: {default['minus_alone_unread'][0]:+.4f} "
+                         f"against the student alone, {default['minus_kd_unread'][0]:+.4f} "
+                         "against KD (paired)", "distillation-what-the-student-learns-from"))
+    methods = {row["method"][0]: row for row in picked["pbt"]["results"]}
+    gain = mean_std([c - a for c, a in zip(methods["c"]["report_accuracy"],
+                                           methods["a"]["report_accuracy"], strict=True)])[0]
+    rows.append(("`pbt` against the default hyperparameters, same member-epochs",
+                 f"{methods['c']['report_mean']:.4f}: {gain:+.4f} (paired)",
+                 "pbt-against-the-default-and-random-search"))
+    flows = [r for r in picked["small_data"]["results"] if "flow" in r]
+    held = {r["set"]: r["holdout_baselines"] for r in picked["small_data"]["results"]
+            if "holdout_baselines" in r}
+    margin = min(r["holdout_accuracy_mean"] - max(mean_std([b[k] for b in held[r["set"]]])[0]
+                                                  for k in ("knn", "linear"))
+                 for r in flows if r["set"] in held)
+    rows.append(("every flow's defaults on two sets no default was tuned on",
+                 f"above both raw-pixel baselines by at least {margin:.4f}",
+                 "defaults-on-data-no-default-was-tuned-on"))
+    lines = ["| result | on the unread images | table |", "| --- | --- | --- |"]
+    lines += [f"| {what} | {figure} | [table](docs/benchmarks.md#{anchor}) |"
+              for what, figure, anchor in rows]
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {"image_text": image_text, "cascade": cascade,
                                                "pipeline": pipeline, "pbt": pbt,
                                                "small_data": small_data,
@@ -595,14 +651,17 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"image_text": image_text, "cascad
                                                "descriptions": descriptions,
                                                "distill_bank": distill_bank,
                                                "distill_targets": distill_targets,
-                                               "serving": serving, "faults": faults}
+                                               "serving": serving, "faults": faults,
+                                               "summary": summary_table}
 
 
 PICKERS: dict[str, Callable[[str, Path], dict]] = {"sparsify": newest_per_task,
                                                    "distill_targets": merged_variants_per_set,
                                                    "cascade": newest_per_set,
                                                    "descriptions": newest_per_variant,
-                                                   "small_data": newest_per_flow}
+                                                   "small_data": newest_per_flow,
+                                                   "summary": lambda _name, results: summary(
+                                                       results)}
 
 
 def render(name: str, results: Path = RESULTS) -> str:
@@ -618,24 +677,33 @@ def readme_tables(text: str) -> dict[str, str]:
     return {match["name"]: match["body"] for match in BLOCK.finditer(text)}
 
 
-def write(name: str, readme: Path = README) -> None:
-    """Replaces benchmark `name`'s table in the README with the one its newest record gives."""
-    text = readme.read_text()
-    if name not in readme_tables(text):
-        raise KeyError(f"README.md has no `<!-- table: {name} -->` block")
-    table = render(name)
-    readme.write_text(BLOCK.sub(lambda m: m.group(0) if m["name"] != name else
-                                f"<!-- table: {name} -->\n{table}<!-- /table -->", text))
+def document_of(name: str, documents: tuple[Path, ...] = DOCUMENTS) -> Path:
+    """The document (README.md or docs/benchmarks.md) holding benchmark `name`'s block."""
+    for document in documents:
+        if name in readme_tables(document.read_text()):
+            return document
+    raise KeyError(f"no `<!-- table: {name} -->` block in "
+                   f"{', '.join(str(d.relative_to(ROOT)) for d in documents)}")
+
+
+def write(name: str) -> Path:
+    """Replaces benchmark `name`'s table in its document with the one its records give."""
+    document = document_of(name)
+    text, table = document.read_text(), render(name)
+    document.write_text(BLOCK.sub(lambda m: m.group(0) if m["name"] != name else
+                                  f"<!-- table: {name} -->\n{table}<!-- /table -->", text))
+    return document
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("name", choices=sorted(RENDERERS))
-    parser.add_argument("--write", action="store_true", help="replace it in README.md")
+    parser.add_argument("--write", action="store_true",
+                        help="replace it in README.md or docs/benchmarks.md, where its block is")
     args = parser.parse_args()
     print(render(args.name), end="")
     if args.write:
-        write(args.name)
+        print(f"(written to {write(args.name).relative_to(ROOT)})")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Every generated README table equals what its committed raw record gives (`bench.tables`),
-and every benchmark record names the commit and the command that made it."""
+"""Every generated table (the README's summary, docs/benchmarks.md's tables) equals what its
+committed raw records give (`bench.tables`), every benchmark record names the commit and the
+command that made it, and the README stays a five-minute read."""
 
 from __future__ import annotations
 
@@ -7,14 +8,36 @@ import json
 
 import pytest
 
-from bench.tables import README, RESULTS, readme_tables, render
+from bench.tables import BENCHMARKS, DOCUMENTS, README, RESULTS, readme_tables, render
 
 
-def test_readme_tables_match_their_raw_records():
-    tables = readme_tables(README.read_text())
-    assert tables, "README.md has no generated table"
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: p.name)
+def test_generated_tables_match_their_raw_records(document):
+    tables = readme_tables(document.read_text())
+    assert tables, f"{document.name} has no generated table"
     for name, body in tables.items():
-        assert body == render(name), f"README's {name} table differs from bench/results"
+        assert body == render(name), f"{document.name}'s {name} table differs from bench/results"
+
+
+def test_the_readme_is_short_and_every_benchmark_table_is_in_docs():
+    """At most 200 lines, one generated table (the summary); every benchmark with a renderer
+    that has a record shows its table in docs/benchmarks.md, and every link of the summary
+    lands on a heading there."""
+    import re
+
+    from bench.tables import RENDERERS
+
+    readme = README.read_text()
+    assert len(readme.splitlines()) <= 200
+    assert list(readme_tables(readme)) == ["summary"]
+    shown = readme_tables(BENCHMARKS.read_text())
+    recorded = {name for name in RENDERERS if (RESULTS / f"{name}.jsonl").exists()}
+    # (distill_bank: a removed benchmark; its record stays as docs/distill.md's history)
+    assert recorded - {"summary", "distill_bank"} <= set(shown)
+    headings = {re.sub(r"[^a-z0-9 _-]", "", line.lstrip("# ").lower()).replace(" ", "-")
+                for line in BENCHMARKS.read_text().splitlines() if line.startswith("#")}
+    for anchor in re.findall(r"docs/benchmarks\.md#([\w-]+)", readme):
+        assert anchor in headings, anchor
 
 
 @pytest.mark.parametrize("path", sorted(RESULTS.glob("*.jsonl")), ids=lambda p: p.name)
