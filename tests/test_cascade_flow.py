@@ -195,8 +195,9 @@ def test_killed_run_resumes_from_the_last_finished_round():
     # set, not the calling process's: the run had stopped on a device mismatch)
     checkpoints = Path(os.environ["COMPACTML_ARTIFACTS"]) / "checkpoints" / "cascade"
     # module 1's first round written: the sets, the latency table and module 0 are stored
-    kill_when_written(["cascade", *args], checkpoints, "module-1-round-001.pt.dvc")
-    assert_whole_after_kill(checkpoints, "module-*.pt")
+    written = kill_when_written(["cascade", *args], checkpoints, "module-1-round-001.pt.dvc")
+    run_folder = written[0].parent  # this run's folder (the session's other runs have theirs)
+    assert_whole_after_kill(run_folder, "module-*.pt")
     state = cascade(smoke_cascade(seed=7, threads=1, model_name="cascade-resume"),
                     return_state=True)
     states = task_states(state)
@@ -205,7 +206,7 @@ def test_killed_run_resumes_from_the_last_finished_round():
     assert states["module-2-round-2"] == "Completed"
     assert state.result().test_accuracy > 0.3
     assert tracking.model_versions("cascade-resume") == []  # smoke runs never register
-    assert not list(checkpoints.rglob(".*.tmp"))  # the rerun's commits removed DVC's debris
+    assert not list(run_folder.rglob(".*.tmp"))  # the rerun's commits removed DVC's debris
 
 
 def _prepared(config: CascadeConfig):

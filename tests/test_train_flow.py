@@ -104,8 +104,8 @@ def test_killed_run_resumes_from_the_last_finished_epoch(session_dir):
     written = kill_when_written(["train", *config], checkpoints, "epoch-002.pt.dvc",
                                 timeout=300)
     # the kill lands during epoch 2's `dvc commit`: no checkpoint is half-written
-    assert_whole_after_kill(checkpoints, "epoch-*.pt")
     run_folder = written[0].parent  # this run's folder (the session has others)
+    assert_whole_after_kill(run_folder, "epoch-*.pt")
     (run_folder / tmp_fname()).write_bytes(b"test")  # named and filled as DVC's link test
     config_obj = TrainConfig(profile="smoke", model_name="resume", epochs=4, train_limit=3000,
                              seed=5)
@@ -114,7 +114,7 @@ def test_killed_run_resumes_from_the_last_finished_epoch(session_dir):
     assert states["epoch-1"] == "Cached"
     assert states["epoch-4"] == "Completed"
     # and the resumed run has removed whatever temporary file the killed one left
-    assert not list(checkpoints.rglob(".*.tmp")) and not list(checkpoints.rglob(".epoch-*"))
+    assert not list(run_folder.rglob(".*.tmp")) and not list(run_folder.rglob(".epoch-*"))
 
 
 def test_image_folder_trains_end_to_end(fashion_folder):
