@@ -31,7 +31,7 @@ from tasks.adapters import tracking
 from tasks.configs.sections import ClassifierConfig, classifier_config
 from tasks.configs.train import TrainConfig
 from tasks.data import DatasetRef, load_dataset, prepare_dataset, source_version
-from tasks.rounds import train_round
+from tasks.rounds import round_task
 from tasks.training import (
     ClassifierRound,
     eval_batches,
@@ -88,7 +88,7 @@ class FlowSide:
 
     def __init__(self, config: ClassifierConfig, dataset: DatasetRef, run_id: str) -> None:
         self.config, self.dataset, self.run_id = config, dataset, run_id
-        self.task = train_round.with_options(refresh_cache=True)
+        self.task = round_task.with_options(refresh_cache=True)
         self.previous = None
         self.fixed_costs: list[float] = []
 

@@ -49,7 +49,7 @@ from tasks.cascade_evaluation import (
     ROUTINGS,
     Calibration,
     CascadeTest,
-    calibrate_thresholds,
+    calibrate_exit_thresholds,
     register_cascade,
     sweep_figure,
     test_cascade,
@@ -160,7 +160,7 @@ def cascade(config: CascadeConfig) -> CascadeSummary:
                 f"{refit.metrics[f'exit{k}_val_accuracy_before_refit']:.4f} -> "
                 f"{refit.metrics[f'exit{k}_val_accuracy']:.4f}"
                 for k in range(len(config.widths) - 1)))
-        calibration = calibrate_thresholds(config, dataset, latency, checkpoint)
+        calibration = calibrate_exit_thresholds(config, dataset, latency, checkpoint)
         tracking.log_metrics(run_id, calibration.metrics)
         tracking.log_artifact_refs(run_id, {"checkpoint.calibrated": calibration.checkpoint})
         if calibration.routing is not None:  # what the registered model runs

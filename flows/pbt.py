@@ -18,7 +18,7 @@ from prefect import flow
 from pydantic import BaseModel, ConfigDict
 
 from flows.skeleton import finish, prepare, publish, tracked_flow_run
-from flows.steps.pbt import FLOW_NAME, PopulationResult, run_population
+from flows.steps.pbt import FLOW_NAME, PopulationResult, population_step
 from tasks.adapters import tracking
 from tasks.adapters.registration import Registration
 from tasks.configs.pbt import PBTConfig
@@ -55,7 +55,7 @@ def pbt(config: PBTConfig) -> PBTSummary:
     with tracked_flow_run(config, experiment, run_name, name) as run_id:
         prepared = prepare(config, run_id)
         config = prepared.apply(config)
-        best_config, population, budget = run_population(config, prepared, run_id)
+        best_config, population, budget = population_step(config, prepared, run_id)
         finished = finish(run_id, name, config.run, best_config, prepared,
                           population.best.checkpoint, population.best.metrics["val_accuracy"],
                           SCORED_WEIGHTS)

@@ -47,7 +47,7 @@ from flows.skeleton import (
 )
 from flows.steps.distill import distill_stages, fitted_plan
 from flows.steps.image_text import train_image_text
-from flows.steps.pbt import run_population
+from flows.steps.pbt import population_step
 from flows.steps.sparsify import train_sparse
 from tasks.adapters import tracking
 from tasks.adapters.caching import code_version, result_fields
@@ -67,7 +67,7 @@ from tasks.image_text import AsClassifier, as_classifier
 from tasks.pbt import SCORED_WEIGHTS
 from tasks.pipeline import (
     Fallback,
-    StepModel,
+    TimedStep,
     fit_fallback,
     hand_over,
     register_fallback,
@@ -235,7 +235,7 @@ def run_image_text(config: PipelineConfig, prepared: Prepared, run_id: str,
     return plain
 
 
-def image_text_step(config: PipelineConfig, prepared: Prepared, run_id: str,
+def image_text_decision(config: PipelineConfig, prepared: Prepared, run_id: str,
                     student_checkpoint: ArtifactRef, student: StepResult
                     ) -> tuple[StepResult | None, ArtifactRef, str]:
     """Step 2b where the run has descriptions: the image-text step, tested; the checkpoint PBT
@@ -259,7 +259,7 @@ def run_pbt(config: PipelineConfig, prepared: Prepared, run_id: str, start: Arti
     classifier config and result."""
     pbt = prepared.apply(config.pbt_config())
     with tracking.tracked_run(FLOW_NAME, "pbt", pbt, parent_run_id=run_id) as pbt_run:
-        best_config, population, _ = run_population(pbt, prepared, pbt_run, start)
+        best_config, population, _ = population_step(pbt, prepared, pbt_run, start)
     return best_config, population.best
 
 
@@ -293,7 +293,7 @@ def run_cascade(config: PipelineConfig, dataset: DatasetRef, run_id: str,
                                 config.run.seed, student_weights=student.weights)
         tracking.log_dict(fallback_run, fallback.latency, "cascade/latency.json")
         tracking.set_tags(fallback_run, {"cascade.routing": fallback.routing})
-        timing = time_steps([StepModel(name=s.name, classifier=s.classifier,
+        timing = time_steps([TimedStep(name=s.name, classifier=s.classifier,
                                        checkpoint=s.checkpoint, weights=s.weights)
                              for s in steps], dataset, fallback, front, "teacher")
         steps = [s.model_copy(update={"ms_per_image_b1": timing[s.name]["ms_per_image_b1"],
@@ -360,7 +360,7 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
         steps += [teacher_step, student_step]
         handed = hand_over(last.student.checkpoint, "model", "distill")
         tracking.log_artifact_refs(run_id, {"handover.distill": handed})
-        text_step, handed, text_decision = image_text_step(  # 2b.
+        text_step, handed, text_decision = image_text_decision(  # 2b.
             config, prepared, run_id, handed, student_step)
         steps += [] if text_step is None else [text_step]
         logger.info("image-text step %s", text_decision)

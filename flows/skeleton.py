@@ -31,7 +31,7 @@ from tasks.configs.sections import (
 )
 from tasks.configs.sparsify import SparsitySpec
 from tasks.data import DatasetRef, pixel_baselines, prepare_dataset, source_version
-from tasks.rounds import RoundPlan, RoundResult, train_round
+from tasks.rounds import RoundPlan, RoundResult, round_task
 from tasks.training import ClassifierRound, TestResult, fit_to_data, test_and_export
 from training.baselines import best_baseline, mirror_safe
 from training.budget import Budget
@@ -162,9 +162,9 @@ def run_rounds(rounds: int, plan_of: Callable[[int, ArtifactRef | None], RoundPl
                name: str = "checkpoint", first_step: int = 0, keep_from: int = 0,
                previous: ArtifactRef | None = None, round_name: str = "epoch",
                metrics_prefix: str = "", keep_last: bool = False,
-               train: Callable[[RoundPlan, ArtifactRef | None], RoundResult] = train_round
+               train: Callable[[RoundPlan, ArtifactRef | None], RoundResult] = round_task
                ) -> RoundResult:
-    """Runs the round task (`tasks.rounds.train_round`, or `train`) on
+    """Runs the round task (`tasks.rounds.round_task`, or `train`) on
     `plan_of(epoch, previous)` from the previous round's checkpoint (the first from
     `previous`) for up to `rounds` rounds, logging each round's metrics (named
     `<metrics_prefix><metric>`, at step `first_step` + the round's number) and checkpoint (as

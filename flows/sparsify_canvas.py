@@ -77,7 +77,7 @@ def layouts_of(config: SparsifyConfig, run_id: str) -> LayoutsRef:
     return layouts
 
 
-def train_sparse(config: SparsifyConfig, layouts: LayoutsRef, run_id: str
+def train_sparse_canvas(config: SparsifyConfig, layouts: LayoutsRef, run_id: str
                  ) -> tuple[SparsitySpec, RoundResult, SparsityReport]:
     """The config's sparsity term, the rounds trained with it (the round kept) and the kept
     network's activations on the validation canvases, logged on `run_id`."""
@@ -107,7 +107,7 @@ def sweep(config: SparsifyConfig, layouts: LayoutsRef, report: SparsityReport,
         varied = config.replace(sparsity_lambda=lam, layer_lambdas=None, lambda_sweep=None)
         with tracking.tracked_run(FLOW_NAME, f"lambda-{lam:g}", varied,
                                   parent_run_id=run_id) as child:
-            points[lam] = train_sparse(varied, layouts, child)[2]
+            points[lam] = train_sparse_canvas(varied, layouts, child)[2]
             tracking.log_metrics(child, {f"val_{points[lam].score_name}":
                                          points[lam].val_score})
     if len(points) > 1:
@@ -119,7 +119,7 @@ def sparsify_canvas(config: SparsifyConfig, name: str, run_id: str) -> CanvasSum
     """A detection or contour run inside the flow's MLflow run `run_id`; registers as
     `name`."""
     layouts = layouts_of(config, run_id)
-    spec, best, report = train_sparse(config, layouts, run_id)
+    spec, best, report = train_sparse_canvas(config, layouts, run_id)
     tracking.log_dict(run_id, report.model_dump(), "sparsity/report.json")
     tracking.log_figure(run_id, sparsity_figure(report, f"{config.network_name()}, "
                                                 f"{spec.build().describe()}"),

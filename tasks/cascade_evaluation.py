@@ -82,7 +82,7 @@ def validation_table(config: CascadeConfig, dataset: DatasetRef, net: CascadeNet
 
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="calibrate-thresholds")
-def calibrate_thresholds(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRef,
+def calibrate_exit_thresholds(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRef,
                          checkpoint: ArtifactRef) -> Calibration:
     """The exit thresholds and routing calibrated on validation for the config's goal
     (`training.cascade.calibration.calibrate_cascade`), written into a new checkpoint beside

@@ -1,5 +1,5 @@
 """Distillation tasks: a teacher stage (`TeacherRound`), a feature-bank snapshot, a student
-stage (`StudentRound`); the stages train through `tasks.rounds.train_round`.
+stage (`StudentRound`); the stages train through `tasks.rounds.round_task`.
 
 Each task loads its inputs by reference, does one coarse unit of work, writes its output
 atomically into the artifact store (versioned with DVC) and returns the reference and metrics.

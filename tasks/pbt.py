@@ -1,4 +1,4 @@
-"""PBT tasks: one member's training round (`MemberRound`, trained by `tasks.rounds.train_round`),
+"""PBT tasks: one member's training round (`MemberRound`, trained by `tasks.rounds.round_task`),
 the greedy soup, and the population's lineage log.
 
 A member round loads the checkpoint it starts from by reference (its own, or after a copy the
@@ -23,7 +23,7 @@ from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.sections import ClassifierConfig
 from tasks.data import DatasetRef, load_dataset
-from tasks.rounds import Closed, Opened, RoundPlan, RoundResult, setup_device, train_round
+from tasks.rounds import Closed, Opened, RoundPlan, RoundResult, round_task, setup_device
 from tasks.training import (
     classifier_round,
     eval_batches,
@@ -181,7 +181,7 @@ class MemberRound(RoundPlan):
 
 # The round task for members, retried once: a member that fails again is recorded in the
 # lineage and the population goes on without it.
-member_round = train_round.with_options(retries=1)
+member_round = round_task.with_options(retries=1)
 
 
 def write_lineage(population: str, records: list[dict[str, Any]]) -> ArtifactRef:

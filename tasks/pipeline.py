@@ -176,7 +176,7 @@ def fit_fallback(student: ClassifierConfig, teacher: ClassifierConfig, dataset: 
                     latency=alone)
 
 
-class StepModel(BaseModel):
+class TimedStep(BaseModel):
     """One step's network as the latency table times it: its classifier config, checkpoint
     and weights entry."""
 
@@ -189,7 +189,7 @@ class StepModel(BaseModel):
 
 
 @task(task_run_name="time-steps")
-def time_steps(steps: list[StepModel], dataset: DatasetRef, fallback: Fallback,
+def time_steps(steps: list[TimedStep], dataset: DatasetRef, fallback: Fallback,
                student: str, teacher: str, latency_images: int = 300
                ) -> dict[str, dict[str, float]]:
     """Every step's network and the cascade (`student` in front of `teacher`, with

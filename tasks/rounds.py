@@ -8,7 +8,7 @@ torchrun job, from the same `Round`), validate, and write a versioned checkpoint
 is said by the technique's `RoundPlan` (`ClassifierRound`, `MemberRound`, `TeacherRound`,
 `StudentRound`, `ModuleRound`, `ImageTextRound`, `CanvasRound`): a frozen pydantic model of
 the round's inputs, whose `open` resumes and builds and whose `close` validates and says what
-the checkpoint holds. `train_round(plan, previous)` runs it and returns one `RoundResult`.
+the checkpoint holds. `round_task(plan, previous)` runs it and returns one `RoundResult`.
 
 A round is cached on its plan, its previous checkpoint and the code of its plan's module (and
 what that imports; `tasks.adapters.caching`), so a re-run, or a run resumed after a crash,
@@ -31,7 +31,7 @@ from tasks.adapters.checkpoints import save_checkpoint
 from tasks.adapters.torchrun import train_data_parallel
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from training.device import resolve_device
-from training.rounds import Round, Trainee, train
+from training.rounds import Round, Trainee, train_passes
 
 
 class RoundResult(BaseModel):
@@ -108,11 +108,11 @@ def setup_device(config: Any) -> torch.device:
 
 def train_trainee(config: Any, round_: Round, trainee: Trainee, device: torch.device
                   ) -> dict[str, float]:
-    """`training.rounds.train` in this process, or with `config.run.ddp_procs` > 1 in a torchrun
-    job of that many processes (`tasks.adapters.torchrun`), from the same `Round`."""
+    """`training.rounds.train_passes` in this process, or with `config.run.ddp_procs` > 1 in a
+    torchrun job of that many processes (`tasks.adapters.torchrun`), from the same `Round`."""
     procs = config.run.ddp_procs
     if procs == 1:
-        return train(round_, trainee, device)
+        return train_passes(round_, trainee, device)
     return train_data_parallel(procs, round_, trainee, config.run.device, config.run.threads)
 
 
@@ -122,7 +122,7 @@ def _round_run_name() -> str:
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name=_round_run_name,
       retries=0)
-def train_round(plan: RoundPlan, previous: ArtifactRef | None = None) -> RoundResult:
+def round_task(plan: RoundPlan, previous: ArtifactRef | None = None) -> RoundResult:
     """Trains one round of `plan` from the checkpoint `previous` (None: its start) and writes
     its checkpoint (the module docstring)."""
     device = setup_device(plan.config)

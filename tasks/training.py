@@ -1,4 +1,4 @@
-"""Training a classifier: its round (`ClassifierRound`, trained by `tasks.rounds.train_round`),
+"""Training a classifier: its round (`ClassifierRound`, trained by `tasks.rounds.round_task`),
 the parts every classifier technique shares (the seeded network, resume, batches, budget), and
 the final test evaluation and export.
 

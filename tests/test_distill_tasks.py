@@ -21,7 +21,7 @@ from tasks.distill import (
     stage_ids,
     teacher_features,
 )
-from tasks.rounds import train_round
+from tasks.rounds import round_task
 from tasks.training import ClassifierRound, new_model
 from training.batches import Normalize, shift_flip
 from training.distill.feature_bank import UNFILLED
@@ -31,12 +31,12 @@ from training.features import FeatureHooks
 
 def teacher_stage(teacher, dataset, stage, previous):
     """The round task on a teacher stage."""
-    return train_round.fn(TeacherRound(config=teacher, dataset=dataset, stage=stage), previous)
+    return round_task.fn(TeacherRound(config=teacher, dataset=dataset, stage=stage), previous)
 
 
 def student_stage(student, dataset, stage, previous, bank):
     """The round task on a student stage against `bank`."""
-    return train_round.fn(StudentRound(config=student, dataset=dataset, stage=stage,
+    return round_task.fn(StudentRound(config=student, dataset=dataset, stage=stage,
                                        bank=bank), previous)
 
 
@@ -101,7 +101,7 @@ def test_a_patient_student_trains_on_a_teacher_state_run_on_its_own_batches(setu
         return StudentRound(config=patient.student, dataset=dataset, stage=1, teacher=teacher,
                             teacher_config=patient.teacher)
 
-    first = train_round.fn(state_round(t1.checkpoint))
+    first = round_task.fn(state_round(t1.checkpoint))
     # 320 images a pass at batch 64 (5 steps), two passes: twice one pass's 320
     assert first.metrics["images"] == 640
     assert first.metrics["loss_feat"] > 0 and "bank_filled_fraction_drawn" not in first.metrics
@@ -110,7 +110,7 @@ def test_a_patient_student_trains_on_a_teacher_state_run_on_its_own_batches(setu
     assert first.checkpoint.path == state_round(t1.checkpoint).relpath() \
         != state_round(other).relpath()
     with pytest.raises(ValueError, match="need the teacher state's checkpoint"):
-        train_round.fn(StudentRound(config=patient.student, dataset=dataset, stage=1))
+        round_task.fn(StudentRound(config=patient.student, dataset=dataset, stage=1))
 
 
 def test_memory_mapped_and_per_state_banks_hold_the_same_entries(setup):
@@ -144,7 +144,7 @@ def test_a_warm_started_teacher_is_state_zero_of_the_bank_and_of_stage_one(setup
                                                     teacher_pretrain_epochs=1))
     pretrain = pretrain_config(plan.teacher)
     assert pretrain.epochs == 1 and pretrain.network.model == plan.teacher.network.model
-    warm = train_round.fn(ClassifierRound(config=pretrain, dataset=dataset, epoch=0,
+    warm = round_task.fn(ClassifierRound(config=pretrain, dataset=dataset, epoch=0,
                                           run_name="distill-pretrain"))
     t1 = teacher_stage(plan.teacher, dataset, 1, warm.checkpoint)
     cold = bank_snapshot.fn(plan.teacher, plan.bank, dataset, 1, t1.checkpoint, None)

@@ -52,11 +52,11 @@ def _weights(ref, entry="model"):
 
 
 def test_the_train_task_on_two_processes_follows_one_with_the_same_global_batch():
-    from tasks.rounds import train_round
+    from tasks.rounds import round_task
     from tasks.training import ClassifierRound
 
     classifier, dataset = _lenet_smoke()
-    one, two = (train_round.fn(ClassifierRound(
+    one, two = (round_task.fn(ClassifierRound(
         config=classifier.replace(ddp_procs=procs), dataset=dataset, epoch=0,
         run_name="ddp-test", repeats=2)) for procs in (1, 2))
     assert two.checkpoint.path != one.checkpoint.path  # a setting of the result: its own key
@@ -70,10 +70,10 @@ def test_the_train_task_on_two_processes_follows_one_with_the_same_global_batch(
 
 def test_a_pbt_member_trains_data_parallel_with_its_weight_average():
     from tasks.pbt import MemberRound
-    from tasks.rounds import train_round
+    from tasks.rounds import round_task
 
     classifier, dataset = _lenet_smoke()
-    runs = [train_round.fn(MemberRound(
+    runs = [round_task.fn(MemberRound(
         config=classifier.replace(ddp_procs=procs), dataset=dataset,
         population=f"ddp-{procs}", member=0, phase="stage", index=1, first_epoch=0, epochs=2,
         cycle=(0, 2), average_decay=0.9)) for procs in (1, 2)]
@@ -88,7 +88,7 @@ def test_distill_teacher_and_student_stages_train_data_parallel_like_one_process
     from tasks.configs.distill import DistillConfig
     from tasks.data import prepare_dataset, source_version
     from tasks.distill import DistillPlan, StudentRound, TeacherRound, bank_snapshot
-    from tasks.rounds import train_round
+    from tasks.rounds import round_task
 
     # No BatchNorm in either network (on CPUs each process would normalise its own share), so
     # the teacher is a wider lenet (a copy of the role: the config wants a deeper teacher). The
@@ -102,7 +102,7 @@ def test_distill_teacher_and_student_stages_train_data_parallel_like_one_process
     plans = [DistillPlan.of(config.replace(ddp_procs=procs)) for procs in (1, 2)]
     plans = [plan.model_copy(update={"teacher": plan.teacher.replace(model="lenet", width=16)})
              for plan in plans]
-    teachers = [train_round.fn(TeacherRound(config=plan.teacher, dataset=dataset, stage=1))
+    teachers = [round_task.fn(TeacherRound(config=plan.teacher, dataset=dataset, stage=1))
                 for plan in plans]
     assert teachers[1].metrics["ddp_processes"] == 2
     assert teachers[1].metrics["loss"] == pytest.approx(teachers[0].metrics["loss"], rel=1e-4)
@@ -110,7 +110,7 @@ def test_distill_teacher_and_student_stages_train_data_parallel_like_one_process
         assert _weights(teachers[1].checkpoint)[name].allclose(tensor, rtol=1e-3, atol=1e-5)
     bank = bank_snapshot.fn(plans[0].teacher, plans[0].bank, dataset, 1,
                             teachers[0].checkpoint, None)
-    students = [train_round.fn(StudentRound(config=plan.student, dataset=dataset, stage=1,
+    students = [round_task.fn(StudentRound(config=plan.student, dataset=dataset, stage=1,
                                             bank=bank.bank)) for plan in plans]
     assert students[1].metrics["ddp_processes"] == 2
     for key in ("loss", "loss_ce", "loss_feat"):
@@ -125,14 +125,14 @@ def test_distill_teacher_and_student_stages_train_data_parallel_like_one_process
 
 def test_the_sparsity_term_and_thresholds_train_data_parallel_like_one_process():
     from tasks.configs.sparsify import SparsitySpec
-    from tasks.rounds import train_round
+    from tasks.rounds import round_task
     from tasks.training import ClassifierRound
 
     classifier, dataset = _lenet_smoke()
     # with a threshold cycle's activation thresholds in place while training
     spec = SparsitySpec(lambdas={"block1": 0.3, "block2": 0.6}, transform="exp_abs", power=2,
                         abs_power=1, base=2.0, thresholds={"block1": 0.05})
-    runs = [train_round.fn(ClassifierRound(
+    runs = [round_task.fn(ClassifierRound(
         config=classifier.replace(ddp_procs=procs), dataset=dataset, epoch=0,
         run_name="ddp-sparse", sparsity=spec)) for procs in (1, 2)]
     assert runs[1].metrics["ddp_processes"] == 2
@@ -168,12 +168,12 @@ def test_a_cascade_module_round_trains_data_parallel_like_one_process(k, tiny_ca
     import torch
 
     from tasks.cascade import ModuleRound, new_cascade
-    from tasks.rounds import train_round
+    from tasks.rounds import round_task
     from tests.test_cascade_flow import smoke_cascade
 
     settings, dataset, sets, latency = tiny_cascade
     configs = [smoke_cascade(**settings, ddp_procs=procs) for procs in (1, 2)]  # accepted
-    runs = [train_round.fn(ModuleRound(config=config, dataset=dataset, sets=sets,
+    runs = [round_task.fn(ModuleRound(config=config, dataset=dataset, sets=sets,
                                        latency=latency, k=k, epoch=0)) for config in configs]
     one, two = ({key[len(f"module{k}_"):]: value for key, value in r.metrics.items()}
                 for r in runs)
@@ -201,7 +201,7 @@ def test_a_cascade_round_under_torchrun_in_one_process_is_the_in_process_round(
     import tasks.rounds
     from tasks.adapters.torchrun import train_data_parallel
     from tasks.cascade import ModuleRound
-    from tasks.rounds import train_round
+    from tasks.rounds import round_task
     from tests.test_cascade_flow import smoke_cascade
 
     settings, dataset, sets, latency = tiny_cascade
@@ -214,7 +214,7 @@ def test_a_cascade_round_under_torchrun_in_one_process_is_the_in_process_round(
             return ModuleRound(config=config, dataset=dataset, sets=sets, latency=latency, k=1,
                                epoch=epoch)
 
-        return train_round.fn(plan(1), train_round.fn(plan(0)).checkpoint)
+        return round_task.fn(plan(1), round_task.fn(plan(0)).checkpoint)
 
     one = rounds(1)
     monkeypatch.setattr(tasks.rounds, "train_data_parallel",

@@ -170,3 +170,16 @@ def test_every_name_a_benchmark_imports_from_the_project_exists():
             missing += [f"{path.name}: {node.module}.{a.name}" for a in node.names
                         if a.name not in defined]
     assert not missing
+
+
+def test_no_public_name_is_defined_on_two_floors():
+    """A function or class name means one thing: `train_round` was both the recipe's loop
+    (training/) and the Prefect task around it (tasks/). `main` is every entry point's."""
+    where: dict[str, set[str]] = {}
+    for floor in ("models", "training", "serving", "tasks", "flows"):
+        for path in (ROOT / floor).rglob("*.py"):
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) \
+                        and not node.name.startswith("_") and node.name != "main":
+                    where.setdefault(node.name, set()).add(floor)
+    assert {name: sorted(floors) for name, floors in where.items() if len(floors) > 1} == {}

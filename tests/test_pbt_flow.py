@@ -27,7 +27,7 @@ from tasks.pbt import (
     member_config,
     population_scheduler,
 )
-from tasks.rounds import train_round
+from tasks.rounds import round_task
 from training.pbt.scheduler import replay
 
 NAME = "pbt-smoke"
@@ -36,7 +36,7 @@ NAME = "pbt-smoke"
 def train_member(config, dataset, population, member, phase, index, first_epoch, epochs, cycle,
                  previous, average_decay=None, weights="model"):
     """The round task on one member's round."""
-    return train_round.fn(MemberRound(
+    return round_task.fn(MemberRound(
         config=config, dataset=dataset, population=population, member=member, phase=phase,
         index=index, first_epoch=first_epoch, epochs=epochs, cycle=cycle,
         average_decay=average_decay, weights=weights), previous)

@@ -167,8 +167,8 @@ def _answer(url: str, deadline: float) -> list:
 def test_serve_follows_the_champion_alias_to_a_new_version(first_run):
     name = "follow-the-champion"
     source = f"models:/{SMOKE_MODEL}/1"
-    first = tracking.register_model(source, name, first_run.run_id, {})
-    second = tracking.register_model(source, name, first_run.run_id, {})
+    first = tracking.register_version(source, name, first_run.run_id, {})
+    second = tracking.register_version(source, name, first_run.run_id, {})
     tracking.set_alias(name, "champion", first)
     port = free_port()
     proc = subprocess.Popen(

@@ -9,7 +9,7 @@ from tasks.adapters.versioning import ArtifactStore
 from tasks.configs.sections import classifier_config
 from tasks.configs.train import TrainConfig
 from tasks.data import load_dataset, prepare_dataset, source_version
-from tasks.rounds import train_round
+from tasks.rounds import round_task
 from tasks.training import ClassifierRound, run_key
 
 
@@ -46,13 +46,13 @@ def test_epoch_task_resumes_with_the_configured_learning_rate():
     data = config.dataset
     dataset = prepare_dataset.fn(data, source_version(data))
     classifier = classifier_config(config)
-    first = train_round.fn(ClassifierRound(config=classifier, dataset=dataset, epoch=0))
+    first = round_task.fn(ClassifierRound(config=classifier, dataset=dataset, epoch=0))
     assert first.checkpoint.path.endswith(f"{run_key(classifier, dataset)}/epoch-001.pt")
     # A checkpoint written with another learning rate: the resumed run must not inherit it.
     stored = torch.load(ArtifactStore().fetch(first.checkpoint), weights_only=True)
     assert stored["optimizer"]["param_groups"][0]["lr"] == first.metrics["lr"]
     faster = classifier.replace(lr=0.4)
-    second = train_round.fn(ClassifierRound(config=faster, dataset=dataset, epoch=1),
+    second = round_task.fn(ClassifierRound(config=faster, dataset=dataset, epoch=1),
                             first.checkpoint)
     # 256 images in batches of 64: 4 steps an epoch; the last step is step 7 of 8, and the
     # cosine schedule of the configured 0.4 gives 0.4 * (1 + cos(7/8 pi)) / 2 there.
@@ -66,11 +66,11 @@ def test_warm_continuation_equals_a_cold_resume_from_the_checkpoint():
     data = config.dataset
     dataset = prepare_dataset.fn(data, source_version(data))
     classifier = classifier_config(config)
-    first = train_round.fn(ClassifierRound(config=classifier, dataset=dataset, epoch=0))
+    first = round_task.fn(ClassifierRound(config=classifier, dataset=dataset, epoch=0))
     second = ClassifierRound(config=classifier, dataset=dataset, epoch=1)
-    warm = train_round.fn(second, first.checkpoint)  # live model
+    warm = round_task.fn(second, first.checkpoint)  # live model
     training._WARM.clear()
-    cold = train_round.fn(second, first.checkpoint)  # from disk
+    cold = round_task.fn(second, first.checkpoint)  # from disk
     store = ArtifactStore()
     warm_state = torch.load(store.fetch(warm.checkpoint), weights_only=True)
     cold_state = torch.load(store.fetch(cold.checkpoint), weights_only=True)

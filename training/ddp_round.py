@@ -6,7 +6,7 @@ round (`training.rounds.Round` as a record: the network's and the step's specs, 
 with their images, the passes, schedule and optimizer settings) and the live states: the
 network's, the modules' trained beside it (a distillation adapter), the optimizer's and the
 weight average's. Every process rebuilds them, joins the job (`training.distributed`: gloo on
-CPUs, nccl on CUDA) and trains its share of each batch through `training.rounds.train`, the
+CPUs, nccl on CUDA) and trains its share of each batch through `training.rounds.train_passes`, the
 function the in-process path calls; DDP averages the gradients, so a step is one process's
 step on the whole batch (BatchNorm aside: on CPUs each process normalises its own share).
 Rank 0 writes the trained states and the round's losses to OUT, under a temporary name, then
@@ -26,7 +26,7 @@ from torch import nn
 from training.device import place_model, resolve_device
 from training.distributed import start, stop
 from training.recipe import optimizer_to, set_momentum_and_decay, sgd, start_average
-from training.rounds import Round, Trainee, from_record, train
+from training.rounds import Round, Trainee, from_record, train_passes
 
 
 def run(job: dict[str, Any]) -> dict[str, Any]:
@@ -57,7 +57,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     averaged = None
     if round_.average_decay is not None:
         averaged = start_average(model, round_.average_decay, job["averaged"])
-    metrics = train(round_, Trainee(model, optimizer, extras, averaged), device, place)
+    metrics = train_passes(round_, Trainee(model, optimizer, extras, averaged), device, place)
     out = {"model": cpu_state(model), "optimizer": optimizer.state_dict(), "metrics": metrics,
            "world_size": place.world_size,
            "extras": {name: cpu_state(module) for name, module in extras.items()},

@@ -14,9 +14,9 @@ A `Round` holds everything a round trains from, as plain typed parts:
 - the optimizer's settings, the passes with their cosine schedule, the weight average's decay
   and the activation-sparsity term (`training.sparsify.term.SparsityTerm`).
 
-`train(round, trainee, device)` trains it in this process. `training.ddp_round` gets the same
+`train_passes(round, trainee, device)` trains it in this process. `training.ddp_round` gets the same
 `Round` as a record (`to_record`: nested dicts of tensors, numbers and strings, which
-`torch.load(weights_only=True)` reads back) and calls the same `train` in every process, so
+`torch.load(weights_only=True)` reads back) and calls the same `train_passes` in every process, so
 the step is built in one place for both paths.
 """
 
@@ -214,8 +214,8 @@ class Trainee:
     averaged: AveragedModel | None = None
 
 
-def train(round_: Round, trainee: Trainee, device: torch.device,
-          place: Distributed = SINGLE) -> dict[str, float]:
+def train_passes(round_: Round, trainee: Trainee, device: torch.device,
+                 place: Distributed = SINGLE) -> dict[str, float]:
     """Trains `round_`'s passes (`training.recipe.train_round`) and returns the last pass's
     losses; `trainee` is left trained."""
     with ExitStack() as stack:

@@ -21,7 +21,7 @@ from tasks.distill import (
     bank_snapshot,
     pretrain_config,
 )
-from tasks.rounds import RoundResult, train_round
+from tasks.rounds import RoundResult, round_task
 from tasks.training import ClassifierRound, fit_to_data
 from training.budget import Budget
 from training.distill.stages import run_stages
@@ -55,7 +55,7 @@ def _stage_loop(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef,
     targets = plan.student.targets
 
     def teacher_stage(stage: int, previous: RoundResult | None):
-        return submit(train_round, TeacherRound(config=plan.teacher, dataset=dataset,
+        return submit(round_task, TeacherRound(config=plan.teacher, dataset=dataset,
                                                 stage=stage),
                       previous.checkpoint if previous else pretrained).result
 
@@ -67,7 +67,7 @@ def _stage_loop(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef,
 
     def student_stage(stage: int, previous: RoundResult | None, bank: BankSnapshot | None,
                       teacher: ArtifactRef | None = None):
-        return submit(train_round, StudentRound(
+        return submit(round_task, StudentRound(
             config=plan.student, dataset=dataset, stage=stage,
             bank=bank.bank if bank is not None else None, teacher=teacher,
             teacher_config=None if teacher is None else plan.teacher),

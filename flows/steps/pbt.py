@@ -1,6 +1,6 @@
 """The `pbt` step: the population (`pbt_population`, a subflow of burn-in and stages of train /
 evaluate / copy / explore) on the prepared data, from given weights where the `pipeline` hands
-its student on, its members' runs and lineage logged (`run_population`), which the `pbt` flow
+its student on, its members' runs and lineage logged (`population_step`), which the `pbt` flow
 and the `pipeline` both run."""
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ from training.pbt.population import (
     MemberStart,
     PopulationRound,
     PopulationSettings,
+    run_population,
 )
-from training.pbt.population import run_population as run_population_loop
 
 # What the `pbt` flow, the `pipeline` and the benchmarks may import (tests/test_layering.py):
 # the technique's name (its flow's, and the experiment its members' runs go to), the
-# population from given weights (`run_population`) and what it gives back.
-__all__ = ["FLOW_NAME", "PopulationResult", "run_population"]
+# population from given weights (`population_step`) and what it gives back.
+__all__ = ["FLOW_NAME", "PopulationResult", "population_step"]
 
 FLOW_NAME = "pbt"
 
@@ -141,7 +141,7 @@ def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str
         round_epochs=config.round_epochs, repeats=repeats, average_decay=config.average_decay,
         target_accuracy=config.target_accuracy, stage_patience=config.stage_patience,
         soup=config.soup)
-    result = run_population_loop(
+    result = run_population(
         settings, lambda: population_scheduler(config, config.members, burn_in_values,
                                                dataset.sizes["val"]),
         burn_in_values, start, train, exploit_weights, LAST_WEIGHTS, on_member, on_stage,
@@ -154,7 +154,7 @@ def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str
                             val_images=dataset.sizes["val"])
 
 
-def run_population(config: PBTConfig, prepared: Prepared, run_id: str,
+def population_step(config: PBTConfig, prepared: Prepared, run_id: str,
                    start: ArtifactRef | None = None
                    ) -> tuple[ClassifierConfig, PopulationResult, Budget]:
     """The population's budget on the prepared data, its members' runs nested under `run_id`,

@@ -525,7 +525,7 @@ def promote(run_id: str, name: str, model_uri: str, score: Scorer | None,
             verdict = next((v for v in verdicts.values() if v.worse), None)
         if version is None:
             lease.check()
-            version = tracking.register_model(model_uri, name, run_id, {
+            version = tracking.register_version(model_uri, name, run_id, {
                 metric: f"{new_score:.6f}", "metric": metric, "program": program_md5,
                 "classes": json.dumps(classes), "parameters": str(new_parameters())} | tags)
         if alias == CHAMPION:

@@ -275,7 +275,7 @@ def log_pyfunc_model(run_id: str, python_model: str,
     return info.model_uri
 
 
-def register_model(model_uri: str, name: str, run_id: str, tags: Mapping[str, str]) -> str:
+def register_version(model_uri: str, name: str, run_id: str, tags: Mapping[str, str]) -> str:
     """Registers `model_uri` as a new version of `name`; returns the version number."""
     version = mlflow.register_model(model_uri, name, tags=dict(tags))
     return str(version.version)
