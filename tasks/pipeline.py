@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from prefect import task
 from pydantic import BaseModel, ConfigDict
-from torch import Tensor, nn
+from torch import Tensor
 
 from tasks.adapters.caching import computation_key
 from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint
@@ -31,9 +31,9 @@ from tasks.configs.sections import ClassifierConfig
 from tasks.data import DatasetRef, load_dataset
 from tasks.rounds import setup_device
 from tasks.training import eval_batches, split_batches, trained_model
-from training.cascade.fallback import calibrate_fallback, fallback_infer, fallback_table
-from training.cascade.learning import split_disjoint
-from training.cascade.routing import Router, choose_routing, fit_router, stands
+from training.cascade.fallback import fallback_infer
+from training.cascade.fallback_choice import Scored, choose_fallback
+from training.cascade.routing import Router
 from training.device import place_model
 from training.latency import interleaved_ms_per_image
 from training.loops import predict
@@ -71,109 +71,34 @@ class Fallback(BaseModel):
         return "fixed" if self.router is None else "fitted"
 
 
-def timing_calls(small: nn.Module, large: nn.Module, router: Router | None,
-                 thresholds: dict[str, float] | None = None
-                 ) -> dict[str, Callable[[Tensor], object]]:
-    """What is timed: each network alone and the student with the predictor (the latency
-    table), or (`thresholds`) the real cascade of each routing beside the networks alone."""
-    calls: dict[str, Callable[[Tensor], object]] = {"teacher": large, "student": small}
-    if thresholds is None:
-        if router is not None:
-            calls["student_predictor"] = lambda x: router(small(x))
-        return calls
-    calls["fixed"] = lambda x: fallback_infer(small, large, x, thresholds["fixed"])
-    if "fitted" in thresholds:
-        calls["fitted"] = lambda x: fallback_infer(small, large, x, thresholds["fitted"],
-                                                   router)
-    return calls
-
-
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="fit-fallback")
 def fit_fallback(student: ClassifierConfig, teacher: ClassifierConfig, dataset: DatasetRef,
                  student_checkpoint: ArtifactRef, teacher_checkpoint: ArtifactRef,
                  tolerance: float, predictor: str = "fitted", seed: int = 0,
                  latency_images: int = 1000, student_weights: str = "model") -> Fallback:
-    """Times the student and the teacher at batch 1 (passes interleaved: the latency table),
-    and chooses the cascade's routing on the validation split (`training.cascade.routing`):
-    with `predictor` "fitted", a predictor is fitted on one half and both routings are
-    calibrated on the other, the predictor kept only where it is cheaper at the goal; the
-    exit rule, when it stays, is calibrated on the whole split (`training.cascade.fallback`).
-    Then measures the real cascade of each routing on the test split: accuracy, the share the
-    student answers, and milliseconds per image at batch 1 beside each network's alone.
-    `student_weights`: the entry of the student's checkpoint that holds its weights (a PBT
-    member's `kept`)."""
+    """The trained student and teacher, their logits on the validation and test splits, and
+    the cascade's routing and threshold chosen from them
+    (`training.cascade.fallback_choice.choose_fallback`: timed at batch 1, chosen on
+    validation, measured on test). `student_weights`: the entry of the student's checkpoint
+    that holds its weights (a PBT member's `kept`)."""
     device = setup_device(student)
     small = place_model(trained_model(student, dataset, student_checkpoint, student_weights),
                         device).eval()
     large = place_model(trained_model(teacher, dataset, teacher_checkpoint), device).eval()
     data = load_dataset(dataset)
 
-    def logits(split: str):
-        return (predict(small, eval_batches(data, dataset, split, device), device),
-                predict(large, eval_batches(data, dataset, split, device), device)[0])
+    def scored(split: str) -> Scored:
+        student_logits, labels = predict(small, eval_batches(data, dataset, split, device),
+                                         device)
+        teacher_logits = predict(large, eval_batches(data, dataset, split, device), device)[0]
+        return Scored(student_logits, teacher_logits, labels)
 
     sample = next(iter(split_batches(data, dataset, "test", latency_images, device)))[1]
-    (val_small, val_labels), val_large = logits("val")
-    (test_small, test_labels), test_large = logits("test")
-    router, choice = None, None
-    if predictor == "fitted":
-        fit_rows, rows = split_disjoint(len(val_labels), 0.5, seed)
-        router = fit_router(val_small[fit_rows], stands(val_small[fit_rows], val_large[fit_rows],
-                                                        val_labels[fit_rows]), seed)
-        router.to(device)
-    with torch.no_grad():
-        alone = interleaved_ms_per_image(timing_calls(small, large, router), sample, 1)
-        router_cost = None if router is None else alone["student_predictor"]
-
-        def scores(student_logits: Tensor) -> Tensor | None:
-            return None if router is None else router(student_logits.to(device)).cpu()
-
-        def table(student_logits, teacher_logits, labels, routed: bool):
-            return fallback_table(student_logits, teacher_logits, labels,
-                                  router_cost if routed else alone["student"], alone["teacher"],
-                                  scores(student_logits) if routed else None)
-
-        full = table(val_small, val_large, val_labels, False)
-        thresholds = {"fixed": calibrate_fallback(full, tolerance)}
-        metrics: dict[str, float] = {}
-        if router is not None:
-            compared = table(val_small[rows], val_large[rows], val_labels[rows], True)
-            choice = choose_routing(table(val_small[rows], val_large[rows], val_labels[rows],
-                                          False), compared, tolerance)
-            thresholds["fitted"] = choice.fitted_threshold
-            metrics |= {"predictors_kept": float(choice.fitted_kept),
-                        "val_images_predictor": float(len(fit_rows)),
-                        "val_images_compared": float(len(rows))} | {
-                f"val_{name}_{key}": value for name, outcome in
-                (("fixed", choice.fixed), ("fitted", choice.fitted))
-                for key, value in outcome.items() if key in ("accuracy", "mean_cost")}
-        kept = "fitted" if choice is not None and choice.fitted_kept else "fixed"
-        timed = interleaved_ms_per_image(timing_calls(small, large, router, thresholds),
-                                         sample, 1)
-        val = (compared if kept == "fitted" else full).outcome(torch.tensor([thresholds[kept]]))
-        test_table = table(test_small, test_large, test_labels, False)
-        for name, threshold in thresholds.items():
-            routed = test_table if name == "fixed" else table(test_small, test_large,
-                                                              test_labels, True)
-            outcome = routed.outcome(torch.tensor([threshold]))
-            metrics |= {f"{name}_test_accuracy": outcome["accuracy"],
-                        f"{name}_test_student_share": outcome["exit_share_0"],
-                        f"{name}_ms_per_image_b1": timed[name], f"{name}_threshold": threshold}
-    metrics |= {"val_accuracy": val["accuracy"], "val_student_share": val["exit_share_0"],
-                "val_teacher_accuracy": full.full_accuracy(),
-                "val_student_accuracy": full.correct[:, 0].float().mean().item(),
-                "test_accuracy": metrics[f"{kept}_test_accuracy"],
-                "test_student_share": metrics[f"{kept}_test_student_share"],
-                "test_teacher_accuracy": test_table.full_accuracy(),
-                "test_student_accuracy": test_table.correct[:, 0].float().mean().item(),
-                "ms_per_image_b1": timed[kept],
-                "teacher_ms_per_image_b1": timed["teacher"],
-                "student_ms_per_image_b1": timed["student"],
-                "speedup_over_teacher_b1": timed["teacher"] / timed[kept],
-                "threshold": thresholds[kept]}
-    return Fallback(threshold=thresholds[kept], metrics=metrics,
-                    router=None if kept == "fixed" else router.cpu().to_json(),
-                    latency=alone)
+    choice = choose_fallback(small, large, scored("val"), scored("test"), sample, device,
+                             tolerance, predictor, seed)
+    return Fallback(threshold=choice.threshold, metrics=choice.metrics,
+                    router=None if choice.router is None else choice.router.cpu().to_json(),
+                    latency=choice.latency)
 
 
 class TimedStep(BaseModel):
