@@ -581,7 +581,7 @@ def faults(record: dict) -> str:
               f"{', '.join(t['leftovers']) or 'none'}" for t in record["trials"] if not t["passed"]]
     return "\n".join(lines) + (
         f"\n\n{record['passed']} of {len(record['trials'])} trials passed: the rerun ended with "
-        "status 0, one registered version, the registry lock free, no temporary or "
+        "status 0, one registered version, the registry lock and run slot free, no temporary or "
         "half-written artifact left"
         + (f"; failed: {'; '.join(failed)}" if failed else "")
         + f". Kill moments drawn uniformly over each flow's clean run (seed {record['seed']}); "
@@ -592,7 +592,8 @@ def summary(results: Path) -> dict:
     """The README's summary: the picked records of the benchmarks it quotes."""
     return {"pipeline": newest("pipeline", results),
             "distill": merged_variants_per_set("distill_targets", results),
-            "pbt": newest("pbt", results), "small_data": newest_per_flow("small_data", results)}
+            "pbt": newest("pbt", results), "small_data": newest_per_flow("small_data", results),
+            "faults": newest("faults", results) if (results / "faults.jsonl").exists() else None}
 
 
 def summary_table(picked: dict) -> str:
@@ -635,7 +636,14 @@ def summary_table(picked: dict) -> str:
     rows.append(("every flow's defaults on two sets no default was tuned on",
                  f"above both raw-pixel baselines by at least {margin:.4f}",
                  "defaults-on-data-no-default-was-tuned-on"))
-    lines = ["| result | on the unread images | table |", "| --- | --- | --- |"]
+    if picked["faults"] is not None:
+        trials = picked["faults"]["trials"]
+        rows.append((f"kill -9 at random moments, {len(trials)} trials over "
+                     f"{len({t['flow'] for t in trials})} flows, then the same command",
+                     f"{picked['faults']['passed']} of {len(trials)} reruns whole: one "
+                     "version each, no half-written file, locks free", "faults-kill--9-then-rerun"))
+    lines = ["| result | measured (accuracy: on the unread images) | table |",
+             "| --- | --- | --- |"]
     lines += [f"| {what} | {figure} | [table](docs/benchmarks.md#{anchor}) |"
               for what, figure, anchor in rows]
     return "\n".join(lines) + "\n"
