@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from tasks.adapters.environment import data_dir
 from tasks.data import fashion_mnist_root
+from tasks.environment import data_dir
 from training.datasets import load_fashion_mnist
 
 TUNING_SETS = ("500x28", "1500x28", "5000x28", "1500x8", "digits")  # the defaults were tuned here

@@ -34,7 +34,16 @@ from flows.skeleton import (
 from tasks.adapters import tracking
 from tasks.adapters.registration import Registration
 from tasks.adapters.versioning import md5_of
-from tasks.cascade import (
+from tasks.cascade.evaluation import (
+    ROUTINGS,
+    Calibration,
+    CascadeTest,
+    calibrate_exit_thresholds,
+    register_cascade,
+    sweep_figure,
+    test_cascade,
+)
+from tasks.cascade.tasks import (
     CascadeSets,
     ModuleRound,
     difficulty_sets,
@@ -44,15 +53,6 @@ from tasks.cascade import (
     read_table,
     refit_exits,
     serving_device,
-)
-from tasks.cascade_evaluation import (
-    ROUTINGS,
-    Calibration,
-    CascadeTest,
-    calibrate_exit_thresholds,
-    register_cascade,
-    sweep_figure,
-    test_cascade,
 )
 from tasks.configs.cascade import CascadeConfig
 from tasks.training import TestResult

@@ -11,6 +11,7 @@ from flows.cli import Command
 
 if TYPE_CHECKING:  # the stack is imported by the command that runs, not by `--help`
     from tasks.adapters.aliases import PromoteConfig, RegistryConfig, RollbackConfig
+    from tasks.adapters.prediction import PredictConfig
     from tasks.adapters.retention import GcConfig
     from tasks.adapters.serve import ServeConfig
     from tasks.configs.cascade import CascadeConfig
@@ -22,7 +23,6 @@ if TYPE_CHECKING:  # the stack is imported by the command that runs, not by `--h
     from tasks.configs.sparsify import SparsifyConfig
     from tasks.configs.train import TrainConfig
     from tasks.features import FeaturesConfig
-    from tasks.prediction import PredictConfig
 
 SERVER_TIMEOUT = "Timed out while attempting to connect to ephemeral Prefect API server"
 
@@ -159,7 +159,7 @@ def run_image_text(config: ImageTextConfig) -> None:
     """Train an image network from images and their descriptions, with a text-initialized
     classifier; test it (and zero-shot from the class descriptions) and register it."""
     from flows.image_text import image_text
-    from tasks.image_text import check_descriptions
+    from tasks.image_text.tasks import check_descriptions
 
     _exit_on_data_error(lambda: check_descriptions(config))
     summary = _exit_on_data_error(lambda: image_text(config))
@@ -206,7 +206,7 @@ def _exit_on_model_error(config, call):
 
 def run_predict(config: PredictConfig) -> None:
     """Print the label and confidence a registered model gives each image of a file or folder."""
-    from tasks.prediction import predict_images
+    from tasks.adapters.prediction import predict_images
 
     table, skipped = _exit_on_model_error(config, lambda: predict_images(config))
     print(table.to_string(index=False, formatters={"confidence": "{:.4f}".format}))
@@ -351,7 +351,7 @@ COMMANDS = [
     Command("cascade", "tasks.configs.cascade:CascadeConfig", run_cascade),
     Command("image-text", "tasks.configs.image_text:ImageTextConfig", run_image_text),
     Command("pipeline", "tasks.configs.pipeline:PipelineConfig", run_pipeline),
-    Command("predict", "tasks.prediction:PredictConfig", run_predict),
+    Command("predict", "tasks.adapters.prediction:PredictConfig", run_predict),
     Command("features", "tasks.features:FeaturesConfig", run_features),
     Command("promote", "tasks.adapters.aliases:PromoteConfig", run_promote),
     Command("rollback", "tasks.adapters.aliases:RollbackConfig", run_rollback),

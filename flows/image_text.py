@@ -12,7 +12,7 @@ from the class descriptions; register the network as a pyfunc that classifies, o
 zero-shot among descriptions given when predicting, and promote it like `train`'s models.
 
 With `--labels-per-class K`, unlabelled images get no text derived from their labels and
-every choice reads at most K validation images per class (`tasks/image_text.py`).
+every choice reads at most K validation images per class (`tasks/image_text/tasks.py`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from tasks.adapters import tracking
 from tasks.adapters.registration import Registration
 from tasks.adapters.versioning import ArtifactRef
 from tasks.configs.image_text import ImageTextConfig
-from tasks.image_text import Descriptions, mix_heads
-from tasks.image_text_evaluation import register_image_text, test_image_text
+from tasks.image_text.evaluation import register_image_text, test_image_text
+from tasks.image_text.tasks import Descriptions, mix_heads
 from tasks.training import TestResult
 
 # What other flows and the benchmarks may import (tests/test_layering.py): the flow and its

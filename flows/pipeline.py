@@ -63,7 +63,7 @@ from tasks.adapters.versioning import ArtifactRef
 from tasks.configs.pipeline import PipelineConfig
 from tasks.configs.sections import ClassifierConfig, classifier_config
 from tasks.data import DatasetRef
-from tasks.image_text import AsClassifier, as_classifier
+from tasks.image_text.tasks import AsClassifier, as_classifier
 from tasks.pbt import SCORED_WEIGHTS
 from tasks.pipeline import (
     Fallback,

@@ -4,6 +4,6 @@ The project environment is applied on import, before any module here imports Pre
 so that their settings (offline, state inside the project) are in force from the start.
 """
 
-from tasks.adapters.environment import apply_project_env
+from tasks.environment import apply_project_env
 
 apply_project_env()

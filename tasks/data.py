@@ -25,9 +25,9 @@ from torch import Tensor
 
 from tasks.adapters.caching import computation_key
 from tasks.adapters.checkpoints import torch_save
-from tasks.adapters.environment import PROJECT_ROOT, data_dir
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore, atomic_path, data_dvc_hash
 from tasks.configs.sections import FASHION_MNIST, DataSection
+from tasks.environment import PROJECT_ROOT, data_dir
 from training.baselines import raw_pixel_baselines
 from training.datasets import (
     DataError,

@@ -23,10 +23,10 @@ from prefect import task
 from pydantic import Field, field_validator, model_validator
 
 from tasks.adapters import tracking
+from tasks.adapters.prediction import ModelVersionSection, existing_path, readable_images
 from tasks.adapters.versioning import atomic_path
 from tasks.configs.sections import DataSection
 from tasks.data import DatasetRef, load_dataset, split_source
-from tasks.prediction import ModelVersionSection, existing_path, readable_images
 from training.datasets import DataError
 from training.recognition import knn_accuracy, knn_classify
 

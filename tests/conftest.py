@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.adapters.environment import read_env_file  # Prefect and MLflow are not imported yet
+from tasks.environment import read_env_file  # Prefect and MLflow are not imported yet
 
 _SESSION_DIR = Path(tempfile.mkdtemp(prefix="compactml-tests-"))
 atexit.register(shutil.rmtree, _SESSION_DIR, ignore_errors=True)

@@ -162,7 +162,7 @@ def test_the_registered_pyfunc_runs_the_real_cascade(run):
     import mlflow
 
     from tasks.adapters.registration import test_images
-    from tasks.cascade import trained_cascade
+    from tasks.cascade.tasks import trained_cascade
     from tasks.data import load_dataset
 
     config = smoke_cascade()

@@ -56,8 +56,8 @@ def test_mlflow_names_belong_to_the_project_and_a_given_model_name_is_kept(monke
     """The project's name is committed (project.env), never the clone's folder name: two
     clones in differently named folders write one registry. A --model-name is registered as
     given, unless a --project is given with it."""
-    from tasks.adapters.environment import read_env_file
-    from tasks.prediction import PredictConfig
+    from tasks.adapters.prediction import PredictConfig
+    from tasks.environment import read_env_file
 
     run = TrainConfig(project="team-a").run
     assert (run.experiment("train"), run.registered_name("train")) == ("team-a-train",) * 2

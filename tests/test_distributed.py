@@ -150,7 +150,7 @@ def tiny_cascade():
     module 1 a super-network module (joint stage training: module 1's round trains module 0
     along; no super-network module before it, whose random routes each process draws for
     its own share)."""
-    from tasks.cascade import difficulty_sets, measure_latency, serving_device
+    from tasks.cascade.tasks import difficulty_sets, measure_latency, serving_device
     from tasks.data import prepare_dataset, source_version
     from tests.test_cascade_flow import smoke_cascade
 
@@ -167,7 +167,7 @@ def tiny_cascade():
 def test_a_cascade_module_round_trains_data_parallel_like_one_process(k, tiny_cascade):
     import torch
 
-    from tasks.cascade import ModuleRound, new_cascade
+    from tasks.cascade.tasks import ModuleRound, new_cascade
     from tasks.rounds import round_task
     from tests.test_cascade_flow import smoke_cascade
 
@@ -200,7 +200,7 @@ def test_a_cascade_round_under_torchrun_in_one_process_is_the_in_process_round(
 
     import tasks.rounds
     from tasks.adapters.torchrun import train_data_parallel
-    from tasks.cascade import ModuleRound
+    from tasks.cascade.tasks import ModuleRound
     from tasks.rounds import round_task
     from tests.test_cascade_flow import smoke_cascade
 

@@ -14,7 +14,7 @@ import torch
 
 from models.image_text import PAD, build_image_text, tokens
 from tasks.adapters.wordnet import WordNet, parse_data_line
-from tasks.captions import (
+from tasks.image_text.descriptions import (
     DescriptionError,
     check_classes,
     check_images,
@@ -141,7 +141,7 @@ def test_head_mixing_picks_the_alpha_with_the_best_validation_accuracy():
 
 
 def test_the_validation_images_of_a_few_label_run_hold_at_most_k_per_class():
-    from tasks.image_text import validation_images
+    from tasks.image_text.tasks import validation_images
 
     labels = torch.tensor([0] * 6 + [1] * 2 + [2] * 5 + [0] * 3)
     val = torch.arange(6, 16)  # 3 of class 0, 2 of class 1, 5 of class 2
@@ -156,7 +156,7 @@ def test_the_validation_images_of_a_few_label_run_hold_at_most_k_per_class():
 
 
 def test_own_captions_give_class_texts_to_the_labelled_images_only():
-    from tasks.captions import own_captions
+    from tasks.image_text.descriptions import own_captions
 
     classes = pd.DataFrame({"class": ["Bag", "Bag", "Coat", "Coat", "Coat"],
                             "text": ["a bag", "a kind of container", "a coat",
@@ -361,7 +361,7 @@ def test_generation_stops_at_eos_and_pads_after_it():
 
 
 def test_bleu_takes_any_number_of_references_per_image():
-    from tasks.captioning import bleu
+    from tasks.image_text.captioner import bleu
 
     assert bleu(["a canvas shoe with a rubber sole"],
                 [["a canvas shoe with a rubber sole"]]) == pytest.approx(100.0)

@@ -66,7 +66,7 @@ def test_the_classifier_starts_from_the_class_descriptions(run):
     from tasks.adapters.checkpoints import load_checkpoint
     from tasks.adapters.versioning import ArtifactStore
     from tasks.data import load_dataset
-    from tasks.image_text import new_network, text_side
+    from tasks.image_text.tasks import new_network, text_side
     from training.image_text.text_side import start_classifier
 
     config = smoke_image_text()
@@ -93,7 +93,7 @@ def test_unlabelled_images_get_no_text_derived_from_their_labels(run):
     the labelled training images, chosen on the same validation images."""
     from tasks.adapters.versioning import ArtifactStore
     from tasks.data import load_dataset
-    from tasks.image_text import chosen_validation, training_images
+    from tasks.image_text.tasks import chosen_validation, training_images
 
     config = smoke_image_text()
     dataset = _prepared(config)
@@ -124,9 +124,9 @@ def test_unlabelled_images_get_no_text_derived_from_their_labels(run):
 
 
 def test_a_few_label_runs_own_pool_holds_none_of_its_images():
-    from tasks.captions import wordnet_classes
     from tasks.data import load_dataset
-    from tasks.pool import own_pool
+    from tasks.image_text.descriptions import wordnet_classes
+    from tasks.image_text.pool import own_pool
     from training.image_text.matching import NO_MATCH
 
     dataset = _prepared(smoke_image_text())
@@ -232,7 +232,7 @@ def test_the_mixed_head_is_chosen_on_validation_tested_and_registered(pooled):
     the registered pyfunc scores as the test did."""
     from tasks.adapters.versioning import ArtifactStore
     from tasks.data import load_dataset
-    from tasks.image_text import new_network, text_side
+    from tasks.image_text.tasks import new_network, text_side
     from training.image_text.losses import mixed_head
 
     metrics = MlflowClient().get_run(pooled.run_id).data.metrics

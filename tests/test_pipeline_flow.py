@@ -147,7 +147,7 @@ def test_the_image_text_step_goes_on_only_where_it_beats_the_student_on_validati
     the distilled student on validation."""
     from tasks.adapters.versioning import ArtifactStore
     from tasks.data import load_dataset, prepare_dataset, source_version
-    from tasks.image_text import describe_images, new_network
+    from tasks.image_text.tasks import describe_images, new_network
     from tasks.training import eval_batches, trained_model
 
     steps = {step.name: step for step in run.steps}

@@ -8,7 +8,7 @@ from flows.skeleton import Prepared, log_budget, run_rounds
 from tasks.adapters import tracking
 from tasks.adapters.versioning import ArtifactRef
 from tasks.configs.image_text import ImageTextConfig
-from tasks.image_text import Descriptions, ImageTextRound, describe_images
+from tasks.image_text.tasks import Descriptions, ImageTextRound, describe_images
 from tasks.rounds import RoundResult
 from training.budget import Budget
 

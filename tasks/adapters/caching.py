@@ -23,7 +23,7 @@ from prefect.utilities.hashing import hash_objects
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from tasks.adapters.environment import PROJECT_ROOT
+from tasks.environment import PROJECT_ROOT
 
 CODE_PACKAGES = ("models", "training", "serving", "tasks", "flows")
 LIBRARIES = ("torch", "torchvision", "compactml")  # their versions decide results too

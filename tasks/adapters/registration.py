@@ -40,10 +40,10 @@ from serving.entry import CONFIG_KEY, INPUT, model_class, output_schema
 from tasks.adapters import tracking
 from tasks.adapters.aliases import CHALLENGER, CHAMPION, crown
 from tasks.adapters.checkpoints import torch_save
-from tasks.adapters.environment import PROJECT_ROOT
 from tasks.adapters.locks import registry_lock
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.data import DatasetRef, LoadedDataset, load_dataset, load_dataset_artifact
+from tasks.environment import PROJECT_ROOT
 from training.datasets import ImageSet
 from training.promotion import (
     ALPHA,

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from tasks.adapters.checkpoints import torch_save
-from tasks.adapters.environment import PROJECT_ROOT
+from tasks.environment import PROJECT_ROOT
 from training.ddp_round import cpu_state
 from training.rounds import Round, Trainee, to_record
 

@@ -30,8 +30,8 @@ from prefect.exceptions import TerminationSignal
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from tasks.adapters.environment import PROJECT_ROOT
 from tasks.adapters.versioning import ArtifactRef, data_dvc_hash
+from tasks.environment import PROJECT_ROOT
 from training.stopping import StopRequested, clear_stop, request_stop
 
 

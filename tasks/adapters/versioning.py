@@ -35,7 +35,7 @@ from dvc.repo import Repo, lock_repo
 from dvc.rwlock import RWLOCK_FILE, RWLOCK_LOCK, RWLockFileCorruptedError
 from pydantic import BaseModel, ConfigDict
 
-from tasks.adapters.environment import PROJECT_ROOT, artifacts_dir
+from tasks.environment import PROJECT_ROOT, artifacts_dir
 
 _LOCK = threading.Lock()
 logger = logging.getLogger(__name__)

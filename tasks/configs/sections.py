@@ -20,7 +20,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 import models
-from tasks.adapters.environment import NAME, data_dir, default_project
+from tasks.environment import NAME, data_dir, default_project
 from training.budget import Budget, fit_budget
 from training.datasets import DataError, check_group_pattern, image_folder_listing
 

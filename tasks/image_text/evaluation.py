@@ -22,7 +22,7 @@ from tasks.adapters.registration import (
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.image_text import ImageTextConfig
 from tasks.data import DatasetRef, load_dataset
-from tasks.image_text import Descriptions, new_network, text_side
+from tasks.image_text.tasks import Descriptions, new_network, text_side
 from tasks.rounds import setup_device
 from tasks.training import eval_batches
 from training.device import place_model

@@ -27,8 +27,10 @@ from models.registry import build_model
 from tasks.adapters.caching import computation_key
 from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint, torch_save
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
-from tasks.captioning import Captioned, caption_images, described_positions, undescribed
-from tasks.captions import (
+from tasks.configs.image_text import ImageTextConfig, seen_positions, unseen_labels
+from tasks.data import DatasetRef, LoadedDataset, load_dataset
+from tasks.image_text.captioner import Captioned, caption_images, described_positions, undescribed
+from tasks.image_text.descriptions import (
     DescriptionError,
     check_classes,
     check_images,
@@ -38,9 +40,7 @@ from tasks.captions import (
     source_classes,
     wordnet_classes,
 )
-from tasks.configs.image_text import ImageTextConfig, seen_positions, unseen_labels
-from tasks.data import DatasetRef, LoadedDataset, load_dataset
-from tasks.pool import folder_pool, match_training_images, own_pool
+from tasks.image_text.pool import folder_pool, match_training_images, own_pool
 from tasks.rounds import Closed, Opened, RoundPlan, setup_device
 from tasks.training import (
     configured_round,
@@ -71,7 +71,7 @@ class Descriptions(BaseModel):
     train_images: int  # what a round passes over (`training_images`)
     labelled_images: int
     val_images: int  # what the choices read (`validation_images`)
-    pool: ArtifactRef | None = None  # the pool matched against (`tasks/pool.py`)
+    pool: ArtifactRef | None = None  # the pool matched against (`tasks/image_text/pool.py`)
     matching: dict[str, float] = {}  # its figures: precision, recall, ...
     captioned: Captioned | None = None  # what the captioner wrote for undescribed images
 

@@ -21,9 +21,9 @@ import pandas as pd
 import torch
 from PIL import Image
 
-from tasks.captions import DescriptionError, own_captions, read_table
 from tasks.configs.sections import FASHION_MNIST
 from tasks.data import DatasetRef, LoadedDataset, fashion_mnist_root
+from tasks.image_text.descriptions import DescriptionError, own_captions, read_table
 from training.datasets import IMAGE_EXTENSIONS, load_fashion_mnist
 from training.image_text.matching import (
     NO_MATCH,

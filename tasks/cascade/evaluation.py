@@ -24,7 +24,7 @@ from tasks.adapters.registration import (
 )
 from tasks.adapters.reporting import figure_pyplot
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
-from tasks.cascade import read_table, trained_cascade
+from tasks.cascade.tasks import read_table, trained_cascade
 from tasks.configs.cascade import CascadeConfig
 from tasks.data import DatasetRef, load_dataset
 from tasks.rounds import setup_device

@@ -1,6 +1,6 @@
 """The `cascade` flow's training tasks: difficulty sets, the latency table, module rounds,
 predictor fitting and the exit heads' refit (calibration, test and registration:
-`tasks.cascade_evaluation`). Each loads its inputs by reference, calls `training.cascade.learning` /
+`tasks.cascade.evaluation`). Each loads its inputs by reference, calls `training.cascade.learning` /
 `training.latency`, writes and versions its output, and returns the reference with its
 metrics; each is cached on its inputs, so a killed run resumes.
 """
