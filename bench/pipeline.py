@@ -33,12 +33,12 @@ from bench.report_set import ReportSet  # noqa: E402
 from flows.pipeline import pipeline  # noqa: E402
 from flows.train import train  # noqa: E402
 from tasks.adapters import tracking  # noqa: E402
-from tasks.adapters.registration import test_images  # noqa: E402
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore  # noqa: E402
 from tasks.configs.pipeline import PipelineConfig  # noqa: E402
 from tasks.configs.sections import classifier_config  # noqa: E402
 from tasks.configs.train import TrainConfig  # noqa: E402
 from tasks.data import load_dataset, prepare_dataset, source_version  # noqa: E402
+from tasks.promotion import test_images  # noqa: E402
 from tasks.training import eval_batches, trained_model  # noqa: E402
 from training.sparsify.pruning import parameter_count  # noqa: E402
 from training.sparsify.term import activation_stats  # noqa: E402

@@ -25,9 +25,10 @@ import torch
 from torch import Tensor
 
 from bench.sets import tuning_sets
-from tasks.adapters.registration import pyfunc_accuracy, raw_images
+from tasks.adapters.registration import pyfunc_accuracy
 from tasks.configs.sections import FASHION_MNIST, DataSection
 from tasks.data import split_assignment, split_source
+from tasks.promotion import raw_images
 from training.datasets import UNUSED, stable_limit
 
 REPORT_IMAGES = 10_000

@@ -51,12 +51,7 @@ from flows.steps.pbt import population_step
 from flows.steps.sparsify import train_sparse
 from tasks.adapters import tracking
 from tasks.adapters.caching import code_version, result_fields
-from tasks.adapters.registration import (
-    CHAMPION,
-    Policy,
-    Registration,
-    register_and_promote,
-)
+from tasks.adapters.registration import CHAMPION, Policy, Registration
 from tasks.adapters.reporting import publish_summary
 from tasks.adapters.runners import task_runner
 from tasks.adapters.versioning import ArtifactRef
@@ -73,6 +68,7 @@ from tasks.pipeline import (
     register_fallback,
     time_steps,
 )
+from tasks.promotion import register_and_promote
 from tasks.sparsify import sparsity_spec, test_activations
 from tasks.training import TestResult, test_and_export
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from tasks.adapters import tracking
 from tasks.adapters.locks import run_slot
-from tasks.adapters.registration import Baseline, Policy, Registration, register_and_promote
+from tasks.adapters.registration import Baseline, Policy, Registration
 from tasks.adapters.reporting import publish_summary
 from tasks.adapters.versioning import ArtifactRef
 from tasks.configs.image_text import unseen_labels
@@ -31,6 +31,7 @@ from tasks.configs.sections import (
 )
 from tasks.configs.sparsify import SparsitySpec
 from tasks.data import DatasetRef, pixel_baselines, prepare_dataset, source_version
+from tasks.promotion import register_and_promote
 from tasks.rounds import RoundPlan, RoundResult, round_task
 from tasks.training import ClassifierRound, TestResult, fit_to_data, test_and_export
 from training.baselines import best_baseline, mirror_safe

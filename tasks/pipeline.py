@@ -19,16 +19,11 @@ from torch import Tensor
 
 from tasks.adapters.caching import computation_key
 from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint
-from tasks.adapters.registration import (
-    Policy,
-    Registration,
-    log_served_model,
-    promote_on_test_images,
-    transient,
-)
+from tasks.adapters.registration import Policy, Registration, log_served_model, transient
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.sections import ClassifierConfig
 from tasks.data import DatasetRef, load_dataset
+from tasks.promotion import promote_on_test_images
 from tasks.rounds import setup_device
 from tasks.training import eval_batches, split_batches, trained_model
 from training.cascade.fallback import fallback_infer

@@ -161,9 +161,9 @@ def test_the_registered_pyfunc_runs_the_real_cascade(run):
     gives it, and only names the super-network modules the image reached."""
     import mlflow
 
-    from tasks.adapters.registration import test_images
     from tasks.cascade.tasks import trained_cascade
     from tasks.data import load_dataset
+    from tasks.promotion import test_images
 
     config = smoke_cascade()
     prepared = _prepared(config)

@@ -141,7 +141,7 @@ def test_a_few_label_runs_own_pool_holds_none_of_its_images():
 def test_the_registered_pyfunc_classifies_images(run):
     import mlflow
 
-    from tasks.adapters.registration import test_images
+    from tasks.promotion import test_images
 
     images, labels = test_images(_prepared(smoke_image_text()))
     model = mlflow.pyfunc.load_model(f"models:/smoke-image-text/{run.registration.version}")
@@ -158,7 +158,7 @@ def test_the_registered_pyfunc_classifies_zero_shot_among_given_descriptions(run
     pyfunc) and on the command line (`predict --classes`), which refuses other models."""
     import mlflow
 
-    from tasks.adapters.registration import test_images
+    from tasks.promotion import test_images
 
     images, labels = test_images(_prepared(smoke_image_text()))
     uri = f"models:/smoke-image-text/{run.registration.version}"

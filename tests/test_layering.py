@@ -183,3 +183,16 @@ def test_no_public_name_is_defined_on_two_floors():
                         and not node.name.startswith("_") and node.name != "main":
                     where.setdefault(node.name, set()).add(floor)
     assert {name: sorted(floors) for name, floors in where.items() if len(floors) > 1} == {}
+
+
+def test_inside_tasks_adapters_and_configs_import_only_downwards():
+    """tasks/'s lower floors: configs/ import only configs and the environment; adapters/ also
+    configs, never a task module (registration read the data sets through tasks.data:
+    `tasks.promotion` does that now)."""
+    allowed = {"tasks.configs": ("tasks.configs", "tasks.environment"),
+               "tasks.adapters": ("tasks.adapters", "tasks.configs", "tasks.environment")}
+    upward = [f"{name} -> {other}" for name, imported in import_graph().items()
+              for floor, below in allowed.items() if name.startswith(floor + ".")
+              for other in imported if other.startswith("tasks.")
+              and not other.startswith(below)]
+    assert upward == []

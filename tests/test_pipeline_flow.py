@@ -181,8 +181,8 @@ def test_the_image_text_step_goes_on_only_where_it_beats_the_student_on_validati
 def test_the_registered_pyfunc_runs_the_fallback_cascade(run):
     import mlflow
 
-    from tasks.adapters.registration import test_images
     from tasks.data import prepare_dataset, source_version
+    from tasks.promotion import test_images
 
     config = smoke_pipeline()
     data = config.dataset
@@ -212,8 +212,8 @@ def test_the_served_cascade_routes_by_a_fitted_predictor_where_one_is_kept(run, 
 
     from serving.fallback import FallbackModel
     from serving.inputs import input_images
-    from tasks.adapters.registration import test_images
     from tasks.data import prepare_dataset, source_version
+    from tasks.promotion import test_images
     from training.cascade.routing import fit_router
     from training.preprocess import images_to_batch
 

@@ -160,9 +160,9 @@ def test_champion_and_challenger_are_compared_on_images_neither_saw(first_run, f
     """A champion prepared under another split seed trained on part of this run's test split:
     those images are left out of the comparison, counted from each version's recorded data
     set (its keys), and the decision says on how many images it was made."""
-    from tasks.adapters.registration import promote_on_test_images
     from tasks.configs.sections import DataSection
     from tasks.data import load_dataset, prepare_dataset, source_version
+    from tasks.promotion import promote_on_test_images
 
     name, uri = "unseen-comparison", first_run.registration.model_uri
     prepared = {}
@@ -236,9 +236,9 @@ def test_a_champion_that_trained_on_copies_under_other_names_is_not_scored_on_th
     was chosen on are left out of the comparison."""
     import shutil
 
-    from tasks.adapters.registration import promote_on_test_images
     from tasks.configs.sections import DataSection
     from tasks.data import load_dataset, prepare_dataset, source_version
+    from tasks.promotion import promote_on_test_images
 
     renamed = tmp_path / "renamed"
     for path in fashion_folder.rglob("*.*"):

@@ -12,8 +12,8 @@ from flows.cli import main
 from flows.commands import COMMANDS
 from flows.train import train
 from tasks.adapters import tracking
-from tasks.adapters.registration import seen_by
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
+from tasks.promotion import seen_by
 from tests.conftest import smoke
 
 

@@ -15,18 +15,13 @@ from pydantic import BaseModel, ConfigDict
 from models.cascade import CascadeNet
 from tasks.adapters.caching import computation_key
 from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint
-from tasks.adapters.registration import (
-    Policy,
-    Registration,
-    log_weights_pyfunc,
-    promote_on_test_images,
-    transient,
-)
+from tasks.adapters.registration import Policy, Registration, log_weights_pyfunc, transient
 from tasks.adapters.reporting import figure_pyplot
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.cascade.tasks import read_table, trained_cascade
 from tasks.configs.cascade import CascadeConfig
 from tasks.data import DatasetRef, load_dataset
+from tasks.promotion import promote_on_test_images
 from tasks.rounds import setup_device
 from tasks.training import eval_batches, run_key
 from training.batches import Normalize

@@ -12,17 +12,12 @@ from models.image_text import ImageTextNet
 from serving.image_text import ZERO_SHOT_PARAM
 from tasks.adapters.caching import computation_key
 from tasks.adapters.checkpoints import load_checkpoint
-from tasks.adapters.registration import (
-    Policy,
-    Registration,
-    log_weights_pyfunc,
-    promote_on_test_images,
-    transient,
-)
+from tasks.adapters.registration import Policy, Registration, log_weights_pyfunc, transient
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.image_text import ImageTextConfig
 from tasks.data import DatasetRef, load_dataset
 from tasks.image_text.tasks import Descriptions, new_network, text_side
+from tasks.promotion import promote_on_test_images
 from tasks.rounds import setup_device
 from tasks.training import eval_batches
 from training.device import place_model
