@@ -608,11 +608,22 @@ def summary_table(picked: dict) -> str:
         return mean_std([run["pipeline"][key] / run["train"][key] for run in runs])[0]
 
     share = runs[0]["pipeline"]["student_parameters"] / runs[0]["train"]["parameters"]
-    rows = [("the pipeline (`make run`) against `train`",
+    rows = [("the pipeline (`make run`) against `train`, Fashion-MNIST",
              f"{mean_of('pipeline', 'report_accuracy'):.4f} against "
              f"{mean_of('train', 'report_accuracy'):.4f}; served {ratio('ms'):.2f}x of "
              f"`train`'s time per image at batch 1, {ratio('ms_b64'):.2f}x at batch 64; common "
              f"path {share:.0%} of its parameters", "the-pipeline")]
+    small = {(r["set"], r["flow"]): r for r in picked["small_data"]["results"] if "flow" in r}
+    for data_set in ("2500x16", "1000x28"):
+        if (data_set, "pipeline") in small and (data_set, "train") in small:
+            mine, base = small[data_set, "pipeline"], small[data_set, "train"]
+            paired = mean_std([a - b for a, b in zip(mine["holdout_accuracy"],
+                                                     base["holdout_accuracy"], strict=True)])
+            rows.append((f"the pipeline against `train`, {data_set.replace('x', ' x ')} px "
+                         "(never tuned on)",
+                         f"{mine['holdout_accuracy_mean']:.4f} against "
+                         f"{base['holdout_accuracy_mean']:.4f}: {paired[0]:+.4f} ± "
+                         f"{paired[1]:.4f} (paired)", "defaults-on-data-no-default-was-tuned-on"))
     for entry in picked["distill"]["results"]:
         variants = entry["variants"]
         if "states-T1" in variants and "kd" in variants:
