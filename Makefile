@@ -83,7 +83,7 @@ deploy: setup  ## register prefect.yaml's deployments with the server at PREFECT
 
 # Each run executes in a fresh clone of the deployed commit (prefect.yaml's pull step); its data,
 # artifacts, DVC remote, MLflow store and Prefect results stay where this folder's project.env
-# puts them unless the environment names shared ones (README, Deployments).
+# puts them unless the environment names shared ones (docs/usage.md, Prefect deployments).
 worker: export COMPACTML_DATA_DIR ?= $(ROOT)/data
 worker: export COMPACTML_ARTIFACTS ?= $(ROOT)/artifacts
 worker: setup  ## a process worker that runs deployments from the `local` pool
