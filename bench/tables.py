@@ -41,6 +41,11 @@ def newest(name: str, results: Path = RESULTS) -> dict:
     return records(name, results)[-1]
 
 
+def differences(new: list[float], old: list[float]) -> list[float]:
+    """Seed by seed, `new` minus `old` (runs of the same seeds, in the same order)."""
+    return [n - o for n, o in zip(new, old, strict=True)]
+
+
 def spread(mean: float, std: float) -> str:
     """`mean ± std` at four decimals."""
     return f"{mean:.4f} ± {std:.4f}"
@@ -209,7 +214,7 @@ def pbt(record: dict) -> str:
         if "c" not in methods or other not in methods:
             continue
         for key, name in (("report_accuracy", "unread"), ("test_accuracy", "test")):
-            pairs = [c - o for c, o in zip(methods["c"][key], methods[other][key], strict=True)]
+            pairs = differences(methods["c"][key], methods[other][key])
             mean, std = mean_std(pairs)
             ahead = sum(d > 0 for d in pairs)
             gains.append(f"(c) - ({other}) on {name} {mean:+.4f} ± {std:.4f} (ahead on {ahead} "
@@ -483,8 +488,8 @@ def merged_variants_per_set(name: str, results: Path = RESULTS) -> dict:
         variants = {variant: {split: mean_std([runs[seed][split] for seed in sorted(runs)])
                               for split in ("val", "test", "unread")} | {"seeds": sorted(runs)}
                     for variant, runs in by_seed.items()}
-        by_seed = {variant: {seed: splits["unread"] for seed, splits in runs.items()}
-                   for variant, runs in by_seed.items()}
+        unread = {variant: {seed: splits["unread"] for seed, splits in runs.items()}
+                  for variant, runs in by_seed.items()}
         if not variants:
             continue
         alone = variants.get("alone", {}).get("unread", (None,))[0]
@@ -495,10 +500,10 @@ def merged_variants_per_set(name: str, results: Path = RESULTS) -> dict:
             if alone is not None and teacher > alone:
                 figures["gap_closed_unread"] = (figures["unread"][0] - alone) / (teacher - alone)
             for other in ("alone", "kd"):
-                seeds = sorted(set(by_seed[variant]) & set(by_seed.get(other, {})))
+                seeds = sorted(set(unread[variant]) & set(unread.get(other, {})))
                 if other != variant and seeds:
                     figures[f"minus_{other}_unread"] = mean_std(
-                        [by_seed[variant][s] - by_seed[other][s] for s in seeds])
+                        [unread[variant][s] - unread[other][s] for s in seeds])
         students = [v for v in variants if v != "teacher"]
         entries.append({"set": data_set, "variants": variants,
                         "chosen_on_val": max(students, key=lambda v: variants[v]["val"][0])})
@@ -617,8 +622,7 @@ def summary_table(picked: dict) -> str:
     for data_set in ("2500x16", "1000x28"):
         if (data_set, "pipeline") in small and (data_set, "train") in small:
             mine, base = small[data_set, "pipeline"], small[data_set, "train"]
-            paired = mean_std([a - b for a, b in zip(mine["holdout_accuracy"],
-                                                     base["holdout_accuracy"], strict=True)])
+            paired = mean_std(differences(mine["holdout_accuracy"], base["holdout_accuracy"]))
             rows.append((f"the pipeline against `train`, {data_set.replace('x', ' x ')} px "
                          "(never tuned on)",
                          f"{mine['holdout_accuracy_mean']:.4f} against "
@@ -633,8 +637,8 @@ def summary_table(picked: dict) -> str:
                          f"against the student alone, {default['minus_kd_unread'][0]:+.4f} "
                          "against KD (paired)", "distillation-what-the-student-learns-from"))
     methods = {row["method"][0]: row for row in picked["pbt"]["results"]}
-    gain = mean_std([c - a for c, a in zip(methods["c"]["report_accuracy"],
-                                           methods["a"]["report_accuracy"], strict=True)])[0]
+    gain = mean_std(differences(methods["c"]["report_accuracy"],
+                                methods["a"]["report_accuracy"]))[0]
     rows.append(("`pbt` against the default hyperparameters, same member-epochs",
                  f"{methods['c']['report_mean']:.4f}: {gain:+.4f} (paired)",
                  "pbt-against-the-default-and-random-search"))
