@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -124,23 +125,36 @@ def wait_for_new_files(proc: subprocess.Popen, folder: Path, pattern: str, befor
     return set()
 
 
-def kill_when_written(args: list[str], folder: Path, pattern: str,
-                      timeout: float = 180) -> list[Path]:
-    """Runs `python -m flows *args` and SIGKILLs it (and its children) as soon as a new file
-    matching `pattern` appears under `folder`; fails if the run ends first. Returns the new
-    files."""
-    before = set(folder.rglob(pattern)) if folder.exists() else set()
+def kill_when(args: list[str], ready: Callable[[], object], what: str, timeout: float = 180,
+              env: dict[str, str] | None = None) -> object:
+    """Runs `python -m flows *args` (in `env`, default `subprocess_env()`) and SIGKILLs it (and
+    its children) as soon as `ready()` returns something true; fails if the run ends first or
+    `timeout` passes (`what`: what was awaited, for the message). Returns what `ready` gave."""
     proc = subprocess.Popen([sys.executable, "-m", "flows", *args],
-                            cwd=Path(__file__).resolve().parents[1], env=subprocess_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    new = wait_for_new_files(proc, folder, pattern, before, timeout)
+                            cwd=Path(__file__).resolve().parents[1],
+                            env=env or subprocess_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline, found = time.time() + timeout, None
+    while time.time() < deadline and proc.poll() is None and not found:
+        found = ready()
+        if not found:
+            time.sleep(0.05)
     running = proc.poll() is None
     if running:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert running, "the run ended before it could be killed"
-    assert new, f"no {pattern} appeared under {folder} within {timeout:.0f} s"
+    assert found, f"{what} within {timeout:.0f} s"
+    return found
+
+
+def kill_when_written(args: list[str], folder: Path, pattern: str,
+                      timeout: float = 180) -> list[Path]:
+    """Runs `python -m flows *args` and SIGKILLs it (and its children) as soon as a new file
+    matching `pattern` appears under `folder` (`kill_when`). Returns the new files."""
+    before = set(folder.rglob(pattern)) if folder.exists() else set()
+    new = kill_when(args, lambda: set(folder.rglob(pattern)) - before if folder.exists()
+                    else set(), f"no {pattern} appeared under {folder}", timeout)
     return sorted(new)
 
 

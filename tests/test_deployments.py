@@ -116,8 +116,8 @@ def _page(url: str) -> str:
     return done.stdout
 
 
-def _cli(env: dict, *args: str, timeout: int = 300) -> str:
-    done = subprocess.run([PREFECT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+def _cli(env: dict, *args: str, timeout: int = 300, cwd: Path = ROOT) -> str:
+    done = subprocess.run([PREFECT, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return done.stdout
@@ -145,11 +145,8 @@ def _run_deployment(url: str, env: dict, name: str, params: dict, folder: Path) 
     created = _api(url, f"/deployments/{deployment['id']}/create_flow_run",
                    {"parameters": params})  # the server checks them against the schema
     # what `make worker` sets: the data and stores stay with the worker's project
-    worker_env = {**env, "COMPACTML_DATA_DIR": str(ROOT / "data")}
-    done = subprocess.run([PREFECT, "worker", "start", "--pool", "local", "--run-once"],
-                          cwd=folder, env=worker_env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    _cli({**env, "COMPACTML_DATA_DIR": str(ROOT / "data")}, "worker", "start", "--pool", "local",
+         "--run-once", timeout=600, cwd=folder)
     return _api(url, f"/flow_runs/{created['id']}")
 
 

@@ -161,29 +161,14 @@ def test_a_run_killed_while_it_holds_the_registry_lock_leaves_it_to_the_rerun(mo
     """kill -9 during the promotion (the registry lock and the run slot held by the dead
     process, leases of an hour): the same command again takes both at once (their holder's
     process is gone), registers the model once and crowns it, and frees both."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
     from tasks.adapters.locks import RUN_TAG, read_lease
-    from tests.conftest import subprocess_env
+    from tests.conftest import kill_when, subprocess_env
 
     name = "killed-in-promotion"
     args = ["--profile", "smoke", "--register", "--model-name", name, "--epochs", "1",
             "--train-limit", "512", "--seed", "7"]
-    proc = subprocess.Popen([sys.executable, "-m", "flows", "train", *args],
-                            cwd=Path(__file__).resolve().parents[1],
-                            env={**subprocess_env(), "COMPACTML_REGISTRY_LEASE_SECONDS": "3600"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    deadline = time.time() + 300
-    while read_lease(name) is None and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    held = proc.poll() is None and read_lease(name) is not None
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert held, "the run ended (or never promoted) before it could be killed in promotion"
+    kill_when(["train", *args], lambda: read_lease(name), "the run never held the registry lock",
+              timeout=300, env={**subprocess_env(), "COMPACTML_REGISTRY_LEASE_SECONDS": "3600"})
     assert read_lease(name) is not None and read_lease(name, RUN_TAG) is not None
 
     from tasks.adapters import locks
