@@ -13,8 +13,9 @@ import pandas as pd
 import torch
 
 from models.cascade import CascadeSpec, build_cascade
-from serving.classifier import ImageClassifierModel
+from serving.classifier import CPU, ImageClassifierModel
 from serving.inputs import input_batches
+from training.device import fast_layout
 
 
 class CascadeModel(ImageClassifierModel):
@@ -31,7 +32,7 @@ class CascadeModel(ImageClassifierModel):
             self.channels, len(self.classes))
         self.network.load_state_dict(torch.load(context.artifacts["weights"],
                                                 map_location="cpu", weights_only=True))
-        self.network.eval()
+        self.network = fast_layout(self.network.eval(), CPU)
 
     def predict(self, context, model_input, params=None):  # noqa: ANN001 (see load_context)
         rows = []

@@ -18,10 +18,20 @@ import mlflow.pyfunc
 import numpy as np
 import pandas as pd
 import torch
+from torch import nn
 
 from serving.inputs import input_batches
 from training.batches import Normalize
 from training.datasets import DataError
+from training.device import fast_layout
+
+CPU = torch.device("cpu")
+
+
+def load_program(path: str) -> nn.Module:
+    """An exported program (`torch.export`) as a module, its weights in the CPU's fast layout
+    (`training.device.fast_layout`)."""
+    return fast_layout(torch.export.load(path).module(), CPU)
 
 
 class ImageClassifierModel(mlflow.pyfunc.PythonModel):
@@ -29,7 +39,7 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
 
     def load_context(self, context):  # noqa: ANN001 (MLflow reads type hints as a schema)
         self.read_meta(context)
-        self.program = torch.export.load(context.artifacts["program"]).module()
+        self.program = load_program(context.artifacts["program"])
 
     def read_meta(self, context) -> dict:  # noqa: ANN001
         """The stored preprocessing and class names (set on the instance), and the whole

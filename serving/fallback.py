@@ -14,7 +14,7 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
-from serving.classifier import ImageClassifierModel
+from serving.classifier import ImageClassifierModel, load_program
 from serving.inputs import input_batches
 from training.cascade.fallback import fallback_infer
 from training.cascade.routing import Router
@@ -36,9 +36,9 @@ class FallbackModel(ImageClassifierModel):
         self.threshold = float(meta["threshold"])
         state = meta.get("router")
         self.router = None if state is None else Router.from_json(state)
-        self.program = torch.export.load(context.artifacts["program"]).module()
+        self.program = load_program(context.artifacts["program"])
         self.student = logits_of(self.program)  # `embed` gives the student's embeddings
-        self.fallback = torch.export.load(context.artifacts["fallback"]).module()
+        self.fallback = load_program(context.artifacts["fallback"])
         self.teacher = logits_of(self.fallback)
 
     def predict(self, context, model_input, params=None):  # noqa: ANN001 (see load_context)

@@ -1,0 +1,152 @@
+"""The plain memory layout against channels_last: forward at batch 1 and 64, a training step.
+
+`training.device.fast_layout` puts a network's 4-d weights in channels_last on the CPU and
+CUDA (the activations follow them), for training (`place_model`) and for the served programs
+(`serving.classifier.load_program`). This benchmark times, per network and in one process, the
+same weights in both layouts, alternating call by call (order swapped every round, so the
+machine's drift hits both): a forward pass without gradients at batch 1 and at batch 64 (the
+served batches) and an SGD step at batch 128 (the training batch); it reports the medians, the
+median of the paired ratios (channels_last / plain: below 1 is faster) and the largest
+difference between the two layouts' logits (float rounding). Untrained networks on random
+28-pixel gray images (the speed does not depend on the weights). Pure PyTorch:
+
+    python -m bench.layout                         # the CPU, 1 thread (as served): ~3 minutes
+    python -m bench.layout --threads 2             # the threads a training run uses here
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import print_json, print_table  # noqa: E402
+from models import build_model, list_models  # noqa: E402
+from training.device import fast_layout, resolve_device  # noqa: E402
+
+NETWORKS = (("lenet", None), ("lenet", 64), ("cnn3", None), ("resnet18", None))
+MEASURES = ("forward_b1", "forward_b64", "train_step_b128")
+CALLS = {"forward_b1": 20, "forward_b64": 3, "train_step_b128": 2}
+
+
+def forward(model: nn.Module, images: torch.Tensor) -> Callable[[], None]:
+    def call() -> None:
+        with torch.inference_mode():
+            model(images)
+    return call
+
+
+def train_step(model: nn.Module, images: torch.Tensor, labels: torch.Tensor
+               ) -> Callable[[], None]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+
+    def call() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+    return call
+
+
+def seconds(call: Callable[[], None], repeats: int, device: torch.device) -> float:
+    """Seconds per call, over `repeats` calls."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        call()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - started) / repeats
+
+
+def measure(name: str, width: int | None, rounds: int, device: torch.device) -> dict:
+    """Both layouts of one network, interleaved: per measure the plain and channels_last
+    medians (ms per image) and the median paired ratio; the logits' largest difference."""
+    torch.manual_seed(0)
+    plain = build_model(name, 1, 10, width).to(device)
+    fast = fast_layout(copy.deepcopy(plain), device)
+    generator = torch.Generator().manual_seed(0)
+    images = {b: torch.randn(b, 1, 28, 28, generator=generator).to(device) for b in (1, 64, 128)}
+    labels = torch.randint(0, 10, (128,), generator=generator).to(device)
+    plain.eval(), fast.eval()
+    with torch.inference_mode():
+        difference = (plain(images[64]) - fast(images[64])).abs().max().item()
+    calls = {}
+    for layout, model in (("plain", plain), ("channels_last", fast)):
+        trainee = copy.deepcopy(model).train()  # its own weights: the steps change them
+        calls[layout] = {"forward_b1": forward(model, images[1]),
+                         "forward_b64": forward(model, images[64]),
+                         "train_step_b128": train_step(trainee, images[128], labels)}
+    per_image = {"forward_b1": 1, "forward_b64": 64, "train_step_b128": 128}
+    times = {m: {"plain": [], "channels_last": []} for m in MEASURES}
+    ratios = {m: [] for m in MEASURES}
+    for layout in calls:  # warm-up: allocator, kernels, caches
+        for measure_ in MEASURES:
+            seconds(calls[layout][measure_], 2, device)
+    for round_ in range(rounds):
+        order = ("plain", "channels_last") if round_ % 2 == 0 else ("channels_last", "plain")
+        for measure_ in MEASURES:
+            measured = {layout: seconds(calls[layout][measure_], CALLS[measure_], device)
+                        for layout in order}
+            for layout, value in measured.items():
+                times[measure_][layout].append(value * 1000 / per_image[measure_])
+            ratios[measure_].append(measured["channels_last"] / measured["plain"])
+    figures = {"max_logit_difference": difference}
+    for measure_ in MEASURES:
+        figures[measure_] = {"plain_ms_per_image": statistics.median(times[measure_]["plain"]),
+                             "channels_last_ms_per_image": statistics.median(
+                                 times[measure_]["channels_last"]),
+                             "ratio": statistics.median(ratios[measure_])}
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: its default)")
+    parser.add_argument("--networks", nargs="+", default=None, metavar="MODEL[:WIDTH]",
+                        help="default: lenet, lenet:64, cnn3, resnet18")
+    args = parser.parse_args()
+    if args.rounds < 1:
+        raise SystemExit(f"error: --rounds must be at least 1, got {args.rounds}")
+    networks = NETWORKS
+    if args.networks:
+        networks = []
+        for spec in args.networks:
+            name, _, width = spec.partition(":")
+            if name not in list_models():
+                raise SystemExit(f"error: --networks {spec!r}: unknown model; registered: "
+                                 f"{', '.join(list_models())}")
+            networks.append((name, int(width) if width else None))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    figures, rows = {}, []
+    for name, width in networks:
+        label = f"{name}:{width}" if width else name
+        figures[label] = measure(name, width, args.rounds, device)
+        rows.append((label, *(f"{figures[label][m]['plain_ms_per_image']:.4f} / "
+                              f"{figures[label][m]['channels_last_ms_per_image']:.4f} "
+                              f"({figures[label][m]['ratio']:.2f}x)" for m in MEASURES),
+                     f"{figures[label]['max_logit_difference']:.1e}"))
+        print(f"{label}: " + ", ".join(f"{m} {figures[label][m]['ratio']:.2f}x"
+                                        for m in MEASURES), flush=True)
+    print(f"\n{device}, {torch.get_num_threads()} threads, ms per image, plain / channels_last "
+          f"(median paired ratio), {args.rounds} rounds")
+    print_table(("network", *MEASURES, "largest logit difference"), rows)
+    print_json({"benchmark": "layout", "device": str(device), "threads": torch.get_num_threads(),
+                "rounds": args.rounds, "networks": figures})
+
+
+if __name__ == "__main__":
+    main()
