@@ -1,17 +1,16 @@
-"""The plain memory layout against channels_last: forward at batch 1 and 64, a training step.
+"""The plain memory layout against channels_last for the served networks: batch 1 and 64.
 
 `training.device.fast_layout` puts a network's 4-d weights in channels_last on the CPU and
-CUDA (the activations follow them), for training (`place_model`) and for the served programs
-(`serving.classifier.load_program`). This benchmark times, per network and in one process, the
-same weights in both layouts, alternating call by call (order swapped every round, so the
-machine's drift hits both): a forward pass without gradients at batch 1 and at batch 64 (the
-served batches) and an SGD step at batch 128 (the training batch); it reports the medians, the
-median of the paired ratios (channels_last / plain: below 1 is faster) and the largest
-difference between the two layouts' logits (float rounding). Untrained networks on random
-28-pixel gray images (the speed does not depend on the weights). Pure PyTorch:
+CUDA (the activations follow them) for the served programs (`serving.classifier.load_program`).
+This benchmark times, per network and in one process, the same weights in both layouts,
+alternating call by call (order swapped every round, so the machine's drift hits both): a
+forward pass without gradients at batch 1 and at batch 64 (the served batches); it reports the
+medians, the median of the paired ratios (channels_last / plain: below 1 is faster) and the
+largest difference between the two layouts' logits (float rounding). Untrained networks on
+random 28-pixel gray images (the speed does not depend on the weights). Training stays in the
+plain layout on the CPU (`training.device.place_model` says why). Pure PyTorch:
 
-    python -m bench.layout                         # the CPU, 1 thread (as served): ~3 minutes
-    python -m bench.layout --threads 2             # the threads a training run uses here
+    python -m bench.layout                  # the CPU, 1 thread (as served): under a minute
 """
 
 from __future__ import annotations
@@ -34,25 +33,14 @@ from models import build_model, list_models  # noqa: E402
 from training.device import fast_layout, resolve_device  # noqa: E402
 
 NETWORKS = (("lenet", None), ("lenet", 64), ("cnn3", None), ("resnet18", None))
-MEASURES = ("forward_b1", "forward_b64", "train_step_b128")
-CALLS = {"forward_b1": 20, "forward_b64": 3, "train_step_b128": 2}
+MEASURES = ("forward_b1", "forward_b64")
+CALLS = {"forward_b1": 20, "forward_b64": 3}
 
 
 def forward(model: nn.Module, images: torch.Tensor) -> Callable[[], None]:
     def call() -> None:
         with torch.inference_mode():
             model(images)
-    return call
-
-
-def train_step(model: nn.Module, images: torch.Tensor, labels: torch.Tensor
-               ) -> Callable[[], None]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
-
-    def call() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(model(images), labels).backward()
-        optimizer.step()
     return call
 
 
@@ -75,18 +63,14 @@ def measure(name: str, width: int | None, rounds: int, device: torch.device) -> 
     plain = build_model(name, 1, 10, width).to(device)
     fast = fast_layout(copy.deepcopy(plain), device)
     generator = torch.Generator().manual_seed(0)
-    images = {b: torch.randn(b, 1, 28, 28, generator=generator).to(device) for b in (1, 64, 128)}
-    labels = torch.randint(0, 10, (128,), generator=generator).to(device)
+    images = {b: torch.randn(b, 1, 28, 28, generator=generator).to(device) for b in (1, 64)}
     plain.eval(), fast.eval()
     with torch.inference_mode():
         difference = (plain(images[64]) - fast(images[64])).abs().max().item()
-    calls = {}
-    for layout, model in (("plain", plain), ("channels_last", fast)):
-        trainee = copy.deepcopy(model).train()  # its own weights: the steps change them
-        calls[layout] = {"forward_b1": forward(model, images[1]),
-                         "forward_b64": forward(model, images[64]),
-                         "train_step_b128": train_step(trainee, images[128], labels)}
-    per_image = {"forward_b1": 1, "forward_b64": 64, "train_step_b128": 128}
+    calls = {layout: {"forward_b1": forward(model, images[1]),
+                      "forward_b64": forward(model, images[64])}
+             for layout, model in (("plain", plain), ("channels_last", fast))}
+    per_image = {"forward_b1": 1, "forward_b64": 64}
     times = {m: {"plain": [], "channels_last": []} for m in MEASURES}
     ratios = {m: [] for m in MEASURES}
     for layout in calls:  # warm-up: allocator, kernels, caches

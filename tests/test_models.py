@@ -77,3 +77,25 @@ def test_small_inputs_are_upsampled_inside_the_network_to_its_input_floor(name):
     torch.testing.assert_close(logits, model(upsampled))
     big = torch.rand(2, 1, 32, 32)  # at or above the floor nothing is resized
     assert model.fit_input(big) is big
+
+
+
+@pytest.mark.parametrize("name", models.list_models())
+def test_every_network_serves_in_the_fast_layout_with_the_plain_layouts_numbers(name, tmp_path):
+    """Served programs run in channels_last on the CPU (`fast_layout`, `bench.layout`: faster);
+    every registered network's exported program, loaded as serving loads it, is in that
+    layout and answers as the plain network does, to float rounding."""
+    from serving.classifier import load_program
+    from tasks.training import export_program
+
+    torch.manual_seed(0)
+    plain = models.build_model(name, in_channels=1, num_classes=7, width=4).eval()
+    export_program(plain, 1, 28, tmp_path / "program.pt2")
+    served = load_program(str(tmp_path / "program.pt2"))
+    convolution = next(p for p in served.parameters() if p.dim() == 4 and p.shape[1] > 1)
+    assert convolution.is_contiguous(memory_format=torch.channels_last)
+    assert not convolution.is_contiguous()  # really the other layout
+    for batch in (1, 64):
+        x = torch.randn(batch, 1, 28, 28)
+        with torch.no_grad():
+            torch.testing.assert_close(served(x)[0], plain(x), rtol=1e-4, atol=1e-5)

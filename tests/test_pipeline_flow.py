@@ -199,10 +199,11 @@ def test_the_registered_pyfunc_runs_the_fallback_cascade(run):
     accuracy = float((np.array(out["label"]) == np.array(labels)).mean())
     assert accuracy == pytest.approx(run.fallback.metrics["test_accuracy"], abs=0.02)
     assert run.registration.accuracy == pytest.approx(accuracy)
-    # the version's cost, what a tie is decided by: the student's and the teacher's networks
+    # the version's cost, what a tie is decided by: the student's and the teacher's networks,
+    # and the fitted predictor where validation kept it
     served = model.unwrap_python_model().implementation
-    counted = {id(p): p.numel() for net in (served.program, served.fallback)
-               for p in (*net.parameters(), *net.buffers())}
+    nets = (served.program, served.fallback) + (() if served.router is None else (served.router,))
+    counted = {id(p): p.numel() for net in nets for p in (*net.parameters(), *net.buffers())}
     assert int(tracking.version_tags(NAME, run.registration.version)["parameters"]) == \
         sum(counted.values()) > sum(p.numel() for p in served.program.parameters())
 

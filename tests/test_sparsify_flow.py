@@ -97,6 +97,7 @@ def counted_test_zeros(summary, config: SparsifyConfig) -> dict[str, float]:
 
     from models import build_model
     from tasks.data import load_dataset, prepare_dataset, source_version
+    from training.device import place_model
 
     data_config = config.dataset
     dataset = prepare_dataset(data_config, source_version(data_config))
@@ -107,7 +108,9 @@ def counted_test_zeros(summary, config: SparsifyConfig) -> dict[str, float]:
     model = build_model(config.network_name(), dataset.channels, len(dataset.classes),
                         config.network.width)
     model.load_state_dict(payload["model"])
-    model.eval()
+    # in the layout the flow ran it (background pixels give tied values; where a threshold
+    # sits on a tie, a layout's rounding moves the whole tie across it)
+    model = place_model(model.eval(), torch.device("cpu"))
     thresholds = payload.get("thresholds", {})
     zeros, values = dict.fromkeys(summary.spec.lambdas, 0), dict.fromkeys(summary.spec.lambdas, 0)
 

@@ -33,7 +33,7 @@ from training.cascade.calibration import (
     routed_variant,
 )
 from training.cascade.learning import ExitTable, exit_table, oracles
-from training.device import inference_batch
+from training.device import inference_batch, place_model
 from training.latency import full_network_cost, interleaved_ms_per_image, part_costs
 
 ROUTINGS: dict[str, str] = {  # what each routing of the super-network modules is, for people
@@ -72,7 +72,7 @@ def validation_table(config: CascadeConfig, dataset: DatasetRef, net: CascadeNet
                      fixed: dict[int, int] | None = None) -> ExitTable:
     device = setup_device(config)
     data = load_dataset(dataset)
-    return exit_table(net.to(device), eval_batches(data, dataset, split, device), costs,
+    return exit_table(place_model(net, device), eval_batches(data, dataset, split, device), costs,
                       fixed)
 
 
@@ -122,7 +122,7 @@ def test_cascade(config: CascadeConfig, dataset: DatasetRef, latency: ArtifactRe
     Then the sweep's accuracy, time at batch 1 (on at most 300 of those images) and cost by
     the table (over the full network's and over the oracle's)."""
     device = setup_device(config)
-    net = trained_cascade(config, dataset, calibrated).to(device)
+    net = place_model(trained_cascade(config, dataset, calibrated), device)
     payload = load_checkpoint(ArtifactStore(), calibrated)
     data = load_dataset(dataset)
     test = data.splits["test"]

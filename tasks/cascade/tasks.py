@@ -40,7 +40,7 @@ from training.cascade.learning import (
     relative_costs,
     split_disjoint,
 )
-from training.device import inference_batch, resolve_device
+from training.device import inference_batch, place_model, resolve_device
 from training.latency import (
     check_device,
     device_name,
@@ -174,7 +174,7 @@ class ModuleRound(RoundPlan):
             net.load_state_dict(payload["model"])
             if previous is not None:
                 optimizer.load_state_dict(payload["optimizer"])
-        net.to(device)
+        net = place_model(net, device)
         optimizer_to(optimizer, device)
         relative = (relative_costs(net, part_costs(read_table(self.latency)), k)
                     if net.is_super(k) else None)
@@ -221,7 +221,7 @@ def fit_predictor(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
     second = load_checkpoint(store, sets.artifact)["second"]
     net = new_cascade(config, dataset)
     net.load_state_dict(load_checkpoint(store, checkpoint)["model"])
-    net.to(device)
+    net = place_model(net, device)
     relative = relative_costs(net, part_costs(read_table(latency)), k)
     metrics: dict[str, float] = {}
     if config.predictor == "fixed":
@@ -271,7 +271,7 @@ def refit_exits(config: CascadeConfig, dataset: DatasetRef, sets: CascadeSets,
     first = load_checkpoint(store, sets.artifact)["modules"][-1]  # the last module's: all
     net = new_cascade(config, dataset)
     net.load_state_dict(load_checkpoint(store, checkpoint)["model"])
-    net.to(device)
+    net = place_model(net, device)
 
     def val() -> list[float]:
         return exit_accuracies(net, eval_batches(data, dataset, "val", device))

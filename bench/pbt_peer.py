@@ -1,0 +1,232 @@
+"""Ray Tune's PopulationBasedTraining and the project's `pbt`, side by side on the same work.
+
+The work (issue 54): Fashion-MNIST as the project prepares it, 20,000 training images
+(`--train-limit`), 10,000 validation images (`--val-fraction 1/6` of the training file, then
+`--val-limit`), the official 10,000 test images; `lenet` at width 64 (137k parameters); SGD with
+momentum at batch 128; 4 members x 8 epochs; one thread per member, two members at a time
+on the 2 cores; learning rate, momentum and weight decay explored over the `pbt` flow's ranges.
+Each tool's chosen model (the best final validation accuracy) is scored on the test images.
+
+- **Ray Tune** (2.60, `pip install -e '.[peers]'`): a function trainable in its documented style
+  (`ray/tune/examples/pbt_convnet_function_example.py`): one iteration is one epoch over the
+  training images (plain SGD at the trial's values, no augmentation, the network in PyTorch's
+  plain layout as a user writes it), then the validation accuracy and a checkpoint;
+  synchronous PBT, `perturbation_interval=1`, `quantile_fraction=0.25`, the first values drawn
+  from the ranges; `ray.init(num_cpus=2)`, one CPU per trial.
+- **The project's `pbt`** flow with its defaults (2 burn-in epochs, then 3 stages of 2: the same
+  8 epochs a member), its members on a local Dask cluster of 2 single-threaded workers
+  (`--runner dask --dask-workers 2 --threads 1`), registering nothing.
+
+Wall time is a run end to end as its user waits for it: from the call to a tested model (Ray:
+`ray.init`, `Tuner.fit`, the test pass; the project: the flow call, its data preparation and
+raw-pixel baselines, the cluster's start and the test included). The tools run one after the
+other within a seed, alternating which goes first.
+
+    python -m bench.pbt_peer                     # seeds 0-2, both tools: about an hour
+    python -m bench.pbt_peer --tools ray --seeds 0
+    python -m bench.pbt_peer --smoke             # 2 members x 3 epochs on 2,000 images
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import mean_std, print_json, print_table  # noqa: E402
+from models import build_model  # noqa: E402
+from tasks.configs.pbt import PBTConfig  # noqa: E402
+from tasks.data import load_dataset, prepare_dataset, source_version  # noqa: E402
+
+TOOLS = ("ray", "project")
+WORK = {"model": "lenet", "width": 64, "members": 4, "epochs": 8, "batch_size": 128,
+        "train_limit": 20_000, "val_fraction": 1 / 6, "val_limit": 10_000}
+# the smoke work trains exactly its epochs (the flow's budget would repeat them on 2,000 images
+# to reach its 3,000 steps; on 20,000 images 8 epochs are more steps than it asks for)
+SMOKE = {"members": 2, "epochs": 3, "train_limit": 2_000, "val_limit": 1_000, "min_steps": None}
+
+
+def project_config(work: dict, seed: int) -> PBTConfig:
+    """The `pbt` flow's config for the work: its defaults, the work's data, network, population
+    and epochs (burn-in 2 then stages of 2), members on 2 Dask workers of one thread."""
+    stages = max(1, (work["epochs"] - 2) // 2)
+    return PBTConfig(seed=seed, model=work["model"], width=work["width"],
+                     members=work["members"], burn_in_epochs=work["epochs"] - 2 * stages,
+                     round_epochs=2, stages=stages, batch_size=work["batch_size"],
+                     train_limit=work["train_limit"], val_fraction=work["val_fraction"],
+                     val_limit=work["val_limit"], runner="dask", dask_workers=2, threads=1,
+                     registry=False, progress=False, model_name="bench-pbt-peer",
+                     **{k: work[k] for k in ("min_steps",) if k in work})
+
+
+def run_project(work: dict, seed: int) -> dict:
+    from flows.pbt import pbt
+
+    config = project_config(work, seed)
+    started = time.perf_counter()
+    summary = pbt(config)
+    seconds = time.perf_counter() - started
+    return {"test_accuracy": summary.test_accuracy, "seconds": seconds,
+            "hyperparameters": summary.population.hyperparameters}
+
+
+def work_data(work: dict, seed: int) -> dict:
+    """The prepared data set of the project's config for the work: uint8 images and labels
+    of the train, validation and test splits, and the normalization."""
+    data = project_config(work, seed).dataset
+    ref = prepare_dataset(data, source_version(data))
+    loaded = load_dataset(ref)
+    return {"splits": {name: (loaded.images[positions], loaded.labels[positions])
+                       for name, positions in loaded.splits.items()
+                       if name in ("train", "val", "test")},
+            "mean": ref.mean, "std": ref.std, "channels": ref.channels,
+            "classes": len(ref.classes)}
+
+
+def normalized(images: torch.Tensor, mean: list[float], std: list[float]) -> torch.Tensor:
+    mean_ = torch.tensor(mean).view(1, -1, 1, 1)
+    std_ = torch.tensor(std).view(1, -1, 1, 1)
+    return (images.float() / 255.0 - mean_) / std_
+
+
+def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
+    model.eval()
+    correct = 0
+    with torch.inference_mode():
+        for start in range(0, len(labels), 256):
+            logits = model(images[start:start + 256])
+            correct += int((logits.argmax(1) == labels[start:start + 256]).sum())
+    return correct / len(labels)
+
+
+def ray_trainable(config: dict, data: dict, work: dict) -> None:
+    """One Ray Tune trial: an epoch per iteration, reported with a checkpoint (the example's
+    style); restored from Tune's checkpoint after an exploit, at the trial's new values."""
+    from ray import tune
+
+    torch.set_num_threads(1)
+    x, y = data["splits"]["train"]
+    vx, vy = data["splits"]["val"]
+    x, vx = normalized(x, data["mean"], data["std"]), normalized(vx, data["mean"], data["std"])
+    model = build_model(work["model"], data["channels"], data["classes"], work["width"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=config["momentum"],
+                                weight_decay=config["weight_decay"])
+    epoch = 0
+    checkpoint = tune.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as folder:
+            state = torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        epoch = state["epoch"]
+        for group in optimizer.param_groups:  # the explored values
+            group.update(lr=config["lr"], momentum=config["momentum"],
+                         weight_decay=config["weight_decay"])
+    generator = torch.Generator().manual_seed(config["seed"] * 1000 + epoch)
+    while True:
+        model.train()
+        order = torch.randperm(len(y), generator=generator)
+        for start in range(0, len(y), work["batch_size"]):
+            batch = order[start:start + work["batch_size"]]
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+            optimizer.step()
+        epoch += 1
+        score = accuracy(model, vx, vy)
+        with tempfile.TemporaryDirectory() as folder:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "epoch": epoch}, os.path.join(folder, "checkpoint.pt"))
+            tune.report({"val_accuracy": score, "epoch": epoch},
+                        checkpoint=tune.Checkpoint.from_directory(folder))
+
+
+def run_ray(work: dict, seed: int) -> dict:
+    import numpy as np
+    import ray
+    from ray import tune
+    from ray.tune.schedulers import PopulationBasedTraining
+
+    started = time.perf_counter()
+    random.seed(seed)  # PBT's exploration draws from these
+    np.random.seed(seed)
+    data = work_data(work, seed)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    try:
+        spaces = {"lr": tune.loguniform(0.005, 0.3), "momentum": tune.uniform(0.5, 0.99),
+                  "weight_decay": tune.loguniform(1e-5, 5e-3)}
+        scheduler = PopulationBasedTraining(time_attr="training_iteration",
+                                            perturbation_interval=1, quantile_fraction=0.25,
+                                            hyperparam_mutations=spaces, synch=True)
+        trainable = tune.with_resources(tune.with_parameters(ray_trainable, data=data,
+                                                             work=work), {"cpu": 1})
+        with tempfile.TemporaryDirectory() as storage:
+            tuner = tune.Tuner(
+                trainable, param_space={**spaces, "seed": seed},
+                tune_config=tune.TuneConfig(
+                    scheduler=scheduler, metric="val_accuracy", mode="max",
+                    num_samples=work["members"], max_concurrent_trials=2,
+                    search_alg=tune.search.BasicVariantGenerator(random_state=seed)),
+                run_config=tune.RunConfig(storage_path=storage, verbose=0,
+                                          stop={"training_iteration": work["epochs"]},
+                                          checkpoint_config=tune.CheckpointConfig(
+                                              num_to_keep=2)))
+            results = tuner.fit()
+            best = results.get_best_result(metric="val_accuracy", mode="max", scope="last")
+            with best.checkpoint.as_directory() as folder:
+                state = torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True)
+    finally:
+        ray.shutdown()
+    model = build_model(work["model"], data["channels"], data["classes"], work["width"])
+    model.load_state_dict(state["model"])
+    tx, ty = data["splits"]["test"]
+    test = accuracy(model, normalized(tx, data["mean"], data["std"]), ty)
+    return {"test_accuracy": test, "seconds": time.perf_counter() - started,
+            "hyperparameters": {k: best.config[k] for k in spaces},
+            "val_accuracy": best.metrics["val_accuracy"]}
+
+
+RUNNERS = {"ray": run_ray, "project": run_project}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--tools", nargs="+", default=list(TOOLS), choices=TOOLS)
+    parser.add_argument("--smoke", action="store_true", help="a tiny work, to try the driver")
+    args = parser.parse_args()
+    work = WORK | (SMOKE if args.smoke else {})
+    runs: dict[str, list[dict]] = {tool: [] for tool in args.tools}
+    for index, seed in enumerate(args.seeds):
+        order = args.tools if index % 2 == 0 else args.tools[::-1]
+        for tool in order:
+            runs[tool].append({"seed": seed} | RUNNERS[tool](work, seed))
+            print(f"seed {seed} {tool}: test {runs[tool][-1]['test_accuracy']:.4f}, "
+                  f"{runs[tool][-1]['seconds']:.0f} s", flush=True)
+    rows, figures = [], {}
+    for tool, done in runs.items():
+        test_mean, test_std = mean_std([r["test_accuracy"] for r in done])
+        seconds_mean, seconds_std = mean_std([r["seconds"] for r in done])
+        figures[tool] = {"runs": done, "test_mean": test_mean, "test_std": test_std,
+                         "seconds_mean": seconds_mean, "seconds_std": seconds_std}
+        rows.append((tool, f"{test_mean:.4f} ± {test_std:.4f}",
+                     " / ".join(f"{r['test_accuracy']:.4f}" for r in done),
+                     f"{seconds_mean:.0f} ± {seconds_std:.0f}"))
+    print(f"\n{work['members']} members x {work['epochs']} epochs of {work['model']}:"
+          f"{work['width']} on {work['train_limit']} training images, seeds {args.seeds}")
+    print_table(("tool", "test accuracy", "per seed", "seconds per run"), rows)
+    print_json({"benchmark": "pbt_peer", "work": work, "smoke": args.smoke,
+                "threads": 1, "tools": figures})
+
+
+if __name__ == "__main__":
+    main()
