@@ -568,6 +568,47 @@ def serving(record: dict) -> str:
         f"`{record['command']}` (commit {record['commit'][:7]}).\n")
 
 
+def layout(record: dict) -> str:
+    """`bench.layout`: per network, ms per image of a forward pass at batch 1 and 64 in the
+    plain layout and in channels_last, their median paired ratio, the logits' difference."""
+    lines = ["| network | batch 1: plain / channels_last, ms per image | ratio | batch 64 | ratio "
+             "| largest logit difference |", "| --- " * 6 + "|"]
+    for name, figure in record["networks"].items():
+        cells = []
+        for measure in ("forward_b1", "forward_b64"):
+            f = figure[measure]
+            cells += [f"{f['plain_ms_per_image']:.4f} / {f['channels_last_ms_per_image']:.4f}",
+                      f"{f['ratio']:.2f}x"]
+        lines.append(f"| `{name}` | " + " | ".join(cells)
+                     + f" | {figure['max_logit_difference']:.1e} |")
+    return "\n".join(lines) + (
+        f"\n\n{record['device']}, {record['threads']} thread(s), untrained networks on random "
+        f"28-pixel images, median paired ratio over {record['rounds']} rounds; command: "
+        f"`{record['command']}` (commit {record['commit'][:7]}).\n")
+
+
+def pbt_peer(record: dict) -> str:
+    """`bench.pbt_peer`: Ray Tune's PBT and the project's `pbt` on one work, per seed: the
+    chosen model's accuracy on the test images and the wall time of a run."""
+    tools = record["tools"]
+    names = {"ray": "Ray Tune 2.60 `PopulationBasedTraining`", "project": "the project's `pbt`"}
+    lines = ["| tool | test accuracy (official) | per seed | seconds per run | per seed |",
+             "| --- | --- | --- | --- | --- |"]
+    for tool, figure in tools.items():
+        accuracies = " / ".join(f"{run['test_accuracy']:.4f}" for run in figure["runs"])
+        seconds = " / ".join(f"{run['seconds']:.0f}" for run in figure["runs"])
+        accuracy = spread(figure["test_mean"], figure["test_std"])
+        lines.append(f"| {names.get(tool, tool)} | {accuracy} | {accuracies} | "
+                     f"{figure['seconds_mean']:.0f} ± {figure['seconds_std']:.0f} | {seconds} |")
+    work = record["work"]
+    return "\n".join(lines) + (
+        f"\n\n{work['members']} members x {work['epochs']} epochs of `{work['model']}` at width "
+        f"{work['width']} on {work['train_limit']:,} training images, {work['val_limit']:,} "
+        f"validation images, batch {work['batch_size']}; two members at a time, one thread "
+        f"each; seeds {', '.join(str(r['seed']) for r in next(iter(tools.values()))['runs'])}; "
+        f"command: `{record['command']}` (commit {record['commit'][:7]}).\n")
+
+
 def faults(record: dict) -> str:
     """`bench.faults`: per flow, the trials, how many were killed mid-run, how many reruns
     passed every check, and the reruns' seconds; the checks and the command below."""
@@ -675,6 +716,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"image_text": image_text, "cascad
                                                "distill_bank": distill_bank,
                                                "distill_targets": distill_targets,
                                                "serving": serving, "faults": faults,
+                                               "layout": layout, "pbt_peer": pbt_peer,
                                                "summary": summary_table}
 
 

@@ -55,7 +55,8 @@ def population_scheduler(config: Any, members: int, base: dict[str, float],
     `val_images`)."""
     return PBTScheduler(search_spaces(config), members, base, config.run.seed,
                         *config.explore_factors, linear_step=config.explore_step,
-                        margin=config.tie_margin, val_images=val_images, keep_base=True)
+                        margin=config.tie_margin, val_images=val_images, keep_base=True,
+                        explore=config.explore)
 
 
 # The checkpoint entry a member round scored and that gets tested and exported.

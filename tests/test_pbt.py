@@ -85,3 +85,17 @@ def test_member_0_starts_at_the_configured_values_and_noise_does_not_move_it():
     assert plain.decide([0.81, 0.84, 0.80]).best == 1  # margin 0: the highest
     with pytest.raises(ValueError, match="validation images"):
         PBTScheduler(spaces, 3, base, seed=4, margin=None)
+
+
+def test_with_exploration_off_every_member_keeps_the_configured_values_and_only_copies():
+    spaces = [SearchSpace("lr", 0.01, 1.0), SearchSpace("augment", 0.0, 1.0, "linear")]
+    base = {"lr": 0.05, "augment": 0.5, "momentum": 0.9}
+    control = PBTScheduler(spaces, 3, base, seed=4, keep_base=True, explore=False)
+    assert control.hyperparameters == [base] * 3
+    for scores in ([0.81, 0.84, 0.80], [0.9, 0.7, 0.95]):
+        decision = control.decide(scores)
+        assert decision.best == scores.index(max(scores))  # the weights still go from the best
+        assert list(decision.hyperparameters) == [base] * 3
+    searching = PBTScheduler(spaces, 3, base, seed=4, keep_base=True)
+    assert searching.hyperparameters[1] != base
+    assert searching.decide([0.81, 0.84, 0.80]).hyperparameters[0] != base

@@ -73,6 +73,10 @@ class PBTConfig(ProfiledConfig):
         (0.5, 2.0), description="a log-scale value is the best's times a factor in this range")
     explore_step: float = Field(0.25, gt=0.0, le=1.0, description="a linear-scale value moves "
                                 "by up to this fraction of its range from the best's")
+    explore: bool = Field(True, description="draw the members' hyperparameters and explore "
+                          "around the best's after each stage; --no-explore: every member "
+                          "keeps the configured values and the stages only copy the best's "
+                          "weights (the control exploration must beat)")
     knn_k: int = Field(5, ge=1, le=1000, description="neighbours that vote when the final "
                        "model's embeddings recognize the test split against the training split")
 

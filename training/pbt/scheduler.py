@@ -164,12 +164,16 @@ class PBTScheduler:
         val_images: the validation images the scores are measured on (for `margin=None`).
         keep_base: member 0 starts from `base`'s values (clipped to the bounds) instead of a
             draw; the others' draws are unchanged.
+        explore: False turns the search off: every member starts from `base`'s values and
+            keeps them, so the stages only copy the best's weights (the control PBT's
+            exploration must beat).
     """
 
     def __init__(self, spaces: Sequence[SearchSpace], members: int, base: Mapping[str, float],
                  seed: int, low_factor: float = 0.5, high_factor: float = 2.0,
                  linear_step: float = 0.25, margin: float | None = 0.0,
-                 val_images: int | None = None, keep_base: bool = False) -> None:
+                 val_images: int | None = None, keep_base: bool = False,
+                 explore: bool = True) -> None:
         if margin is None and not val_images:
             raise ValueError("a margin of one standard error needs the validation images")
         self.spaces, self.members = list(spaces), members
@@ -179,6 +183,10 @@ class PBTScheduler:
         self.hyperparameters = [dict(base) | drawn for drawn in initial_hyperparameters(
             self.spaces, members, self.rng)]
         self.incumbent: int | None = None
+        self.explore = explore
+        if not explore:
+            self.hyperparameters = [dict(base) | {space.name: space.clip(base[space.name])
+                                                  for space in self.spaces}] * members
         if keep_base:
             self.hyperparameters[0] = dict(base) | {
                 space.name: space.clip(base[space.name]) for space in self.spaces}
@@ -202,7 +210,7 @@ class PBTScheduler:
         self.incumbent = best  # it keeps its values; the others explore around them
         kept = self.hyperparameters[best]
         low, high, step = self.perturbation
-        self.hyperparameters = [kept if m == best else explore(
+        self.hyperparameters = [kept if m == best or not self.explore else explore(
             kept, self.spaces, self.rng, low, high, linear_step=step)
             for m in range(self.members)]
         decision = Decision(len(self.decisions) + 1, best, float(scores[best]),
