@@ -15,7 +15,10 @@ Each tool's chosen model (the best final validation accuracy) is scored on the t
   from the ranges; `ray.init(num_cpus=2)`, one CPU per trial.
 - **The project's `pbt`** flow with its defaults (2 burn-in epochs, then 3 stages of 2: the same
   8 epochs a member), its members on a local Dask cluster of 2 single-threaded workers
-  (`--runner dask --dask-workers 2 --threads 1`), registering nothing.
+  (`--runner dask --dask-workers 2 --threads 1`), registering nothing; per run, which member
+  each stage's decision picked and how often it was one that had explored (not the incumbent).
+- **`project-no-explore`**: the same with `--no-explore` (every member at the configured values,
+  the stages only copy the best's weights; the same soup and recipe).
 
 Wall time is a run end to end as its user waits for it: from the call to a tested model (Ray:
 `ray.init`, `Tuner.fit`, the test pass; the project: the flow call, its data preparation and
@@ -24,6 +27,7 @@ other within a seed, alternating which goes first.
 
     python -m bench.pbt_peer                     # seeds 0-2, both tools: about an hour
     python -m bench.pbt_peer --tools ray --seeds 0
+    python -m bench.pbt_peer --tools project project-no-explore   # does exploration pay?
     python -m bench.pbt_peer --smoke             # 2 members x 3 epochs on 2,000 images
 """
 
@@ -47,7 +51,7 @@ from models import build_model  # noqa: E402
 from tasks.configs.pbt import PBTConfig  # noqa: E402
 from tasks.data import load_dataset, prepare_dataset, source_version  # noqa: E402
 
-TOOLS = ("ray", "project")
+TOOLS = ("ray", "project", "project-no-explore")
 WORK = {"model": "lenet", "width": 64, "members": 4, "epochs": 8, "batch_size": 128,
         "train_limit": 20_000, "val_fraction": 1 / 6, "val_limit": 10_000}
 # the smoke work trains exactly its epochs (the flow's budget would repeat them on 2,000 images
@@ -55,28 +59,41 @@ WORK = {"model": "lenet", "width": 64, "members": 4, "epochs": 8, "batch_size": 
 SMOKE = {"members": 2, "epochs": 3, "train_limit": 2_000, "val_limit": 1_000, "min_steps": None}
 
 
-def project_config(work: dict, seed: int) -> PBTConfig:
+def project_config(work: dict, seed: int, explore: bool = True) -> PBTConfig:
     """The `pbt` flow's config for the work: its defaults, the work's data, network, population
-    and epochs (burn-in 2 then stages of 2), members on 2 Dask workers of one thread."""
+    and epochs (burn-in 2 then stages of 2), members on 2 Dask workers of one thread;
+    `explore=False`: the control (`--no-explore`)."""
     stages = max(1, (work["epochs"] - 2) // 2)
     return PBTConfig(seed=seed, model=work["model"], width=work["width"],
                      members=work["members"], burn_in_epochs=work["epochs"] - 2 * stages,
                      round_epochs=2, stages=stages, batch_size=work["batch_size"],
                      train_limit=work["train_limit"], val_fraction=work["val_fraction"],
                      val_limit=work["val_limit"], runner="dask", dask_workers=2, threads=1,
-                     registry=False, progress=False, model_name="bench-pbt-peer",
+                     registry=False, progress=False, model_name="bench-pbt-peer", explore=explore,
                      **{k: work[k] for k in ("min_steps",) if k in work})
 
 
-def run_project(work: dict, seed: int) -> dict:
+def stage_winners(lineage: list[dict], last: int) -> list[int]:
+    """The member each stage's decision picked: the parent the next stage's members copied,
+    and `last` (the population's best member) for the last stage."""
+    stages = sorted({r["stage"] for r in lineage if r["phase"] == "stage"})
+    copied = {r["stage"]: r["parent"] for r in lineage if r["phase"] == "stage"}
+    return [copied[s + 1] for s in stages[:-1]] + [last]
+
+
+def run_project(work: dict, seed: int, explore: bool = True) -> dict:
     from flows.pbt import pbt
 
-    config = project_config(work, seed)
+    config = project_config(work, seed, explore)
     started = time.perf_counter()
     summary = pbt(config)
     seconds = time.perf_counter() - started
+    winners = stage_winners(summary.population.lineage, summary.population.best_member)
+    incumbents = [0, *winners[:-1]]  # stage 1's: member 0, at the configured values
     return {"test_accuracy": summary.test_accuracy, "seconds": seconds,
-            "hyperparameters": summary.population.hyperparameters}
+            "hyperparameters": summary.population.hyperparameters, "stage_winners": winners,
+            "explorer_wins": sum(w != i for w, i in zip(winners, incumbents, strict=True))
+            if explore else None}
 
 
 def work_data(work: dict, seed: int) -> dict:
@@ -195,13 +212,15 @@ def run_ray(work: dict, seed: int) -> dict:
             "val_accuracy": best.metrics["val_accuracy"]}
 
 
-RUNNERS = {"ray": run_ray, "project": run_project}
+RUNNERS = {"ray": run_ray, "project": run_project,
+           "project-no-explore": lambda work, seed: run_project(work, seed, explore=False)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--tools", nargs="+", default=list(TOOLS), choices=TOOLS)
+    parser.add_argument("--tools", nargs="+", default=list(TOOLS[:2]), choices=TOOLS,
+                        help="default: ray project; project-no-explore: the control")
     parser.add_argument("--smoke", action="store_true", help="a tiny work, to try the driver")
     args = parser.parse_args()
     work = WORK | (SMOKE if args.smoke else {})

@@ -591,7 +591,8 @@ def pbt_peer(record: dict) -> str:
     """`bench.pbt_peer`: Ray Tune's PBT and the project's `pbt` on one work, per seed: the
     chosen model's accuracy on the test images and the wall time of a run."""
     tools = record["tools"]
-    names = {"ray": "Ray Tune 2.60 `PopulationBasedTraining`", "project": "the project's `pbt`"}
+    names = {"ray": "Ray Tune 2.60 `PopulationBasedTraining`", "project": "the project's `pbt`",
+             "project-no-explore": "`pbt --no-explore` (the control)"}
     lines = ["| tool | test accuracy (official) | per seed | seconds per run | per seed |",
              "| --- | --- | --- | --- | --- |"]
     for tool, figure in tools.items():
@@ -601,6 +602,11 @@ def pbt_peer(record: dict) -> str:
         lines.append(f"| {names.get(tool, tool)} | {accuracy} | {accuracies} | "
                      f"{figure['seconds_mean']:.0f} ± {figure['seconds_std']:.0f} | {seconds} |")
     work = record["work"]
+    wins = [f"seed {run['seed']}: {run['explorer_wins']} of {len(run['stage_winners'])}"
+            for run in tools.get("project", {}).get("runs", []) if "explorer_wins" in run]
+    if wins:
+        lines.append(f"\nStages won by a member that had explored (not the incumbent), "
+                     f"`pbt`: {'; '.join(wins)}.")
     return "\n".join(lines) + (
         f"\n\n{work['members']} members x {work['epochs']} epochs of `{work['model']}` at width "
         f"{work['width']} on {work['train_limit']:,} training images, {work['val_limit']:,} "
