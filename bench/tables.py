@@ -645,7 +645,9 @@ def summary(results: Path) -> dict:
     return {"pipeline": newest("pipeline", results),
             "distill": merged_variants_per_set("distill_targets", results),
             "pbt": newest("pbt", results), "small_data": newest_per_flow("small_data", results),
-            "faults": newest("faults", results) if (results / "faults.jsonl").exists() else None}
+            "faults": newest("faults", results) if (results / "faults.jsonl").exists() else None,
+            "pbt_peer": newest("pbt_peer", results)
+            if (results / "pbt_peer.jsonl").exists() else None}
 
 
 def summary_table(picked: dict) -> str:
@@ -689,6 +691,13 @@ def summary_table(picked: dict) -> str:
     rows.append(("`pbt` against the default hyperparameters, same member-epochs",
                  f"{methods['c']['report_mean']:.4f}: {gain:+.4f} (paired)",
                  "pbt-against-the-default-and-random-search"))
+    peer = picked.get("pbt_peer")
+    if peer is not None and {"ray", "project"} <= set(peer["tools"]):
+        mine, ray = peer["tools"]["project"], peer["tools"]["ray"]
+        rows.append(("`pbt` against Ray Tune's PBT, the same work on 2 cores (test images)",
+                     f"{mine['test_mean']:.4f} against {ray['test_mean']:.4f}; "
+                     f"{mine['seconds_mean']:.0f} s against {ray['seconds_mean']:.0f} s a run",
+                     "pbt-against-ray-tune"))
     flows = [r for r in picked["small_data"]["results"] if "flow" in r]
     held = {r["set"]: r["holdout_baselines"] for r in picked["small_data"]["results"]
             if "holdout_baselines" in r}
