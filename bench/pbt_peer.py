@@ -194,9 +194,7 @@ def run_ray(work: dict, seed: int) -> dict:
                     num_samples=work["members"], max_concurrent_trials=2,
                     search_alg=tune.search.BasicVariantGenerator(random_state=seed)),
                 run_config=tune.RunConfig(storage_path=storage, verbose=0,
-                                          stop={"training_iteration": work["epochs"]},
-                                          checkpoint_config=tune.CheckpointConfig(
-                                              num_to_keep=2)))
+                                          stop={"training_iteration": work["epochs"]}))
             results = tuner.fit()
             best = results.get_best_result(metric="val_accuracy", mode="max", scope="last")
             with best.checkpoint.as_directory() as folder:
