@@ -25,7 +25,8 @@ Wall time is a run end to end as its user waits for it: from the call to a teste
 raw-pixel baselines, the cluster's start and the test included). The tools run one after the
 other within a seed, alternating which goes first.
 
-    python -m bench.pbt_peer                     # seeds 0-2, both tools: about an hour
+    python -m bench.pbt_peer                     # seeds 0-2, both tools: about 35 min a seed
+    python -m bench.pbt_peer --seeds 1           # one seed (a record each; the table merges)
     python -m bench.pbt_peer --tools ray --seeds 0
     python -m bench.pbt_peer --tools project project-no-explore   # does exploration pay?
     python -m bench.pbt_peer --smoke             # 2 members x 3 epochs on 2,000 images
@@ -34,6 +35,7 @@ other within a seed, alternating which goes first.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -214,6 +216,18 @@ RUNNERS = {"ray": run_ray, "project": run_project,
            "project-no-explore": lambda work, seed: run_project(work, seed, explore=False)}
 
 
+def summarized(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per tool: its runs (one per seed) with the mean and standard deviation of their test
+    accuracy and seconds."""
+    figures = {}
+    for tool, done in runs.items():
+        test_mean, test_std = mean_std([r["test_accuracy"] for r in done])
+        seconds_mean, seconds_std = mean_std([r["seconds"] for r in done])
+        figures[tool] = {"runs": done, "test_mean": test_mean, "test_std": test_std,
+                         "seconds_mean": seconds_mean, "seconds_std": seconds_std}
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -229,20 +243,18 @@ def main() -> None:
             runs[tool].append({"seed": seed} | RUNNERS[tool](work, seed))
             print(f"seed {seed} {tool}: test {runs[tool][-1]['test_accuracy']:.4f}, "
                   f"{runs[tool][-1]['seconds']:.0f} s", flush=True)
-    rows, figures = [], {}
-    for tool, done in runs.items():
-        test_mean, test_std = mean_std([r["test_accuracy"] for r in done])
-        seconds_mean, seconds_std = mean_std([r["seconds"] for r in done])
-        figures[tool] = {"runs": done, "test_mean": test_mean, "test_std": test_std,
-                         "seconds_mean": seconds_mean, "seconds_std": seconds_std}
-        rows.append((tool, f"{test_mean:.4f} ± {test_std:.4f}",
-                     " / ".join(f"{r['test_accuracy']:.4f}" for r in done),
-                     f"{seconds_mean:.0f} ± {seconds_std:.0f}"))
+        # one record a seed (about 35 minutes each): the table merges them by seed and tool
+        print_json({"benchmark": "pbt_peer", "work": work, "smoke": args.smoke, "threads": 1,
+                    "seed": seed, "tools": summarized({t: [r for r in done if r["seed"] == seed]
+                                                       for t, done in runs.items()})})
+    figures = summarized(runs)
     print(f"\n{work['members']} members x {work['epochs']} epochs of {work['model']}:"
           f"{work['width']} on {work['train_limit']} training images, seeds {args.seeds}")
-    print_table(("tool", "test accuracy", "per seed", "seconds per run"), rows)
-    print_json({"benchmark": "pbt_peer", "work": work, "smoke": args.smoke,
-                "threads": 1, "tools": figures})
+    print_table(("tool", "test accuracy", "per seed", "seconds per run"), [
+        (tool, f"{f['test_mean']:.4f} ± {f['test_std']:.4f}",
+         " / ".join(f"{r['test_accuracy']:.4f}" for r in f["runs"]),
+         f"{f['seconds_mean']:.0f} ± {f['seconds_std']:.0f}") for tool, f in figures.items()])
+    print(json.dumps({"benchmark": "pbt_peer", "work": work, "tools": figures}, sort_keys=True))
 
 
 if __name__ == "__main__":

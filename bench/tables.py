@@ -587,6 +587,31 @@ def layout(record: dict) -> str:
         f"`{record['command']}` (commit {record['commit'][:7]}).\n")
 
 
+def merged_pbt_peer(name: str, results: Path = RESULTS) -> dict:
+    """`bench.pbt_peer`'s records of the full work (smoke runs left out) merged by tool and seed,
+    the newest run of each winning (a seed runs for about 35 minutes, so the seeds may come from
+    several sessions); each tool's mean and standard deviation over its seeds, and the records'
+    commands and commits."""
+    kept = [r for r in records(name, results) if not r.get("smoke")]
+    if not kept:
+        raise ValueError(f"no full-work record in {name}.jsonl")
+    by_tool: dict[str, dict[int, dict]] = {}
+    for record in kept:  # oldest first: a newer run of a seed replaces the older
+        for tool, figure in record["tools"].items():
+            for run in figure["runs"]:
+                by_tool.setdefault(tool, {})[run["seed"]] = run
+    tools = {}
+    for tool, seeds in by_tool.items():
+        runs = [seeds[seed] for seed in sorted(seeds)]
+        test = mean_std([run["test_accuracy"] for run in runs])
+        seconds = mean_std([run["seconds"] for run in runs])
+        tools[tool] = {"runs": runs, "test_mean": test[0], "test_std": test[1],
+                       "seconds_mean": seconds[0], "seconds_std": seconds[1]}
+    sources = list({(r["command"], r["commit"][:7]): r for r in kept})
+    return {"work": kept[-1]["work"], "tools": tools,
+            "sources": [f"`{command}` (commit {commit})" for command, commit in sources]}
+
+
 def pbt_peer(record: dict) -> str:
     """`bench.pbt_peer`: Ray Tune's PBT and the project's `pbt` on one work, per seed: the
     chosen model's accuracy on the test images and the wall time of a run."""
@@ -612,7 +637,7 @@ def pbt_peer(record: dict) -> str:
         f"{work['width']} on {work['train_limit']:,} training images, {work['val_limit']:,} "
         f"validation images, batch {work['batch_size']}; two members at a time, one thread "
         f"each; seeds {', '.join(str(r['seed']) for r in next(iter(tools.values()))['runs'])}; "
-        f"command: `{record['command']}` (commit {record['commit'][:7]}).\n")
+        f"{'; '.join(record['sources'])}.\n")
 
 
 def faults(record: dict) -> str:
@@ -646,7 +671,7 @@ def summary(results: Path) -> dict:
             "distill": merged_variants_per_set("distill_targets", results),
             "pbt": newest("pbt", results), "small_data": newest_per_flow("small_data", results),
             "faults": newest("faults", results) if (results / "faults.jsonl").exists() else None,
-            "pbt_peer": newest("pbt_peer", results)
+            "pbt_peer": merged_pbt_peer("pbt_peer", results)
             if (results / "pbt_peer.jsonl").exists() else None}
 
 
@@ -737,6 +762,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"image_text": image_text, "cascad
 
 PICKERS: dict[str, Callable[[str, Path], dict]] = {"sparsify": newest_per_task,
                                                    "distill_targets": merged_variants_per_set,
+                                                   "pbt_peer": merged_pbt_peer,
                                                    "cascade": newest_per_set,
                                                    "descriptions": newest_per_variant,
                                                    "small_data": newest_per_flow,

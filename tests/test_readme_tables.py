@@ -120,3 +120,30 @@ def test_the_distillation_table_merges_seeds_run_apart_and_pairs_them_by_seed(tm
     (tmp_path / "distill_targets.jsonl").write_text(json.dumps(records[0]) + "\n")
     one = merged_variants_per_set("distill_targets", tmp_path)["results"]
     assert "| kd (seed 0 only) |" in "\n".join(distill_rows(one, ["alone", "kd"], ()))
+
+
+def test_the_pbt_peer_table_merges_seeds_run_apart_and_leaves_smoke_runs_out(tmp_path):
+    """`bench.pbt_peer` records one line a seed (35 minutes each): the table holds every seed
+    of each tool, the newest where a seed ran twice, and no smoke run."""
+    from bench.tables import merged_pbt_peer, pbt_peer
+
+    def record(seed: int, ray: float, mine: float, smoke: bool = False, commit: str = "a" * 40
+               ) -> dict:
+        def tool(test: float) -> dict:
+            return {"runs": [{"seed": seed, "test_accuracy": test, "seconds": 100.0 + seed}]}
+        return {"command": f"python -m bench.pbt_peer --seeds {seed}", "commit": commit,
+                "smoke": smoke, "work": {"members": 4, "epochs": 8, "model": "lenet",
+                                         "width": 64, "train_limit": 20000, "val_limit": 10000,
+                                         "batch_size": 128},
+                "tools": {"ray": tool(ray), "project": tool(mine)}}
+
+    records = [record(0, 0.80, 0.81), record(1, 0.70, 0.74), record(1, 0.72, 0.76, True),
+               record(1, 0.71, 0.75, commit="b" * 40)]
+    (tmp_path / "pbt_peer.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    picked = merged_pbt_peer("pbt_peer", tmp_path)
+    assert [run["seed"] for run in picked["tools"]["project"]["runs"]] == [0, 1]
+    assert picked["tools"]["project"]["test_mean"] == pytest.approx((0.81 + 0.75) / 2)
+    assert picked["tools"]["ray"]["seconds_mean"] == pytest.approx(100.5)
+    table = pbt_peer(picked)
+    assert "| 0.8000 / 0.7100 |" in table and "(commit bbbbbbb)" in table
+    assert "0.76" not in table  # the smoke run
