@@ -587,6 +587,23 @@ def layout(record: dict) -> str:
         f"`{record['command']}` (commit {record['commit'][:7]}).\n")
 
 
+def allocator(record: dict) -> str:
+    """`bench.allocator`: per network, a training step's wall and system milliseconds and page
+    faults with glibc's defaults and with `keep_freed_memory`, and the paired wall ratio."""
+    lines = ["| network | glibc defaults: ms a step (system) | page faults a step | "
+             "`keep_freed_memory`: ms a step (system) | page faults a step | wall ratio |",
+             "| --- " * 6 + "|"]
+    for name, figure in record["networks"].items():
+        cells = [f"{figure[s]['wall'] * 1000:.1f} ({figure[s]['sys'] * 1000:.1f}) | "
+                 f"{figure[s]['page_faults']:,.0f}" for s in ("defaults", "keep_freed_memory")]
+        lines.append(f"| `{name}` | {cells[0]} | {cells[1]} | {figure['ratio']:.2f}x |")
+    return "\n".join(lines) + (
+        f"\n\nCPU, {record['threads']} thread, batch {record['batch']}, SGD steps; medians of "
+        f"{record['rounds']} fresh processes per setting ({record['steps']} steps each, the "
+        f"order swapped every round); command: `{record['command']}` (commit "
+        f"{record['commit'][:7]}).\n")
+
+
 def merged_pbt_peer(name: str, results: Path = RESULTS) -> dict:
     """`bench.pbt_peer`'s records of the full work (smoke runs left out) merged by tool and seed,
     the newest run of each winning (a seed runs for about 35 minutes, so the seeds may come from
@@ -757,6 +774,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"image_text": image_text, "cascad
                                                "distill_targets": distill_targets,
                                                "serving": serving, "faults": faults,
                                                "layout": layout, "pbt_peer": pbt_peer,
+                                               "allocator": allocator,
                                                "summary": summary_table}
 
 

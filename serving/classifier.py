@@ -23,14 +23,16 @@ from torch import nn
 from serving.inputs import input_batches
 from training.batches import Normalize
 from training.datasets import DataError
-from training.device import fast_layout
+from training.device import fast_layout, keep_freed_memory
 
 CPU = torch.device("cpu")
 
 
 def load_program(path: str) -> nn.Module:
     """An exported program (`torch.export`) as a module, its weights in the CPU's fast layout
-    (`training.device.fast_layout`)."""
+    (`training.device.fast_layout`), the process's allocator set to reuse freed blocks
+    (`training.device.keep_freed_memory`: a batch of 64 allocates large maps)."""
+    keep_freed_memory()
     return fast_layout(torch.export.load(path).module(), CPU)
 
 
