@@ -736,10 +736,13 @@ def summary_table(picked: dict) -> str:
     peer = picked.get("pbt_peer")
     if peer is not None and {"ray", "project"} <= set(peer["tools"]):
         mine, ray = peer["tools"]["project"], peer["tools"]["ray"]
+        seeds = [run["seed"] for run in mine["runs"]]
+        short = f" (seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))} only)" \
+            if len(seeds) < 3 else ""
         rows.append(("`pbt` against Ray Tune's PBT, the same work on 2 cores (test images)",
                      f"{mine['test_mean']:.4f} against {ray['test_mean']:.4f}; "
-                     f"{mine['seconds_mean']:.0f} s against {ray['seconds_mean']:.0f} s a run",
-                     "pbt-against-ray-tune"))
+                     f"{mine['seconds_mean']:.0f} s against {ray['seconds_mean']:.0f} s a run"
+                     + short, "pbt-against-ray-tune"))
     flows = [r for r in picked["small_data"]["results"] if "flow" in r]
     held = {r["set"]: r["holdout_baselines"] for r in picked["small_data"]["results"]
             if "holdout_baselines" in r}

@@ -17,10 +17,10 @@ TRIM_THRESHOLD = 1 << 30
 def keep_freed_memory() -> bool:
     """Makes glibc keep freed blocks for reuse: large blocks (one batch's maps of `lenet` at
     width 64 are 25 MB) otherwise come from mmap and go back to the kernel when freed, so
-    every step faults them in again, page by page: 450k page faults in 20 training steps, 15%
+    every step faults them in again, page by page: 18,000 page faults a training step, 15%
     of the CPU time in the kernel in one process and 42% in two Dask workers side by side.
     With the mmap threshold at its maximum and trimming above 1 GB only, the same 20 steps
-    take 0.76x the time (`python -m bench.allocator`). Process-wide, idempotent, called by
+    take 0.82x the time (`python -m bench.allocator`). Process-wide, idempotent, called by
     `resolve_device` (every training task, Dask worker and DDP process) and by served models
     as they load; returns whether it applied (glibc only)."""
     if not sys.platform.startswith("linux"):
