@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import print_json, print_table  # noqa: E402
+from bench.common import parse_networks, print_json, print_table  # noqa: E402
 
 NETWORKS = ("lenet", "lenet:64", "resnet18")
 CHILD = """
@@ -69,6 +69,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--networks", nargs="+", default=list(NETWORKS), metavar="MODEL[:WIDTH]")
     args = parser.parse_args()
+    parse_networks(args.networks)  # an unknown model stops here, before any process starts
     figures, rows = {}, []
     for network in args.networks:
         runs = {"defaults": [], "keep_freed_memory": []}

@@ -39,6 +39,21 @@ def parse_overrides(pairs: list[str]) -> dict[str, str]:
     return overrides
 
 
+def parse_networks(specs: Sequence[str]) -> list[tuple[str, int | None]]:
+    """`--networks` values `MODEL[:WIDTH]` as (name, width or None); exits naming a spec whose
+    model is not registered."""
+    from models import list_models
+
+    networks = []
+    for spec in specs:
+        name, _, width = spec.partition(":")
+        if name not in list_models():
+            raise SystemExit(f"error: --networks {spec!r}: unknown model; registered: "
+                             f"{', '.join(list_models())}")
+        networks.append((name, int(width) if width else None))
+    return networks
+
+
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     """A plain aligned table for people."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]

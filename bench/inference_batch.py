@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import print_json, print_table  # noqa: E402
-from models import build_model, list_models  # noqa: E402
+from bench.common import parse_networks, print_json, print_table  # noqa: E402
+from models import build_model  # noqa: E402
 from training.batches import Batches, Normalize  # noqa: E402
 from training.datasets import channel_stats, load_fashion_mnist  # noqa: E402
 from training.device import inference_batch, place_model, resolve_device  # noqa: E402
@@ -58,15 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1:
         raise SystemExit(f"error: --rounds must be at least 1, got {args.rounds}")
-    networks = NETWORKS
-    if args.networks:
-        networks = []
-        for spec in args.networks:
-            name, _, width = spec.partition(":")
-            if name not in list_models():
-                raise SystemExit(f"error: --networks {spec!r}: unknown model; registered: "
-                                 f"{', '.join(list_models())}")
-            networks.append((name, int(width) if width else None))
+    networks = parse_networks(args.networks) if args.networks else NETWORKS
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)

@@ -52,6 +52,7 @@ from bench.common import mean_std, print_json, print_table  # noqa: E402
 from models import build_model  # noqa: E402
 from tasks.configs.pbt import PBTConfig  # noqa: E402
 from tasks.data import load_dataset, prepare_dataset, source_version  # noqa: E402
+from training.batches import Normalize  # noqa: E402
 
 TOOLS = ("ray", "project", "project-no-explore")
 WORK = {"model": "lenet", "width": 64, "members": 4, "epochs": 8, "batch_size": 128,
@@ -111,12 +112,6 @@ def work_data(work: dict, seed: int) -> dict:
             "classes": len(ref.classes)}
 
 
-def normalized(images: torch.Tensor, mean: list[float], std: list[float]) -> torch.Tensor:
-    mean_ = torch.tensor(mean).view(1, -1, 1, 1)
-    std_ = torch.tensor(std).view(1, -1, 1, 1)
-    return (images.float() / 255.0 - mean_) / std_
-
-
 def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
     model.eval()
     correct = 0
@@ -135,7 +130,8 @@ def ray_trainable(config: dict, data: dict, work: dict) -> None:
     torch.set_num_threads(1)
     x, y = data["splits"]["train"]
     vx, vy = data["splits"]["val"]
-    x, vx = normalized(x, data["mean"], data["std"]), normalized(vx, data["mean"], data["std"])
+    normalize = Normalize(data["mean"], data["std"])
+    x, vx = normalize(x), normalize(vx)
     model = build_model(work["model"], data["channels"], data["classes"], work["width"])
     optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=config["momentum"],
                                 weight_decay=config["weight_decay"])
@@ -206,7 +202,7 @@ def run_ray(work: dict, seed: int) -> dict:
     model = build_model(work["model"], data["channels"], data["classes"], work["width"])
     model.load_state_dict(state["model"])
     tx, ty = data["splits"]["test"]
-    test = accuracy(model, normalized(tx, data["mean"], data["std"]), ty)
+    test = accuracy(model, Normalize(data["mean"], data["std"])(tx), ty)
     return {"test_accuracy": test, "seconds": time.perf_counter() - started,
             "hyperparameters": {k: best.config[k] for k in spaces},
             "val_accuracy": best.metrics["val_accuracy"]}
