@@ -13,9 +13,8 @@ import pandas as pd
 import torch
 
 from models.cascade import CascadeSpec, build_cascade
-from serving.classifier import CPU, ImageClassifierModel
+from serving.classifier import ImageClassifierModel, for_serving
 from serving.inputs import input_batches
-from training.device import fast_layout
 
 
 class CascadeModel(ImageClassifierModel):
@@ -32,7 +31,7 @@ class CascadeModel(ImageClassifierModel):
             self.channels, len(self.classes))
         self.network.load_state_dict(torch.load(context.artifacts["weights"],
                                                 map_location="cpu", weights_only=True))
-        self.network = fast_layout(self.network.eval(), CPU)
+        self.network = for_serving(self.network.eval())
 
     def predict(self, context, model_input, params=None):  # noqa: ANN001 (see load_context)
         rows = []

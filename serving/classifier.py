@@ -28,12 +28,18 @@ from training.device import fast_layout, keep_freed_memory
 CPU = torch.device("cpu")
 
 
-def load_program(path: str) -> nn.Module:
-    """An exported program (`torch.export`) as a module, its weights in the CPU's fast layout
-    (`training.device.fast_layout`), the process's allocator set to reuse freed blocks
-    (`training.device.keep_freed_memory`: a batch of 64 allocates large maps)."""
+def for_serving(network: nn.Module) -> nn.Module:
+    """A loaded network (in eval mode, or an exported program, which has none) as every served
+    model runs it: its weights in the CPU's fast layout (`training.device.fast_layout`), the
+    process's allocator set to reuse freed blocks (`training.device.keep_freed_memory`: a
+    batch of 64 allocates large maps)."""
     keep_freed_memory()
-    return fast_layout(torch.export.load(path).module(), CPU)
+    return fast_layout(network, CPU)
+
+
+def load_program(path: str) -> nn.Module:
+    """An exported program (`torch.export`) as a module, `for_serving`."""
+    return for_serving(torch.export.load(path).module())
 
 
 class ImageClassifierModel(mlflow.pyfunc.PythonModel):

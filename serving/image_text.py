@@ -19,9 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from models.image_text import ImageTextNet, build_image_text, encode_texts
-from serving.classifier import CPU, ImageClassifierModel
+from serving.classifier import ImageClassifierModel, for_serving
 from serving.inputs import InputError, input_batches
-from training.device import fast_layout
 from training.image_text.losses import MAX_LOGIT_SCALE, class_text_weights, zero_shot_logits
 
 ZERO_SHOT_PARAM = "classes"  # the class descriptions to choose among, when given
@@ -68,7 +67,7 @@ class ImageTextModel(ImageClassifierModel):
             shape["text_dim"], self.buckets if self.text_encoder == "builtin" else None)
         self.network.load_state_dict(torch.load(context.artifacts["weights"],
                                                 map_location="cpu", weights_only=True))
-        self.network = fast_layout(self.network.eval(), CPU)
+        self.network = for_serving(self.network.eval())
         self.program = _LogitsAndFeatures(self.network)
 
     def predict(self, context, model_input, params=None):  # noqa: ANN001 (see load_context)

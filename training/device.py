@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import sys
 
 import torch
@@ -14,15 +15,16 @@ MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # the largest glibc accepts on 64-bit sys
 TRIM_THRESHOLD = 1 << 30
 
 
+@functools.cache
 def keep_freed_memory() -> bool:
     """Makes glibc keep freed blocks for reuse: large blocks (one batch's maps of `lenet` at
     width 64 are 25 MB) otherwise come from mmap and go back to the kernel when freed, so
     every step faults them in again, page by page: 18,000 page faults a training step, 15%
     of the CPU time in the kernel in one process and 42% in two Dask workers side by side.
     With the mmap threshold at its maximum and trimming above 1 GB only, the same 20 steps
-    take 0.82x the time (`python -m bench.allocator`). Process-wide, idempotent, called by
-    `resolve_device` (every training task, Dask worker and DDP process) and by served models
-    as they load; returns whether it applied (glibc only)."""
+    take 0.82x the time (`python -m bench.allocator`). Process-wide, done once a process
+    (cached); called by `resolve_device` (every training task, Dask worker and DDP process)
+    and by served models as they load; returns whether it applied (glibc only)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
