@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
 
+from training.device import inference_layout
 from training.loops import Step, cosine_lr, evaluate, train_epoch, weight_average
 from training.scores import standard_error
 
@@ -124,15 +125,18 @@ class Choice:
 def choose_weights(model: nn.Module, averaged: AveragedModel | None, val: Batches,
                    train: Batches, device: torch.device) -> Choice:
     """Scores the last weights and, when there is one, the weight average (its BatchNorm
-    statistics re-estimated on `train`) on the validation batches; keeps the more accurate
-    (the last weights on a tie). The average itself is left untouched, so it goes on
-    averaging; the returned module is a copy of it."""
-    own = evaluate(model, val, device)
+    statistics re-estimated on `train`) on the validation batches, in the fast layout
+    (`training.device.inference_layout`); keeps the more accurate (the last weights on a
+    tie). The average itself is left untouched, so it goes on averaging; the returned module
+    is a copy of it."""
+    with inference_layout(model, device):
+        own = evaluate(model, val, device)
     choice = Choice("model", model, own)
     if averaged is not None:
         candidate = copy.deepcopy(averaged.module)
         recompute_batchnorm(candidate, train)
-        scored = evaluate(candidate, val, device)
+        with inference_layout(candidate, device):
+            scored = evaluate(candidate, val, device)
         if scored["accuracy"] > own["accuracy"]:
             choice = Choice("averaged", candidate, scored)
     choice.metrics = {"val_accuracy": choice.metrics["accuracy"],

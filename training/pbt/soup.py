@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from training.device import inference_layout
 from training.loops import evaluate
 from training.recipe import recompute_batchnorm
 
@@ -55,7 +56,8 @@ def greedy_soup(model: nn.Module, states: list[dict[str, Tensor]], scores: list[
     for index in order[1:]:
         model.load_state_dict(average_states([states[i] for i in [*chosen, index]]))
         recompute_batchnorm(model, train)
-        scored = evaluate(model, val, device)
+        with inference_layout(model, device):
+            scored = evaluate(model, val, device)
         if scored["accuracy"] >= best["accuracy"]:
             chosen, best = [*chosen, index], scored
             state = {k: v.detach().clone() for k, v in model.state_dict().items()}
