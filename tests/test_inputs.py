@@ -16,16 +16,34 @@ from serving.inputs import InputError, input_batches, input_images
 from training.preprocess import images_to_batch
 
 
-def _encoded(array: np.ndarray, fmt: str, exif_orientation: int | None = None) -> bytes:
+def _encoded(array: np.ndarray, fmt: str, exif_orientation: int | None = None,
+             mode: str | None = None, **options) -> bytes:
     image = Image.fromarray(array)
+    if mode is not None:
+        image = image.convert(mode)
     buffer = io.BytesIO()
-    if exif_orientation is None:
-        image.save(buffer, fmt)
-    else:
+    if exif_orientation is not None:
         exif = Image.Exif()
         exif[0x0112] = exif_orientation
-        image.save(buffer, fmt, exif=exif.tobytes())
+        options["exif"] = exif.tobytes()
+    image.save(buffer, fmt, **options)
     return buffer.getvalue()
+
+
+def _with_chunk(png: bytes, name: bytes, payload: bytes) -> bytes:
+    """`png` with one more chunk after its header (IHDR ends at byte 33)."""
+    import struct
+    import zlib
+
+    chunk = (struct.pack(">I", len(payload)) + name + payload
+             + struct.pack(">I", zlib.crc32(name + payload)))
+    return png[:33] + chunk + png[33:]
+
+
+def _pngs(arrays, chunk: tuple[bytes, bytes] | None = None, **options) -> pd.DataFrame:
+    encoded = [_encoded(a, "PNG", **options) for a in arrays]
+    return pd.DataFrame({"image": encoded if chunk is None else
+                         [_with_chunk(png, *chunk) for png in encoded]})
 
 
 def _reference(model_input, size: int, channels: int) -> torch.Tensor:
@@ -54,7 +72,20 @@ RGB = rng.integers(0, 256, (7, 28, 28, 3), dtype=np.uint8)
     (GRAY, 32, 1),  # resized through PIL
     (GRAY, 28, 3),  # gray to RGB through PIL
     (RGB, 28, 1),  # RGB to gray through PIL
-    (pd.DataFrame({"image": [_encoded(a, "PNG") for a in GRAY]}), 28, 1),
+    (_pngs(GRAY), 28, 1),  # libpng straight into a tensor (`png_as_it_is`)
+    (_pngs(RGB), 28, 3),  # the same
+    (_pngs(RGB), 28, 1),  # the rest through Pillow: converted to gray,
+    (_pngs(GRAY), 28, 3),
+    (_pngs(GRAY), 32, 1),  # resized,
+    (_pngs(RGB, mode="RGBA"), 28, 3),  # alpha dropped,
+    (_pngs(RGB, mode="P"), 28, 3),  # a palette,
+    (_pngs(GRAY, mode="LA"), 28, 1),
+    (_pngs(GRAY.astype(np.uint16) * 257, mode="I;16"), 28, 1),  # 16 bits scaled to 8
+    (_pngs(GRAY, transparency=0), 28, 1),  # tRNS: Pillow keeps the gray as it is
+    (_pngs(RGB, transparency=(0, 0, 0)), 28, 3),
+    (_pngs(GRAY, exif_orientation=3), 28, 1),  # EXIF in a PNG: turned upright
+    (_pngs(GRAY, chunk=(b"gAMA", bytes([0, 1, 134, 160]))), 28, 1),  # colour chunks: no
+    (_pngs(RGB, chunk=(b"sBIT", bytes([4, 4, 4]))), 28, 3),  # change, on the fast path too
     (pd.DataFrame({"image": [_encoded(a, "JPEG") for a in RGB]}), 28, 3),
     (pd.DataFrame({"image": [_encoded(a, "JPEG") for a in RGB]}), 28, 1),
     (pd.DataFrame({"image": [_encoded(a[:, :20], "JPEG", 6) for a in RGB]}), 28, 3),  # EXIF
@@ -64,6 +95,33 @@ def test_batches_hold_the_pixels_of_the_image_by_image_path(model_input, size, c
     batched = _batched(model_input, size, channels)
     assert batched.dtype == torch.uint8 and batched.shape == (7, channels, size, size)
     assert torch.equal(batched, _reference(model_input, size, channels))
+
+
+def test_only_plain_pngs_at_the_models_size_skip_pillow():
+    """The cases above that must come out of libpng's fast path, and those that must not."""
+    from training.preprocess import png_as_it_is
+
+    assert png_as_it_is(_encoded(GRAY[0], "PNG"), 28, 1)
+    assert png_as_it_is(_encoded(RGB[0], "PNG"), 28, 3)
+    assert png_as_it_is(_with_chunk(_encoded(GRAY[0], "PNG"), b"gAMA", bytes(4)), 28, 1)
+    interlaced = _encoded(GRAY[0], "PNG")
+    for data, size, channels in [
+            (_encoded(GRAY[0], "PNG"), 32, 1), (_encoded(GRAY[0], "PNG"), 28, 3),
+            (_encoded(RGB[0], "PNG"), 28, 1), (_encoded(RGB[0], "PNG", mode="RGBA"), 28, 3),
+            (_encoded(RGB[0], "PNG", mode="P"), 28, 3),
+            (_encoded(GRAY[0].astype(np.uint16) * 257, "PNG", mode="I;16"), 28, 1),
+            (_encoded(GRAY[0], "PNG", transparency=0), 28, 1),
+            (_encoded(GRAY[0], "PNG", exif_orientation=3), 28, 1),
+            (_encoded(RGB[0], "JPEG"), 28, 3), (b"\x89PNG", 28, 1),
+            (interlaced[:28] + b"\x01" + interlaced[29:], 28, 1)]:  # Adam7
+        assert not png_as_it_is(data, size, channels)
+
+
+def test_a_broken_png_is_named_by_its_row():
+    good = _encoded(GRAY[0], "PNG")
+    broken = good[:40] + bytes(len(good) - 52) + good[-12:]  # its compressed data zeroed
+    with pytest.raises(InputError, match="row 1 of column 'image': cannot decode"):
+        list(input_batches(pd.DataFrame({"image": [good, broken]}), 28, 1))
 
 
 def test_an_upside_down_photo_at_the_models_size_is_turned_upright():
