@@ -23,7 +23,7 @@ Each tool's chosen model (the best final validation accuracy) is scored on the t
 Wall time is a run end to end as its user waits for it: from the call to a tested model (Ray:
 `ray.init`, `Tuner.fit`, the test pass; the project: the flow call, its data preparation and
 raw-pixel baselines, the cluster's start and the test included). The tools run one after the
-other within a seed, alternating which goes first.
+other within a seed, alternating which goes first, each in a fresh process (`run_fresh`).
 
     python -m bench.pbt_peer                     # seeds 0-2, both tools: about 35 min a seed
     python -m bench.pbt_peer --seeds 1           # one seed (a record each; the table merges)
@@ -208,8 +208,26 @@ def run_ray(work: dict, seed: int) -> dict:
             "val_accuracy": best.metrics["val_accuracy"]}
 
 
-RUNNERS = {"ray": run_ray, "project": run_project,
-           "project-no-explore": lambda work, seed: run_project(work, seed, explore=False)}
+def run_tool(tool: str, work: dict, seed: int) -> dict:
+    """One tool's run on the work."""
+    if tool == "ray":
+        return run_ray(work, seed)
+    return run_project(work, seed, explore=tool != "project-no-explore")
+
+
+def run_fresh(tool: str, seed: int, smoke: bool) -> dict:
+    """`run_tool` in a fresh Python process (this module with `--run-one`), as a user starts a
+    run: what one run leaves in a process (Ray's session, Prefect's temporary server and
+    threads, a Dask client) does not slow the next (in one process Ray's runs took 897, 1,232
+    and 1,344 s one after the other, commit 89bb7fc)."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as folder:
+        result = Path(folder) / "result.json"
+        subprocess.run([sys.executable, "-m", "bench.pbt_peer", "--run-one", tool, "--seeds",
+                        str(seed), "--result-file", str(result), *(["--smoke"] if smoke else [])],
+                       cwd=Path(__file__).resolve().parents[1], check=True)
+        return json.loads(result.read_text())
 
 
 def summarized(runs: dict[str, list[dict]]) -> dict[str, dict]:
@@ -230,13 +248,18 @@ def main() -> None:
     parser.add_argument("--tools", nargs="+", default=list(TOOLS[:2]), choices=TOOLS,
                         help="default: ray project; project-no-explore: the control")
     parser.add_argument("--smoke", action="store_true", help="a tiny work, to try the driver")
+    parser.add_argument("--run-one", choices=TOOLS, help=argparse.SUPPRESS)  # `run_fresh`'s
+    parser.add_argument("--result-file", type=Path, help=argparse.SUPPRESS)  # child process
     args = parser.parse_args()
     work = WORK | (SMOKE if args.smoke else {})
+    if args.run_one:
+        args.result_file.write_text(json.dumps(run_tool(args.run_one, work, args.seeds[0])))
+        return
     runs: dict[str, list[dict]] = {tool: [] for tool in args.tools}
     for index, seed in enumerate(args.seeds):
         order = args.tools if index % 2 == 0 else args.tools[::-1]
         for tool in order:
-            runs[tool].append({"seed": seed} | RUNNERS[tool](work, seed))
+            runs[tool].append({"seed": seed} | run_fresh(tool, seed, args.smoke))
             print(f"seed {seed} {tool}: test {runs[tool][-1]['test_accuracy']:.4f}, "
                   f"{runs[tool][-1]['seconds']:.0f} s", flush=True)
         # one record a seed (about 35 minutes each): the table merges them by seed and tool

@@ -568,6 +568,21 @@ def serving(record: dict) -> str:
         f"`{record['command']}` (commit {record['commit'][:7]}).\n")
 
 
+def inputs(record: dict) -> str:
+    """`bench.inputs`: per batch, ms per image of turning PNG bytes into a normalized batch
+    through Pillow and through the served path, their median paired ratio, same pixels."""
+    lines = ["| batch | Pillow, image by image: ms per image | served (`input_batches`) | "
+             "served / Pillow | same pixels |", "| --- " * 5 + "|"]
+    for batch, f in record["batches"].items():
+        lines.append(f"| {batch.removeprefix('b')} | {f['pillow_ms_per_image']:.4f} | "
+                     f"{f['served_ms_per_image']:.4f} | {f['ratio']:.2f}x | "
+                     f"{'yes' if f['same_pixels'] else '**no**'} |")
+    return "\n".join(lines) + (
+        f"\n\n{record['images']}; {record['device']}, {record['threads']} thread, median paired "
+        f"ratio over {record['rounds']} calls a batch; command: `{record['command']}` (commit "
+        f"{record['commit'][:7]}).\n")
+
+
 def layout(record: dict) -> str:
     """`bench.layout`: per network, ms per image of a forward pass at batch 1 and 64 in the
     plain layout and in channels_last, their median paired ratio, the logits' difference."""
@@ -607,16 +622,18 @@ def allocator(record: dict) -> str:
 def merged_pbt_peer(name: str, results: Path = RESULTS) -> dict:
     """`bench.pbt_peer`'s records of the full work (smoke runs left out) merged by tool and seed,
     the newest run of each winning (a seed runs for about 35 minutes, so the seeds may come from
-    several sessions); each tool's mean and standard deviation over its seeds, and the records'
-    commands and commits."""
+    several sessions); each tool's mean and standard deviation over its seeds, and the commands
+    and commits of the records the kept runs came from."""
     kept = [r for r in records(name, results) if not r.get("smoke")]
     if not kept:
         raise ValueError(f"no full-work record in {name}.jsonl")
     by_tool: dict[str, dict[int, dict]] = {}
+    source: dict[tuple[str, int], tuple[str, str]] = {}  # the record each run came from
     for record in kept:  # oldest first: a newer run of a seed replaces the older
         for tool, figure in record["tools"].items():
             for run in figure["runs"]:
                 by_tool.setdefault(tool, {})[run["seed"]] = run
+                source[tool, run["seed"]] = (record["command"], record["commit"][:7])
     tools = {}
     for tool, seeds in by_tool.items():
         runs = [seeds[seed] for seed in sorted(seeds)]
@@ -624,7 +641,7 @@ def merged_pbt_peer(name: str, results: Path = RESULTS) -> dict:
         seconds = mean_std([run["seconds"] for run in runs])
         tools[tool] = {"runs": runs, "test_mean": test[0], "test_std": test[1],
                        "seconds_mean": seconds[0], "seconds_std": seconds[1]}
-    sources = list({(r["command"], r["commit"][:7]): r for r in kept})
+    sources = list(dict.fromkeys(source[key] for key in sorted(source)))
     return {"work": kept[-1]["work"], "tools": tools,
             "sources": [f"`{command}` (commit {commit})" for command, commit in sources]}
 
@@ -635,20 +652,35 @@ def pbt_peer(record: dict) -> str:
     tools = record["tools"]
     names = {"ray": "Ray Tune 2.60 `PopulationBasedTraining`", "project": "the project's `pbt`",
              "project-no-explore": "`pbt --no-explore` (the control)"}
-    lines = ["| tool | test accuracy (official) | per seed | seconds per run | per seed |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = ["| tool | test accuracy (official) | per seed | seconds per run | per seed | "
+             "time / Ray's, paired |", "| --- " * 6 + "|"]
+    ray = {run["seed"]: run["seconds"] for run in tools.get("ray", {}).get("runs", [])}
     for tool, figure in tools.items():
         accuracies = " / ".join(f"{run['test_accuracy']:.4f}" for run in figure["runs"])
         seconds = " / ".join(f"{run['seconds']:.0f}" for run in figure["runs"])
         accuracy = spread(figure["test_mean"], figure["test_std"])
+        ratios = [run["seconds"] / ray[run["seed"]] for run in figure["runs"]
+                  if run["seed"] in ray]
+        mean, std = mean_std(ratios) if ratios and tool != "ray" else (None, None)
+        ratio = "" if mean is None else f"{mean:.2f}x ± {std:.2f}"
         lines.append(f"| {names.get(tool, tool)} | {accuracy} | {accuracies} | "
-                     f"{figure['seconds_mean']:.0f} ± {figure['seconds_std']:.0f} | {seconds} |")
+                     f"{figure['seconds_mean']:.0f} ± {figure['seconds_std']:.0f} | {seconds} | "
+                     f"{ratio} |")
     work = record["work"]
     wins = [f"seed {run['seed']}: {run['explorer_wins']} of {len(run['stage_winners'])}"
             for run in tools.get("project", {}).get("runs", []) if "explorer_wins" in run]
     if wins:
         lines.append(f"\nStages won by a member that had explored (not the incumbent), "
                      f"`pbt`: {'; '.join(wins)}.")
+    control = {run["seed"]: run["test_accuracy"]
+               for run in tools.get("project-no-explore", {}).get("runs", [])}
+    paired = [run["test_accuracy"] - control[run["seed"]]
+              for run in tools.get("project", {}).get("runs", []) if run["seed"] in control]
+    if paired:
+        mean, std = mean_std(paired)
+        lines.append(f"\n`pbt` minus `pbt --no-explore`, paired by seed (test images): "
+                     f"{mean:+.4f} ± {std:.4f} over {len(paired)} seed(s), ahead on "
+                     f"{sum(d > 0 for d in paired)}.")
     return "\n".join(lines) + (
         f"\n\n{work['members']} members x {work['epochs']} epochs of `{work['model']}` at width "
         f"{work['width']} on {work['train_limit']:,} training images, {work['val_limit']:,} "
@@ -777,6 +809,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"image_text": image_text, "cascad
                                                "distill_targets": distill_targets,
                                                "serving": serving, "faults": faults,
                                                "layout": layout, "pbt_peer": pbt_peer,
+                                               "inputs": inputs,
                                                "allocator": allocator,
                                                "summary": summary_table}
 

@@ -147,3 +147,17 @@ def test_the_pbt_peer_table_merges_seeds_run_apart_and_leaves_smoke_runs_out(tmp
     table = pbt_peer(picked)
     assert "| 0.8000 / 0.7100 |" in table and "(commit bbbbbbb)" in table
     assert "0.76" not in table  # the smoke run
+    # a control recorded on its own (`--tools project-no-explore`) pairs with the seeds it ran
+    control = {"command": "python -m bench.pbt_peer --tools project-no-explore --seeds 0 1",
+               "commit": "c" * 40, "smoke": False, "work": records[0]["work"],
+               "tools": {"project-no-explore": {"runs": [
+                   {"seed": 0, "test_accuracy": 0.80, "seconds": 90.0},
+                   {"seed": 1, "test_accuracy": 0.76, "seconds": 91.0}]}}}
+    with open(tmp_path / "pbt_peer.jsonl", "a") as handle:
+        handle.write(json.dumps(control) + "\n")
+    table = pbt_peer(merged_pbt_peer("pbt_peer", tmp_path))
+    assert "| 0.8000 / 0.7600 |" in table and "(commit ccccccc)" in table
+    # 0.81 - 0.80 and 0.75 - 0.76, and each tool's time against Ray's on the same seed
+    assert "minus `pbt --no-explore`, paired by seed (test images): +0.0000 ± 0.0141 over 2 " \
+           "seed(s), ahead on 1" in table
+    assert "| 0.90x ± 0.00 |" in table
