@@ -1,9 +1,9 @@
 """A served model's input preparation on PNG bytes: libpng straight into tensors against Pillow.
 
 What `mlflow models serve` hands a registered model is a DataFrame of encoded images. This
-benchmark times, in one process and one thread, turning `--images` Fashion-MNIST test images as
-PNG bytes into the normalized batch a served network takes, two ways, alternating call by call
-(order swapped every round):
+benchmark times, in one process and one thread, turning Fashion-MNIST test images as PNG bytes
+(`--rounds` calls a batch, walking through 512 images) into the normalized batch a served
+network takes, two ways, alternating call by call (order swapped every round):
 
 - `pillow`: every image decoded by Pillow into an image object, converted to an array
   (`training.preprocess.image_to_array`), stacked: the path every served model took before;
