@@ -14,7 +14,13 @@ same teacher states, stage images, batches and schedule). Only the student's tar
   KD at T=4 or T=1); `bank views`: a consistent bank (`--bank-views augmented`: each entry
   records the augmented view its teacher state saw, and the student is shown that view);
   `bank mean`: each entry the mean over the states that wrote it (`--bank-average mean`);
-- `bank pool cosine`: the flow's earlier default (pool features, cosine, masked bank).
+- `bank pool cosine`: the flow's earlier default (pool features, cosine, masked bank);
+- function matching (`--student-mixup 1`: each student batch mixed with a shuffled copy of
+  itself, teacher state s run on the same mix): `fm` (KD alone at T=1, no CE, as Beyer et al.),
+  `fm final` (the same from the last teacher state, Beyer et al.'s fixed teacher), `states mix`
+  (CE on both labels and KD, 0.5 each), and `alone mix` (CE on the mixed batch, no
+  teacher term: what mixing alone gives the student); `fm x6` and `alone x6` at 6 times the
+  fitted budget, whatever `--patience` says.
 
 Every student but `alone x1` trains `--patience` times the fitted budget (`--student-patience`).
 The teacher is warm-started (`--teacher-pretrain-epochs`) as a strong teacher would be. Scored
@@ -72,6 +78,17 @@ VARIANTS: dict[str, dict] = {
                      "bank_average": "mean"},
     "bank pool cosine": {"targets": "bank", "teacher_layer": "pool", "student_layer": "pool",
                          "feature_loss": "cosine", "feature_weight": 1.0, "ce_weight": 1.0},
+    # function matching (Beyer et al.): the student and teacher state s on the same mixed view
+    "alone mix": {**ALONE, "targets": "states", "teacher_layer": "fc", "student_layer": "fc",
+                  "feature_loss": "kl", "student_mixup": 1.0},
+    "states mix-T1": {"targets": "states", **LOGITS, "temperature": 1.0, "student_mixup": 1.0},
+    "fm-T1": {"targets": "states", **LOGITS, "temperature": 1.0, "ce_weight": 0.0,
+              "feature_weight": 1.0, "student_mixup": 1.0},
+    "fm final-T1": {"targets": "final", **LOGITS, "temperature": 1.0, "ce_weight": 0.0,
+                    "feature_weight": 1.0, "student_mixup": 1.0},
+    "fm-T1 x6": {"targets": "states", **LOGITS, "temperature": 1.0, "ce_weight": 0.0,
+                 "feature_weight": 1.0, "student_mixup": 1.0, "student_patience": 6},
+    "alone x6": {**ALONE, "student_patience": 6},
 }
 
 

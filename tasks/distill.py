@@ -93,6 +93,7 @@ class StudentConfig(RoleConfig):
     ce_weight: float
     temperature: float
     bank_memmap: bool
+    mixup: float = 0.0
 
 
 class BankConfig(StrictConfig):
@@ -142,7 +143,8 @@ class DistillPlan(BaseModel):
             layer=config.student_layer, targets=config.targets,
             teacher_layer=config.teacher_layer, feature_loss=config.feature_loss,
             feature_weight=config.feature_weight, ce_weight=config.ce_weight,
-            temperature=config.temperature, bank_memmap=config.bank_memmap)
+            temperature=config.temperature, bank_memmap=config.bank_memmap,
+            mixup=config.student_mixup)
         bank = BankConfig(layer=config.teacher_layer, mode=config.bank_mode,
                           dtype=config.bank_dtype, memmap=config.bank_memmap,
                           initial=config.initial_bank, views=config.bank_views,
@@ -184,6 +186,11 @@ def stage_round(role: RoleConfig, dataset: DatasetRef, data: LoadedDataset, ids:
                                            views=views),
         passes, schedule, role.optim.warmup_epochs * role.repeats,
         progress=f"{role.role} stage {stage}/{role.epochs}" if role.run.progress else None)
+
+
+def student_mixup_seed(student: StudentConfig, stage: int) -> int:
+    """The seed of the student's batch mixes at `stage` (`training.distill.losses.Mixup`)."""
+    return student.run.seed * 1000 + stage
 
 
 def stage_scores(round_: Round, model: nn.Module, dataset: DatasetRef, data: LoadedDataset,
@@ -411,7 +418,8 @@ class StudentRound(RoundPlan):
                 student.feature_loss, student.temperature, student.ce_weight,
                 student.feature_weight, student.optim.label_smoothing)
         step = DistillStep(*loss, bank=features) if teacher is None else \
-            TeacherStep(*loss, teacher=teacher, teacher_layer=student.teacher_layer)
+            TeacherStep(*loss, student.mixup, student_mixup_seed(student, self.stage),
+                        teacher=teacher, teacher_layer=student.teacher_layer)
         round_ = stage_round(student, self.dataset, data, ids, self.stage, step,
                              classifier_network(student, self.dataset),
                              None if features is None else features.recorded_views())

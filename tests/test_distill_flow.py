@@ -132,6 +132,18 @@ def test_dkd_on_features_that_are_not_logits_is_refused(capsys):
     assert "feature_loss dkd compares logits" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("args", "says"), [
+    (["--targets", "bank"], "a bank holds targets of single images"),
+    (["--feature-loss", "dkd"], "feature_loss dkd needs one"),
+])
+def test_mixup_without_a_live_teacher_or_with_dkd_is_refused(capsys, args, says):
+    with pytest.raises(SystemExit) as exit_info:
+        main(COMMANDS, ["distill", "--student-mixup", "1", *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "student_mixup 1.0" in err and says in err
+
+
 def test_killed_run_resumes_from_the_last_finished_stage():
     # with a warm-started teacher (one epoch) whose state 0 fills the initial bank
     args = ["--profile", "smoke", "--model-name", "distill-resume", "--stages", "3",

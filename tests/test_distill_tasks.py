@@ -111,6 +111,16 @@ def test_a_patient_student_trains_on_a_teacher_state_run_on_its_own_batches(setu
         != state_round(other).relpath()
     with pytest.raises(ValueError, match="need the teacher state's checkpoint"):
         round_task.fn(StudentRound(config=patient.student, dataset=dataset, stage=1))
+    # function matching: the same stage on mixed batches, a function of the seed
+    mixing = DistillPlan.of(config.replace(targets="states", teacher_layer="fc",
+                                           student_layer="fc", feature_loss="kl",
+                                           student_patience=2, student_mixup=1.0))
+    mixed = [round_task.fn(StudentRound(config=mixing.student, dataset=dataset, stage=1,
+                                        teacher=t1.checkpoint, teacher_config=mixing.teacher))
+             for _ in range(2)]
+    assert mixed[0].checkpoint.md5 == mixed[1].checkpoint.md5 != first.checkpoint.md5
+    assert mixed[0].metrics["images"] == 640
+    assert mixed[0].metrics["loss_feat"] != first.metrics["loss_feat"]
 
 
 def test_memory_mapped_and_per_state_banks_hold_the_same_entries(setup):

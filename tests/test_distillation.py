@@ -13,6 +13,7 @@ from training.distill.feature_bank import FeatureBank
 from training.distill.losses import (
     FeatureAdapter,
     FeatureLoss,
+    Mixup,
     bank_targets,
     decoupled_kl,
     distillation_step,
@@ -103,3 +104,35 @@ def test_step_trains_student_and_adapter_on_filled_bank_entries_only():
                                                        rel=1e-5)
     assert adapter.body.weight.grad is not None and adapter.body.weight.grad.abs().sum() > 0
     assert all(p.grad is not None for p in student.parameters())
+
+
+def test_mixup_shows_the_targets_the_mixed_images_the_student_sees_and_mixes_the_labels():
+    torch.manual_seed(0)
+    student = build_model("cnn2", 1, 10, 4)
+    x, y = torch.randn(6, 1, 28, 28), torch.tensor([0, 1, 2, 3, 4, 5])
+    seen: list[torch.Tensor] = []
+
+    def targets(_ids, images):  # what a live teacher is run on
+        seen.append(images)
+        return torch.zeros(len(images), 10), torch.ones(len(images), dtype=torch.bool)
+
+    student.eval()  # the same output for the same images, twice
+    with FeatureHooks(student, ["fc"]) as hooks:
+        step = distillation_step(hooks, "fc", nn.Identity(), targets, FeatureLoss("kl", 1.0),
+                                 ce_weight=1.0, feature_weight=0.0, mixup=Mixup(1.0, seed=3))
+        losses = step(student, torch.arange(6), x, y)
+        logits = hooks["fc"].detach()
+    # the same draw again: the mixed batch, its partners and the weight of the mix
+    mixed, perm, lam = Mixup(1.0, seed=3)(x)
+    assert 0.0 < lam < 1.0 and sorted(perm.tolist()) == list(range(6))
+    assert torch.equal(seen[0], mixed)
+    assert torch.allclose(mixed, lam * x + (1 - lam) * x[perm])
+    assert not torch.equal(mixed, x)
+    with torch.no_grad():
+        assert torch.allclose(logits, student(mixed), atol=1e-6)  # the student saw it too
+    # CE weighs each mixed image's two labels by the mix
+    ce = lam * nn.functional.cross_entropy(logits, y) \
+        + (1 - lam) * nn.functional.cross_entropy(logits, y[perm])
+    assert losses["loss_ce"].item() == pytest.approx(ce.item(), rel=1e-5)
+    with pytest.raises(ValueError, match="alpha must be positive"):
+        Mixup(0.0, seed=0)

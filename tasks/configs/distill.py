@@ -98,6 +98,11 @@ class DistillConfig(ProfiledConfig):
                                   "stage as a multiple of its fitted budget (the teacher's "
                                   "stays): a patient student trains longer on the same "
                                   "targets")
+    student_mixup: float = Field(0.0, ge=0.0, le=100.0, description="mix each student batch "
+                                 "with a shuffled copy of itself, the mix drawn from Beta(a, "
+                                 "a) with a = this value, and run the teacher state on the "
+                                 "same mixed images (function matching); 0: no mixing; needs "
+                                 "targets states or final")
 
     @field_validator("teacher_model", "student_model")
     @classmethod
@@ -121,6 +126,12 @@ class DistillConfig(ProfiledConfig):
         if self.targets != "bank" and self.run.ddp_procs > 1:
             raise ValueError(f"targets {self.targets!r} runs a live teacher beside the student, "
                              "in one process: use --targets bank with --ddp-procs")
+        if self.student_mixup > 0 and self.targets == "bank":
+            raise ValueError(f"student_mixup {self.student_mixup} mixes two images, and a bank "
+                             "holds targets of single images: use targets states or final")
+        if self.student_mixup > 0 and self.feature_loss == "dkd":
+            raise ValueError(f"student_mixup {self.student_mixup} gives a mixed image two "
+                             "labels, and feature_loss dkd needs one: use kl")
         if self.bank_views == "augmented" and self.bank_average == "mean":
             raise ValueError("bank_average mean averages features of different views: use it "
                              "with bank_views clean")

@@ -17,6 +17,11 @@ feature for the same images (from a feature bank, or from a teacher network run 
 Each image's term is counted only where its target is filled (`mask`), and the sum is divided
 by the batch size, so a batch's feature loss weighs every image the same whether or not all of
 them have targets.
+
+With `mixup` (Zhang et al. 2018) the step mixes each batch with a shuffled copy of itself
+before the student sees it, and a live teacher computes its targets on that same mixed view:
+Beyer et al.'s "function matching" (CVPR 2022), which widens the views on which the student
+matches the teacher; the CE term takes both labels, weighted by the mix.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -152,20 +158,47 @@ def layer_shape(model: nn.Module, layer: str, example: Tensor) -> tuple[int, ...
     return tuple(hooks[layer].shape[1:])
 
 
+class Mixup:
+    """Mixes a batch with a shuffled copy of itself: `lam * x + (1 - lam) * x[perm]`, with
+    `lam ~ Beta(alpha, alpha)` per batch and the permutation drawn from a generator seeded
+    once (`seed`), so a stage's mixes are a function of its seed, on any runner."""
+
+    def __init__(self, alpha: float, seed: int) -> None:
+        if alpha <= 0:
+            raise ValueError(f"mixup alpha must be positive, got {alpha}")
+        self.alpha, self.rng = alpha, np.random.default_rng(seed)
+
+    def __call__(self, x: Tensor) -> tuple[Tensor, Tensor, float]:
+        """The mixed batch, the permutation that gives each image its partner, and `lam`."""
+        lam = float(self.rng.beta(self.alpha, self.alpha))
+        perm = torch.from_numpy(self.rng.permutation(len(x))).to(x.device)
+        return lam * x + (1.0 - lam) * x[perm], perm, lam
+
+
 def distillation_step(hooks: FeatureHooks, student_layer: str, adapter: nn.Module,
                       targets: Targets, loss: FeatureLoss, ce_weight: float = 1.0,
-                      feature_weight: float = 1.0, label_smoothing: float = 0.0) -> Step:
+                      feature_weight: float = 1.0, label_smoothing: float = 0.0,
+                      mixup: Mixup | None = None) -> Step:
     """A training step: `ce_weight * CE + feature_weight * feature loss` (module docstring).
 
     Args:
         hooks: forward hooks on the student that capture `student_layer`.
         adapter: maps the student's feature to the target's shape.
-        targets: `(ids, images) -> (teacher features, filled mask)`.
+        targets: `(ids, images) -> (teacher features, filled mask)`, called on the images the
+            student sees (mixed, with `mixup`).
+        mixup: mixes each batch before the student and the targets see it; CE then weighs
+            both labels of a mixed image by the mix.
     """
 
     def step(model: nn.Module, ids: Tensor, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-        logits = model(x)
-        ce = F.cross_entropy(logits, y, label_smoothing=label_smoothing)
+        if mixup is None:
+            logits = model(x)
+            ce = F.cross_entropy(logits, y, label_smoothing=label_smoothing)
+        else:
+            x, perm, lam = mixup(x)
+            logits = model(x)
+            ce = lam * F.cross_entropy(logits, y, label_smoothing=label_smoothing) \
+                + (1.0 - lam) * F.cross_entropy(logits, y[perm], label_smoothing=label_smoothing)
         teacher, filled = targets(ids, x)
         feature = loss(adapter(hooks[student_layer]), teacher, filled, y)
         return {"loss": ce_weight * ce + feature_weight * feature, "loss_ce": ce,
@@ -211,6 +244,8 @@ class FeatureStep(ModelStep):
     ce_weight: float
     feature_weight: float
     label_smoothing: float = 0.0
+    mixup: float = 0.0  # Beta(alpha, alpha) of the batch's mix; 0: no mixing
+    mixup_seed: int = 0
 
     def extras(self) -> dict[str, nn.Module]:
         return {"adapter": FeatureAdapter(*self.adapter_shapes)}
@@ -228,7 +263,8 @@ class FeatureStep(ModelStep):
         return wrap(model, device, place), distillation_step(
             captured, self.layer, adapter, targets,
             FeatureLoss(self.feature_loss, self.temperature), self.ce_weight,
-            self.feature_weight, self.label_smoothing)
+            self.feature_weight, self.label_smoothing,
+            Mixup(self.mixup, self.mixup_seed) if self.mixup > 0 else None)
 
 
 @dataclass(frozen=True)
@@ -236,6 +272,11 @@ class DistillStep(FeatureStep):
     """A student stage against the feature `bank` (a `FeatureBank`, read by dataset id)."""
 
     bank: object = field(kw_only=True)
+
+    def __post_init__(self) -> None:
+        if self.mixup > 0:
+            raise ValueError("a bank holds each image's targets for one view, not for a mix of "
+                             "two images: mixup needs a live teacher (targets states or final)")
 
     def targets(self, device: torch.device, place: Distributed) -> Targets:
         bank = self.bank if place.world_size == 1 else self.bank.to(device)
