@@ -95,7 +95,7 @@ def main() -> None:
     d = logits_of(args.run)
     sv, tv, yv = d["sparsify", "val"], d["teacher", "val"], d["labels", "val"]
     st, tt, yt = d["sparsify", "test"], d["teacher", "test"], d["labels", "test"]
-    tolerance = PipelineConfig.model_fields["fallback_tolerance"].default
+    tolerance = PipelineConfig.flat_fields()["fallback_tolerance"].default
     rule = fallback_table(st, tt, yt, costs[0], costs[2]).outcome(torch.tensor(
         [calibrate_fallback(fallback_table(sv, tv, yv, costs[0], costs[2]), tolerance)]))
     needs = ~stands(st, tt, yt)

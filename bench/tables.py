@@ -461,7 +461,9 @@ def distill_bank(record: dict) -> str:
 
 
 DISTILL_TARGETS_ORDER = ["teacher", "alone x1", "alone", "kd", "states-T1", "states-T4", "bank",
-                         "bank-T1", "bank views-T1", "bank mean-T1", "bank pool cosine"]
+                         "bank-T1", "bank views-T1", "bank mean-T1", "bank pool cosine",
+                         "alone mix", "states mix-T1", "fm-T1", "fm final-T1", "alone x6",
+                         "fm-T1 x6"]
 
 
 def merged_variants_per_set(name: str, results: Path = RESULTS) -> dict:

@@ -24,12 +24,11 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
 from flows.skeleton import (
+    begun_run,
     conclude,
     log_budget,
-    prepare,
     publish,
     run_rounds,
-    tracked_flow_run,
 )
 from tasks.adapters import tracking
 from tasks.adapters.registration import Registration
@@ -110,13 +109,9 @@ def routing_line(metrics: dict[str, float], prefix: str) -> str:
 def cascade(config: CascadeConfig) -> CascadeSummary:
     """Trains the config's cascade on `config.dataset.data`; registers it as
     `config.run.model_name`."""
-    name = config.run.registered_name(FLOW_NAME)
     logger = get_run_logger()
     run_name = f"{FLOW_NAME}-{'-'.join(map(str, config.widths))}-seed{config.run.seed}"
-    experiment = config.run.experiment(FLOW_NAME)
-    with tracked_flow_run(config, experiment, run_name, name) as run_id:
-        prepared = prepare(config, run_id)
-        config = prepared.apply(config)
+    with begun_run(config, FLOW_NAME, run_name) as (run_id, name, prepared, config):
         dataset = prepared.dataset
         sets = difficulty_sets(config, dataset)
         tracking.log_artifact_refs(run_id, {"difficulty_sets": sets.artifact})

@@ -82,14 +82,19 @@ def _add_options(parser: Any, config_cls: type[StrictConfig],
                             metavar=None if choices else name.upper())
 
 
-def format_validation_error(error: ValidationError) -> str:
-    """One line per invalid field, by its command-line name: `field: message (got value)`."""
+def format_validation_error(error: ValidationError, config_cls: Any = None) -> str:
+    """One line per invalid field, by its command-line name: `field: message (got value)`
+    (a section's field by its flat name: `lr`, the pipeline's `pbt_members`)."""
     from tasks.configs.sections import SECTION_NAMES  # imported with the config, not before
 
+    sections = config_cls.sections() if hasattr(config_cls, "sections") else {}
     lines = []
     for item in error.errors():
-        loc = item["loc"][1:] if item["loc"][:1] and item["loc"][0] in SECTION_NAMES \
-            else item["loc"]
+        loc = item["loc"]
+        if len(loc) > 1 and loc[0] in sections:
+            loc = (config_cls.flat_name(loc[0], loc[1]), *loc[2:])
+        elif loc[:1] and loc[0] in SECTION_NAMES:
+            loc = loc[1:]
         field = ".".join(str(part) for part in loc) or "config"
         got = item.get("input")
         shown = "" if isinstance(got, dict) else f" (got {got!r})"
@@ -103,7 +108,7 @@ def build_config(config_cls: type[StrictConfig], options: dict[str, Any]) -> Bas
     try:
         return config_cls(**options)
     except ValidationError as error:
-        print(f"error: {format_validation_error(error)}", file=sys.stderr)
+        print(f"error: {format_validation_error(error, config_cls)}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

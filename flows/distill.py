@@ -16,7 +16,7 @@ from __future__ import annotations
 from prefect import flow
 from pydantic import BaseModel, ConfigDict
 
-from flows.skeleton import finish, prepare, publish, tracked_flow_run
+from flows.skeleton import begun_run, finish, publish
 from flows.steps.distill import StageRecord, distill_stages, fitted_plan
 from tasks.adapters import tracking
 from tasks.adapters.registration import Registration
@@ -53,12 +53,8 @@ class DistillSummary(BaseModel):
       "the champion and the raw-pixel baselines.")
 def distill(config: DistillConfig) -> DistillSummary:
     """Runs the stages, then tests, registers and promotes the student."""
-    name = config.run.registered_name(FLOW_NAME)
     run_name = f"{FLOW_NAME}-{config.teacher_model}-to-{config.student_model}-seed{config.run.seed}"
-    experiment = config.run.experiment(FLOW_NAME)
-    with tracked_flow_run(config, experiment, run_name, name) as run_id:
-        prepared = prepare(config, run_id)
-        config = prepared.apply(config)
+    with begun_run(config, FLOW_NAME, run_name) as (run_id, name, prepared, config):
         dataset = prepared.dataset
         plan = fitted_plan(config, dataset, run_id)
         with tracking.tracked_run(FLOW_NAME, "teacher", plan.teacher, parent_run_id=run_id) \

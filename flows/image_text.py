@@ -20,7 +20,7 @@ from __future__ import annotations
 from prefect import flow
 from pydantic import BaseModel, ConfigDict
 
-from flows.skeleton import conclude, prepare, publish, tracked_flow_run
+from flows.skeleton import begun_run, conclude, publish
 from flows.steps.image_text import train_image_text
 from tasks.adapters import tracking
 from tasks.adapters.registration import Registration
@@ -65,12 +65,8 @@ class ImageTextSummary(BaseModel):
 def image_text(config: ImageTextConfig) -> ImageTextSummary:
     """Trains `config.network.model` with descriptions on `config.dataset.data`; registers it as
     `config.run.model_name`."""
-    name = config.run.registered_name(FLOW_NAME)
     run_name = f"{FLOW_NAME}-{config.network.model}-{config.text_encoder}-seed{config.run.seed}"
-    experiment = config.run.experiment(FLOW_NAME)
-    with tracked_flow_run(config, experiment, run_name, name) as run_id:
-        prepared = prepare(config, run_id)
-        config = prepared.apply(config)
+    with begun_run(config, FLOW_NAME, run_name) as (run_id, name, prepared, config):
         dataset = prepared.dataset
         config, described, budget, aligned, best = train_image_text(config, prepared, run_id)
         captioned = described.captioned

@@ -17,7 +17,7 @@ from __future__ import annotations
 from prefect import flow
 from pydantic import BaseModel, ConfigDict
 
-from flows.skeleton import finish, prepare, publish, tracked_flow_run
+from flows.skeleton import begun_run, finish, publish
 from flows.steps.pbt import FLOW_NAME, PopulationResult, population_step
 from tasks.adapters import tracking
 from tasks.adapters.registration import Registration
@@ -49,12 +49,8 @@ class PBTSummary(BaseModel):
       "baselines.")
 def pbt(config: PBTConfig) -> PBTSummary:
     """Runs the population, then tests, registers and promotes its best member."""
-    name = config.run.registered_name(FLOW_NAME)
     run_name = f"{FLOW_NAME}-{config.network.model}-x{config.members}-seed{config.run.seed}"
-    experiment = config.run.experiment(FLOW_NAME)
-    with tracked_flow_run(config, experiment, run_name, name) as run_id:
-        prepared = prepare(config, run_id)
-        config = prepared.apply(config)
+    with begun_run(config, FLOW_NAME, run_name) as (run_id, name, prepared, config):
         best_config, population, budget = population_step(config, prepared, run_id)
         finished = finish(run_id, name, config.run, best_config, prepared,
                           population.best.checkpoint, population.best.metrics["val_accuracy"],

@@ -39,11 +39,10 @@ from pydantic import BaseModel, ConfigDict
 
 from flows.skeleton import (
     Prepared,
+    begun_run,
     budgeted_classifier,
     conclude,
-    prepare,
     publish,
-    tracked_flow_run,
 )
 from flows.steps.distill import distill_stages, fitted_plan
 from flows.steps.image_text import train_image_text
@@ -285,7 +284,7 @@ def run_cascade(config: PipelineConfig, dataset: DatasetRef, run_id: str,
     with tracking.tracked_run(FLOW_NAME, "fallback", parent_run_id=run_id) as fallback_run:
         fallback = fit_fallback(student.classifier, teacher.classifier, dataset,
                                 student.checkpoint, teacher.checkpoint,
-                                config.fallback_tolerance, config.fallback_predictor,
+                                config.fallback.tolerance, config.fallback.predictor,
                                 config.run.seed, student_weights=student.weights)
         tracking.log_dict(fallback_run, fallback.latency, "cascade/latency.json")
         tracking.set_tags(fallback_run, {"cascade.routing": fallback.routing})
@@ -298,7 +297,7 @@ def run_cascade(config: PipelineConfig, dataset: DatasetRef, run_id: str,
         fallback = fallback.model_copy(update={"metrics": fallback.metrics | {
             f"steps_{key}": value for key, value in timing["cascade"].items()}})
         tracking.log_metrics(fallback_run, fallback.metrics
-                             | {"tolerance": config.fallback_tolerance})
+                             | {"tolerance": config.fallback.tolerance})
     return fallback, steps
 
 
@@ -326,12 +325,9 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
     """Runs the steps of the module docstring; registers the cascade as `config.run.model_name`
     (default `pipeline`)."""
     logger = get_run_logger()
-    name = config.run.registered_name(FLOW_NAME)
     run_name = f"{FLOW_NAME}-{config.teacher_model}-to-{config.student_model}-seed{config.run.seed}"
-    experiment = config.run.experiment(FLOW_NAME)
-    with tracked_flow_run(config, experiment, run_name, name) as run_id:
-        prepared = prepare(config, run_id)  # 1. the data check
-        config = prepared.apply(config)
+    # 1. the data check, in the run's prologue
+    with begun_run(config, FLOW_NAME, run_name) as (run_id, name, prepared, config):
         key = pipeline_key(config, prepared.dataset.artifact.md5)
         tracking.set_tags(run_id, {KEY_TAG: key})
         if config.skip_unchanged and config.run.registry and (

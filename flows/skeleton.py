@@ -3,7 +3,8 @@ inside the run's MLflow run, fit the budget to the data, train a classifier's ro
 stopping, then test, export, register and promote the final model, gated on the baselines, and
 publish a summary.
 
-A flow adds only its own training between `prepare` and `finish`.
+A flow opens with `begun_run` (its MLflow run, the data prepared) and adds only its own
+training before `finish`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from prefect import get_run_logger
 from prefect.runtime import flow_run
@@ -100,6 +101,30 @@ def tracked_flow_run(config: ProfiledConfig, experiment: str, run_name: str, reg
             if config.run.registry else nullcontext())
     with slot, tracking.tracked_run(experiment, run_name, config, all_tags) as run_id:
         yield run_id
+
+
+class BegunRun(NamedTuple, Generic[ConfigT]):
+    """A flow's run once its prologue is done: its MLflow run, the registered model's name,
+    the prepared data, and the config with the data's choices applied."""
+
+    run_id: str
+    name: str
+    prepared: Prepared
+    config: ConfigT
+
+
+@contextmanager
+def begun_run(config: ConfigT, flow_name: str, run_name: str, model_name: str | None = None,
+              tags: dict[str, str] | None = None) -> Iterator[BegunRun[ConfigT]]:
+    """Every flow's prologue: the registered name (`model_name`'s in the project, default the
+    flow's), the flow's MLflow run in its experiment holding that name's run slot
+    (`tracked_flow_run`), the data prepared in it (`prepare`) and applied to the config.
+    `with begun_run(config, FLOW_NAME, run_name) as (run_id, name, prepared, config):`."""
+    name = config.run.registered_name(model_name or flow_name)
+    with tracked_flow_run(config, config.run.experiment(flow_name), run_name, name,
+                          tags) as run_id:
+        prepared = prepare(config, run_id)
+        yield BegunRun(run_id, name, prepared, prepared.apply(config))
 
 
 def prepare(config: ProfiledConfig, run_id: str) -> Prepared:

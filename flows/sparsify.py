@@ -19,9 +19,9 @@ from prefect import flow, get_run_logger
 from flows.skeleton import (
     ClassifierSummary,
     Prepared,
+    begun_run,
     budgeted_classifier,
     finish,
-    prepare,
     publish,
     tracked_flow_run,
 )
@@ -93,18 +93,14 @@ def initial_weights(config: SparsifyConfig, classifier: ClassifierConfig, prepar
 def sparsify(config: SparsifyConfig) -> SparsifySummary | CanvasSummary:
     """Trains the config's network with the sparsity term; registers it as
     `config.run.model_name`. `--task detection|contour`: `flows.sparsify_canvas`."""
-    name = config.run.registered_name(FLOW_NAME if config.task == "classification"
-                                  else f"{FLOW_NAME}-{config.task}")
     config = config.replace(model=config.network_name())
     run_name = f"{FLOW_NAME}-{config.network.model}-{config.transform}-seed{config.run.seed}"
-    canvas = config.task != "classification"
-    experiment = config.run.experiment(FLOW_NAME)
-    with tracked_flow_run(config, experiment, run_name, name,
-                  {"task": config.task} if canvas else None) as run_id:
-        if canvas:
+    if config.task != "classification":  # a canvas task prepares its own data
+        name = config.run.registered_name(f"{FLOW_NAME}-{config.task}")
+        with tracked_flow_run(config, config.run.experiment(FLOW_NAME), run_name, name,
+                              {"task": config.task}) as run_id:
             return sparsify_canvas(config, name, run_id)
-        prepared = prepare(config, run_id)
-        config = prepared.apply(config)
+    with begun_run(config, FLOW_NAME, run_name) as (run_id, name, prepared, config):
         classifier, budget = budgeted_classifier(config, prepared, run_id, config.epochs)
         start = initial_weights(config, classifier, prepared, run_id)
         spec, best, report = train_sparse(config, classifier, prepared, budget, run_id, start)

@@ -6,11 +6,10 @@ from prefect import flow
 
 from flows.skeleton import (
     ClassifierSummary,
+    begun_run,
     budgeted_classifier,
     finish,
-    prepare,
     publish,
-    tracked_flow_run,
     train_epochs,
 )
 from tasks.configs.train import TrainConfig
@@ -33,12 +32,8 @@ class TrainSummary(ClassifierSummary):
 def train(config: TrainConfig) -> TrainSummary:
     """Trains `config.network.model` on `config.dataset.data`; registers it as
     `config.run.model_name`."""
-    name = config.run.registered_name(FLOW_NAME)
     run_name = f"{FLOW_NAME}-{config.network.model}-seed{config.run.seed}"
-    experiment = config.run.experiment(FLOW_NAME)
-    with tracked_flow_run(config, experiment, run_name, name) as run_id:
-        prepared = prepare(config, run_id)
-        config = prepared.apply(config)
+    with begun_run(config, FLOW_NAME, run_name) as (run_id, name, prepared, config):
         classifier, budget = budgeted_classifier(config, prepared, run_id, config.epochs)
         best = train_epochs(classifier, prepared, budget, run_id, config.patience)
         finished = finish(run_id, name, config.run, classifier, prepared, best.checkpoint,

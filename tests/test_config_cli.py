@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from flows.cli import main
 from flows.commands import COMMANDS
+from tasks.configs.pbt import PBTConfig
 from tasks.configs.train import TrainConfig
 from tests.conftest import subprocess_env
 
@@ -50,6 +51,31 @@ def test_a_field_name_in_two_sections_is_refused_when_the_class_is_made():
     with pytest.raises(TypeError, match="'seed' of section 'run' is also in the config"):
         class Clashing(ProfiledConfig):
             seed: int = 0
+
+
+def test_a_prefixed_section_takes_its_flat_names_and_two_sections_may_share_a_field_name(
+        capsys):
+    from tasks.configs.pipeline import PipelineConfig
+
+    # `stages` is distillation's, `pbt_stages` the PBT step's; the profile presets by flat name
+    config = PipelineConfig(profile="smoke", stages=3, pbt_stages=2, sparse_lr=0.02)
+    assert (config.stages, config.pbt.stages, config.pbt.members, config.sparse.lr) == \
+        (3, 2, 2, 0.02)
+    assert config.pbt_config().stages == 2 and config.sparsify_config().optim.lr == 0.02
+    assert PipelineConfig(profile="smoke", stages=3, pbt={"stages": 2},
+                          sparse={"lr": 0.02}) == config  # nested input, as Prefect's form
+    flat = config.flat()
+    assert (flat["pbt_stages"], flat["stages"], flat["sparse_lr"]) == (2, 3, 0.02)
+    assert "pbt" not in flat and "members" not in flat
+    assert config.replace(pbt_members=5).pbt.members == 5
+    with pytest.raises(ValueError, match="no field pbt_lr"):
+        config.replace(pbt_lr=0.1)
+    # the bounds and descriptions come from the PBT flow's own field
+    assert PipelineConfig.flat_fields()["pbt_members"].description == \
+        PBTConfig.model_fields["members"].description
+    with pytest.raises(SystemExit):
+        main(COMMANDS, ["pipeline", "--pbt-members", "1"])
+    assert "pbt_members: Input should be greater than or equal to 2" in capsys.readouterr().err
 
 
 def test_mlflow_names_belong_to_the_project_and_a_given_model_name_is_kept(monkeypatch):

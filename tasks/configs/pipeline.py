@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 from tasks.configs.distill import DistillConfig
 from tasks.configs.image_text import ImageTextConfig, ImageTextNetwork
 from tasks.configs.pbt import PBTConfig
-from tasks.configs.sections import CommaList, ModelSection
+from tasks.configs.sections import CommaList, ModelSection, StrictConfig, same_field
 from tasks.configs.sparsify import SparsifyConfig, SparsifyNetwork
 
 # The pipeline's distillation: the recipe its step table was measured with (a bank of pooled
@@ -26,12 +26,62 @@ PIPELINE_DISTILL: dict[str, Any] = {
     "student_patience": 1, "teacher_pretrain_epochs": 0}
 
 
+class TextStep(StrictConfig):
+    """The image-text step, only where the run has descriptions: the distilled student's image
+    side trains against the texts (one alignment round, then these) before PBT, and is kept
+    only where it helps on validation (the `image-text` flow's fields)."""
+
+    encoder: Literal["minilm", "builtin"] = same_field(ImageTextConfig, "text_encoder")
+    epochs: int = same_field(ImageTextConfig, "epochs", 3)
+    lr: float = same_field(ImageTextConfig, "lr", 0.01)  # a fine-tuning of the student
+
+
+class PBTStep(StrictConfig):
+    """PBT on the distilled student: every member starts from it, after one burn-in epoch (the
+    `pbt` flow's fields)."""
+
+    members: int = same_field(PBTConfig, "members", 3)
+    stages: int = same_field(PBTConfig, "stages", 2)
+    round_epochs: int = same_field(PBTConfig, "round_epochs", 1)
+    # a fine-tuning: below a fresh run's range
+    lr_range: CommaList[tuple[float, float]] = same_field(PBTConfig, "lr_range", (0.005, 0.1))
+
+
+class SparseStep(StrictConfig):
+    """Activation-sparsity fine-tuning of PBT's best (the `sparsify` flow's fields; the term's
+    own are the config's `transform`, `sparsity_lambda`, ...)."""
+
+    epochs: int = same_field(SparsifyConfig, "epochs", 4)
+    lr: float = same_field(SparsifyConfig, "lr", 0.01)
+    layers: CommaList[tuple[str, ...]] | None = same_field(SparsifyConfig, "sparse_layers")
+
+
+class FallbackStep(StrictConfig):
+    """The fallback cascade: the sparse student answers what it is sure of, the teacher the
+    rest."""
+
+    tolerance: float = Field(0.003, ge=0.0, le=1.0, description="the student answers an image "
+                             "when its confidence is above a threshold, calibrated on "
+                             "validation as the cheapest that loses at most this fraction of "
+                             "the images the teacher gets right; 1: the student alone")
+    predictor: Literal["fitted", "fixed"] = Field(
+        "fitted", description="which images the student passes on: fitted, a predictor on "
+        "the student's outputs fitted on half the validation split competes with the "
+        "confidence rule on the other half and is kept only where it is cheaper at the same "
+        "accuracy (as `cascade --predictor fitted`); fixed: the confidence rule")
+
+
 class PipelineConfig(DistillConfig):
     """The retraining run that chains the techniques: the data check, the `distill` stages
     (data queue, teacher stages, bank snapshots, student), PBT on the distilled student,
     activation-sparsity fine-tuning of PBT's best, and a fallback cascade (the sparse student
-    answers what it is sure of, the teacher the rest), registered and promoted as one model."""
+    answers what it is sure of, the teacher the rest), registered and promoted as one model.
 
+    The distillation's fields are the config's own (it is a `DistillConfig`); each later step
+    is a section whose command-line names carry its prefix (`--pbt-members` is `pbt.members`)."""
+
+    SECTION_PREFIXES: ClassVar[dict[str, str]] = {
+        "text": "text_", "pbt": "pbt_", "sparse": "sparse_", "fallback": "fallback_"}
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
         "smoke": {**DistillConfig.PROFILES["smoke"], **PIPELINE_DISTILL, "pbt_members": 2,
                   "pbt_stages": 1,
@@ -43,7 +93,11 @@ class PipelineConfig(DistillConfig):
                  "pbt_round_epochs": 3, "sparse_epochs": 8},
     }
 
-    # the image-text step, only where the run has descriptions (`image_text`'s fields)
+    text: TextStep = Field(default_factory=TextStep)
+    pbt: PBTStep = Field(default_factory=PBTStep)
+    sparse: SparseStep = Field(default_factory=SparseStep)
+    fallback: FallbackStep = Field(default_factory=FallbackStep)
+    # which descriptions the image-text step reads; with neither, the step is skipped
     captions: str | None = Field(None, description="image-text step: a table of descriptions "
                                  "(CSV or Parquet: columns image, text, and optionally "
                                  "weight); with it or --class-descriptions, the distilled "
@@ -54,52 +108,13 @@ class PipelineConfig(DistillConfig):
                                            "class descriptions (CSV or Parquet: columns class, "
                                            "text, and optionally weight); each image gets its "
                                            "class's and phrases measured from it")
-    text_encoder: Literal["minilm", "builtin"] = Field("minilm", description="image-text step: "
-                                                       "the text encoder (see `image-text "
-                                                       "--help`)")
-    text_epochs: int = Field(3, ge=1, le=1000, description="image-text step: rounds of "
-                             "contrastive + cross-entropy (after one alignment round)")
-    text_lr: float = Field(0.01, gt=0.0, le=10.0, description="image-text step: peak "
-                           "learning rate (a fine-tuning of the student)")
-    # PBT on the distilled student (`pbt`'s fields of the same meaning)
-    pbt_members: int = Field(3, ge=2, le=256, description="PBT: networks in the population, "
-                             "each starting from the distilled student")
-    pbt_stages: int = Field(2, ge=1, le=10000, description="PBT: stages of train / evaluate / "
-                            "copy the best's weights / explore")
-    pbt_round_epochs: int = Field(1, ge=1, le=1000, description="PBT: epochs each member "
-                                  "trains per stage (after one burn-in epoch)")
-    pbt_lr_range: CommaList[tuple[float, float]] = Field(
-        (0.005, 0.1), description="PBT: bounds of the learning rate it explores (log scale): a "
-        "fine-tuning, below a fresh run's")
-    # sparsity fine-tuning of PBT's best (`sparsify`'s fields of the same meaning)
-    sparse_epochs: int = Field(4, ge=1, le=1000, description="sparsity fine-tuning: rounds "
-                               "with the sparsity term, from PBT's best")
-    sparse_lr: float = Field(0.01, gt=0.0, le=10.0, description="sparsity fine-tuning: peak "
-                             "learning rate")
-    sparse_layers: CommaList[tuple[str, ...]] | None = Field(
-        None, description="module names of the student whose outputs are regularized; none: its "
-        "feature maps")
-    transform: Literal["abs", "power", "exp_abs", "exp_power", "abs_power"] = Field(
-        "abs", description="sparsity transform (see `sparsify --help`)")
-    sparsity_lambda: float = Field(0.3, ge=0.0, le=1e6, description="lambda of the sparsity "
-                                   "term on the largest map (0: fine-tune without it)")
-    lambda_gamma: float = Field(0.5, ge=0.0, le=4.0, description="lambda_l = lambda x "
-                                "(A_max / A_l)^gamma")
-    zero_threshold_tolerance: float | None = Field(
-        0.002, ge=0.0, le=1.0, description="after the fine-tuning, zero each regularized "
-        "layer's activations below a threshold costing at most this validation accuracy; "
-        "none: no thresholds")
-    # the fallback cascade
-    fallback_tolerance: float = Field(0.003, ge=0.0, le=1.0, description="the cascade's student "
-                                      "answers an image when its confidence is above a "
-                                      "threshold, calibrated on validation as the cheapest "
-                                      "that loses at most this fraction of the images the "
-                                      "teacher gets right; 1: the student alone")
-    fallback_predictor: Literal["fitted", "fixed"] = Field(
-        "fitted", description="which images the student passes on: fitted, a predictor on "
-        "the student's outputs fitted on half the validation split competes with the "
-        "confidence rule on the other half and is kept only where it is cheaper at the same "
-        "accuracy (as `cascade --predictor fitted`); fixed: the confidence rule")
+    # the sparsity term of the sparse step (the `sparsify` flow's fields)
+    transform: Literal["abs", "power", "exp_abs", "exp_power", "abs_power", "hoyer"] = \
+        same_field(SparsifyConfig, "transform")
+    sparsity_lambda: float = same_field(SparsifyConfig, "sparsity_lambda", 0.3)
+    lambda_gamma: float = same_field(SparsifyConfig, "lambda_gamma", 0.5)
+    zero_threshold_tolerance: float | None = same_field(SparsifyConfig,
+                                                        "zero_threshold_tolerance", 0.002)
     skip_unchanged: bool = Field(True, description="when the registered champion was trained "
                                  "by this pipeline on the same data version with the same "
                                  "config and code, finish at once without training (scheduled "
@@ -125,9 +140,9 @@ class PipelineConfig(DistillConfig):
         return ImageTextConfig(
             profile=self.profile, dataset=self.dataset, run=self.run,
             network=ImageTextNetwork(**self.student_network().model_dump()),
-            optim=self.optim.replace(lr=self.text_lr), epochs=self.text_epochs,
+            optim=self.optim.replace(lr=self.text.lr), epochs=self.text.epochs,
             align_epochs=1, captions=self.captions, class_descriptions=self.class_descriptions,
-            text_encoder=self.text_encoder)
+            text_encoder=self.text.encoder)
 
     def student_network(self) -> ModelSection:
         """The distilled student's network, which every later step trains."""
@@ -139,16 +154,17 @@ class PipelineConfig(DistillConfig):
         return PBTConfig(
             profile=self.profile, dataset=self.dataset, run=self.run, cluster=self.cluster,
             network=self.student_network(),
-            optim=self.optim.replace(lr=min(self.optim.lr, self.pbt_lr_range[1])),
-            members=self.pbt_members, stages=self.pbt_stages,
-            round_epochs=self.pbt_round_epochs, burn_in_epochs=1, lr_range=self.pbt_lr_range)
+            optim=self.optim.replace(lr=min(self.optim.lr, self.pbt.lr_range[1])),
+            members=self.pbt.members, stages=self.pbt.stages,
+            round_epochs=self.pbt.round_epochs, burn_in_epochs=1, lr_range=self.pbt.lr_range)
 
     def sparsify_config(self) -> SparsifyConfig:
-        """The sparsity fine-tuning's config: the student's network, `sparse_*` rounds."""
+        """The sparsity fine-tuning's config: the student's network, the `sparse` step's
+        rounds."""
         return SparsifyConfig(
             profile=self.profile, dataset=self.dataset, run=self.run,
             network=SparsifyNetwork(**self.student_network().model_dump()),
-            optim=self.optim.replace(lr=self.sparse_lr), epochs=self.sparse_epochs,
-            sparse_layers=self.sparse_layers, transform=self.transform,
+            optim=self.optim.replace(lr=self.sparse.lr), epochs=self.sparse.epochs,
+            sparse_layers=self.sparse.layers, transform=self.transform,
             sparsity_lambda=self.sparsity_lambda, lambda_gamma=self.lambda_gamma,
             zero_threshold_tolerance=self.zero_threshold_tolerance)

@@ -69,6 +69,14 @@ def model_name_of(project: str | None, model_name: str | None, flow_name: str) -
     return f"{project}-{model_name}" if project else model_name
 
 
+def same_field(config: type[StrictConfig], name: str, default: Any = ...) -> Any:
+    """Field `name` (a command-line name) of another flow's `config`, its bounds and
+    description, with another `default` where given: a config that nests another flow's
+    setting (the pipeline's steps) declares it once."""
+    field = config.flat_fields()[name]
+    return field if default is ... else FieldInfo.merge_field_infos(field, default=default)
+
+
 class StrictConfig(BaseModel):
     """Base of every config: unknown fields are errors, values are validated and frozen."""
 
@@ -306,33 +314,44 @@ SECTION_NAMES = ("dataset", "network", "optim", "run", "cluster")
 
 class SectionedConfig(StrictConfig):
     """A config made of sections (`dataset`, `network`, `optim`, `run`, `cluster`: the ones
-    it declares) and its own fields; code reads `config.optim.lr`.
+    it declares, and those named in `SECTION_PREFIXES`) and its own fields; code reads
+    `config.optim.lr`.
 
     Input may be nested (`{"optim": {"lr": 0.1}}`, as the Prefect form has it) or flat (the
     command line's `--lr 0.1`, a profile's presets): flat names are nested by field name,
     every one unique across a config's sections and its own fields (checked when the class is
-    made). `defaults` (the profile) fill what is not given; a section given as an instance is
-    taken as it is.
+    made). A section in `SECTION_PREFIXES` has its flat names prefixed (the pipeline's `pbt`
+    section: `--pbt-members` is `pbt.members`), so two sections may hold fields of one name.
+    `defaults` (the profile) fill what is not given; a section given as an instance is taken
+    as it is.
     """
 
-    # set for each class when it is made: section name -> its type; field name -> its section
+    # sections beyond SECTION_NAMES, by name, with the prefix of their flat names
+    SECTION_PREFIXES: ClassVar[dict[str, str]] = {}
+    # set for each class when it is made: section name -> its type; flat name -> its section
+    # and its name in that section
     _sections: ClassVar[dict[str, type[StrictConfig]]] = {}
     _owners: ClassVar[dict[str, str]] = {}
+    _inner: ClassVar[dict[str, str]] = {}
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
         cls._sections = {name: field.annotation for name, field in cls.model_fields.items()
-                         if name in SECTION_NAMES and isinstance(field.annotation, type)
+                         if (name in SECTION_NAMES or name in cls.SECTION_PREFIXES)
+                         and isinstance(field.annotation, type)
                          and issubclass(field.annotation, StrictConfig)}
         seen: dict[str, str] = {}
+        inner: dict[str, str] = {}
         for name, section in cls._sections.items():
+            prefix = cls.SECTION_PREFIXES.get(name, "")
             for field in section.model_fields:
-                if field in seen or field in cls.model_fields:
-                    raise TypeError(f"{cls.__name__}: field {field!r} of section {name!r} is "
-                                    f"also in {seen.get(field, 'the config itself')}")
-                seen[field] = name
-        cls._owners = seen
+                flat = prefix + field
+                if flat in seen or flat in cls.model_fields:
+                    raise TypeError(f"{cls.__name__}: field {flat!r} of section {name!r} is "
+                                    f"also in {seen.get(flat, 'the config itself')}")
+                seen[flat], inner[flat] = name, field
+        cls._owners, cls._inner = seen, inner
 
     @classmethod
     def sections(cls) -> dict[str, type[StrictConfig]]:
@@ -340,17 +359,25 @@ class SectionedConfig(StrictConfig):
         return cls._sections
 
     @classmethod
+    def flat_name(cls, section: str, field: str) -> str:
+        """The flat (command-line) name of `field` of `section`."""
+        return cls.SECTION_PREFIXES.get(section, "") + field
+
+    @classmethod
     def field_groups(cls) -> dict[str | None, dict[str, FieldInfo]]:
         sections = cls.sections()
         return {None: {name: field for name, field in cls.model_fields.items()
                        if name not in sections},
-                **{name: section.flat_fields() for name, section in sections.items()}}
+                **{name: {cls.flat_name(name, inner): field
+                          for inner, field in section.flat_fields().items()}
+                   for name, section in sections.items()}}
 
     @classmethod
     def flag_aliases(cls) -> dict[str, tuple[str, ...]]:
         aliases = super().flag_aliases()
-        for section in cls.sections().values():
-            aliases.update(section.flag_aliases())
+        for name, section in cls.sections().items():
+            aliases.update({cls.flat_name(name, field): flags
+                            for field, flags in section.flag_aliases().items()})
         return aliases
 
     @classmethod
@@ -369,12 +396,12 @@ class SectionedConfig(StrictConfig):
         flat: dict[str, dict[str, Any]] = {name: {} for name in sections}
         for key, value in cls.defaults(values).items():
             if key in cls._owners:
-                preset[cls._owners[key]][key] = value
+                preset[cls._owners[key]][cls._inner[key]] = value
             elif key not in values:
                 nested[key] = value
         for key, value in values.items():
             if key in cls._owners:
-                flat[cls._owners[key]][key] = value
+                flat[cls._owners[key]][cls._inner[key]] = value
             else:
                 nested[key] = value
         for name in sections:
@@ -395,7 +422,8 @@ class SectionedConfig(StrictConfig):
         sections = type(self).sections()
         values = {name: value for name, value in self if name not in sections}
         for name in sections:
-            values.update(getattr(self, name).model_dump())
+            values.update({type(self).flat_name(name, field): value
+                           for field, value in getattr(self, name).model_dump().items()})
         return values
 
     def replace(self, **changes: Any) -> Self:
@@ -409,7 +437,7 @@ class SectionedConfig(StrictConfig):
         by_section: dict[str, dict[str, Any]] = {}
         for key, value in changes.items():
             if key in owners:
-                by_section.setdefault(owners[key], {})[key] = value
+                by_section.setdefault(owners[key], {})[type(self)._inner[key]] = value
             else:
                 values[key] = value
         for name, update in by_section.items():
