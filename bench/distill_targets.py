@@ -143,8 +143,11 @@ def figures(classifier, dataset, checkpoint, unread: tuple[torch.Tensor, torch.T
             for split in ("val", "test")} | {"unread": scored(model, *unread, dataset)}
 
 
-def run_seed(name: str, seed: int, variants: list[str], base: dict) -> dict:
-    """One teacher and each variant's student on data set `name` and `seed`."""
+def run_seed(name: str, seed: int, variants: list[str], base: dict,
+             cached_teacher: bool = False) -> dict:
+    """One teacher and each variant's student on data set `name` and `seed` (the teacher
+    trained anew by the first variant, or, `cached_teacher`, read from Prefect's cache where
+    an earlier run of this checkout left it)."""
     started = time.perf_counter()
     accuracy: dict[str, dict[str, float]] = {}
     seconds: dict[str, float] = {}
@@ -153,7 +156,7 @@ def run_seed(name: str, seed: int, variants: list[str], base: dict) -> dict:
         config = DistillConfig(**{**base, **small_data_fields(name, seed), "seed": seed,
                                   "progress": False, "registry": False, **VARIANTS[variant]})
         begun = time.perf_counter()
-        with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: n == 0}):
+        with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: n == 0 and not cached_teacher}):
             summary = distill(config)
         seconds[variant] = time.perf_counter() - begun
         dataset = summary.dataset
@@ -193,6 +196,9 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--patience", type=int, default=3,
                         help="the students' --student-patience (not `alone x1`'s)")
+    parser.add_argument("--cached-teacher", action="store_true",
+                        help="take the teacher's stages from Prefect's cache where an earlier "
+                        "run in this checkout trained them (more variants on the same teacher)")
     parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
                         help="distill config fields for every run")
     args = parser.parse_args()
@@ -200,7 +206,8 @@ def main() -> None:
             **parse_overrides(args.set)}
     results, rows = [], []
     for name in args.sets:
-        runs = [run_seed(name, seed, args.variants, base) for seed in args.seeds]
+        runs = [run_seed(name, seed, args.variants, base, args.cached_teacher)
+                for seed in args.seeds]
         entry = {"set": name, "runs": runs, **summarize(runs, args.variants)}
         results.append(entry)
         for variant, row in entry["variants"].items():
