@@ -471,8 +471,9 @@ def merged_variants_per_set(name: str, results: Path = RESULTS) -> dict:
     seed's from the newest record that ran that variant on that set with that seed (sets,
     variants and seeds run apart, e.g. one seed a session, shown together):
     `{"results": [entry, ...], "sources": [record, ...]}`. The gap closed and the paired
-    differences to `alone` and `kd` are taken over the merged runs, pairing them by seed (every
-    record of a set trains the same seeded teacher and student data)."""
+    differences to `alone` and `kd` are taken over the merged runs, pairing them by seed: an
+    older run whose teacher's figures differ from the newest run's of that seed (the code
+    changed in between) is left out, so every row of a seed learned from one teacher."""
     newest_first = records(name, results)[::-1]
     entries, sources = [], []
     for data_set in ("fashion-mnist", "2500x16"):
@@ -481,6 +482,9 @@ def merged_variants_per_set(name: str, results: Path = RESULTS) -> dict:
             entry = next((e for e in record["results"] if e["set"] == data_set), None)
             fresh = False
             for run in (entry or {}).get("runs", []):
+                teacher = by_seed.get("teacher", {}).get(run["seed"])
+                if teacher is not None and teacher != run["accuracy"]["teacher"]:
+                    continue  # another teacher (the code changed since): not paired with it
                 for variant, splits in run["accuracy"].items():
                     if run["seed"] not in by_seed.setdefault(variant, {}):
                         by_seed[variant][run["seed"]] = splits
@@ -522,10 +526,14 @@ def distill_targets(picked: dict) -> str:
              *distill_rows(picked["results"], DISTILL_TARGETS_ORDER,
                            ("minus_alone_unread", "minus_kd_unread"))]
     chosen = "; ".join(f"{e['set']}: `{e['chosen_on_val']}`" for e in picked["results"])
-    setups = " ".join(f"Students train {r['base']['student_patience']}x the fitted budget "
-                      f"(`alone x1`: 1x); the teacher is warm-started "
-                      f"{r['base']['teacher_pretrain_epochs']} epochs. {provenance(r)}"
-                      for r in picked["sources"])
+    shown = {v for e in picked["results"] for v in e["variants"]}
+    others = ", ".join(f"`{v}`: {v.rsplit('x', 1)[1]}x" for v in sorted(shown)
+                       if v.endswith((" x1", " x6")))
+    setups = " ".join(dict.fromkeys(  # one sentence per distinct setting, sources oldest first
+        f"Students train {r['base']['student_patience']}x the fitted budget"
+        f"{f' ({others})' if others else ''}; the teacher is warm-started "
+        f"{r['base']['teacher_pretrain_epochs']} epochs." for r in picked["sources"]))
+    setups += " " + " ".join(provenance(r) for r in picked["sources"][::-1])
     return "\n".join(lines) + f"\n\nBest on validation: {chosen}. {setups}\n"
 
 
