@@ -73,8 +73,9 @@ def same_field(config: type[StrictConfig], name: str, default: Any = ...) -> Any
     """Field `name` (a command-line name) of another flow's `config`, its bounds and
     description, with another `default` where given: a config that nests another flow's
     setting (the pipeline's steps) declares it once."""
-    field = config.flat_fields()[name]
-    return field if default is ... else FieldInfo.merge_field_infos(field, default=default)
+    field = config.flat_fields()[name]  # copied: the other config keeps its own
+    overrides = {} if default is ... else {"default": default}
+    return FieldInfo.merge_field_infos(field, **overrides)
 
 
 class StrictConfig(BaseModel):
