@@ -527,8 +527,9 @@ def distill_targets(picked: dict) -> str:
                            ("minus_alone_unread", "minus_kd_unread"))]
     chosen = "; ".join(f"{e['set']}: `{e['chosen_on_val']}`" for e in picked["results"])
     shown = {v for e in picked["results"] for v in e["variants"]}
-    others = ", ".join(f"`{v}`: {v.rsplit('x', 1)[1]}x" for v in sorted(shown)
-                       if v.endswith((" x1", " x6")))
+    own = {v: config["student_patience"] for r in picked["sources"]  # a variant's own budget
+           for v, config in r["variants"].items() if v in shown and "student_patience" in config}
+    others = ", ".join(f"`{v}`: {patience}x" for v, patience in sorted(own.items()))
     setups = " ".join(dict.fromkeys(  # one sentence per distinct setting, sources oldest first
         f"Students train {r['base']['student_patience']}x the fitted budget"
         f"{f' ({others})' if others else ''}; the teacher is warm-started "
