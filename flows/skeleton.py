@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from tasks.adapters import tracking
 from tasks.adapters.locks import run_slot
-from tasks.adapters.registration import Baseline, Policy, Registration
+from tasks.adapters.registration import Policy, Registration
 from tasks.adapters.reporting import publish_summary
 from tasks.adapters.versioning import ArtifactRef
 from tasks.configs.image_text import unseen_labels
@@ -37,6 +37,7 @@ from tasks.rounds import RoundPlan, RoundResult, round_task
 from tasks.training import ClassifierRound, TestResult, fit_to_data, test_and_export
 from training.baselines import best_baseline, mirror_safe
 from training.budget import Budget
+from training.promotion import Baseline
 from training.recipe import EarlyStopping
 
 ConfigT = TypeVar("ConfigT", bound=ProfiledConfig)

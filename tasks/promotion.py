@@ -18,10 +18,8 @@ from prefect import task
 from pydantic import BaseModel, ConfigDict
 
 from tasks.adapters.registration import (
-    Comparison,
     Policy,
     Registration,
-    Scorer,
     log_served_model,
     promote,
     pyfunc_correct,
@@ -31,7 +29,7 @@ from tasks.adapters.registration import (
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.data import DatasetRef, LoadedDataset, load_dataset, load_dataset_artifact
 from training.datasets import ImageSet
-from training.promotion import Correct
+from training.promotion import Comparison, Correct, Scorer
 
 
 def raw_images(data: LoadedDataset | ImageSet, index: Any) -> np.ndarray:
