@@ -35,7 +35,6 @@ from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.sparsify import SparsifyConfig, SparsitySpec
 from tasks.data import DatasetRef, load_dataset
 from tasks.rounds import Closed, Opened, RoundPlan, setup_device
-from tasks.sparsify import ActivationReport, SparsityReport, measured_layers, measured_report
 from tasks.training import configured_round, make_optimizer
 from training.canvas.contours import contour_scores
 from training.canvas.detection import as_rgb, detect, mean_average_precision
@@ -45,6 +44,12 @@ from training.device import place_model
 from training.promotion import Scored
 from training.recipe import optimizer_to
 from training.rounds import Trainee
+from training.sparsify.report import (
+    ActivationReport,
+    SparsityReport,
+    measured_layers,
+    measured_report,
+)
 from training.sparsify.term import (
     activation_stats,
     layer_lambdas,
