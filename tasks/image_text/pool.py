@@ -23,8 +23,8 @@ from PIL import Image
 
 from tasks.configs.sections import FASHION_MNIST
 from tasks.data import DatasetRef, LoadedDataset, fashion_mnist_root
-from tasks.image_text.descriptions import DescriptionError, own_captions, read_table
 from training.datasets import IMAGE_EXTENSIONS, load_fashion_mnist
+from training.image_text.descriptions import DescriptionError, own_captions, read_descriptions
 from training.image_text.matching import (
     NO_MATCH,
     match,
@@ -89,7 +89,7 @@ def folder_pool(folder: str) -> pd.DataFrame:
     """A user's pool: the images of `folder` named by its `captions.csv` (their paths inside
     the folder), with the table's texts and weights; `source` unknown (-1)."""
     root = Path(folder)
-    table = read_table(str(root / POOL_CAPTIONS), "image")
+    table = read_descriptions(str(root / POOL_CAPTIONS), "image")
     names = sorted(set(table["image"]))
     missing = [n for n in names if not (root / n).is_file()
                or (root / n).suffix.lower() not in IMAGE_EXTENSIONS]

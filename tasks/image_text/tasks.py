@@ -30,16 +30,7 @@ from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.image_text import ImageTextConfig, seen_positions, unseen_labels
 from tasks.data import DatasetRef, LoadedDataset, load_dataset
 from tasks.image_text.captioner import Captioned, caption_images, described_positions, undescribed
-from tasks.image_text.descriptions import (
-    DescriptionError,
-    check_classes,
-    check_images,
-    image_keys,
-    own_captions,
-    read_table,
-    source_classes,
-    wordnet_classes,
-)
+from tasks.image_text.descriptions import image_keys, source_classes, wordnet_classes
 from tasks.image_text.pool import folder_pool, match_training_images, own_pool
 from tasks.rounds import Closed, Opened, RoundPlan, setup_device
 from tasks.training import (
@@ -50,6 +41,13 @@ from tasks.training import (
 )
 from training.datasets import labelled_images, validation_images
 from training.device import place_model
+from training.image_text.descriptions import (
+    DescriptionError,
+    check_classes,
+    check_images,
+    own_captions,
+    read_descriptions,
+)
 from training.image_text.losses import ImageTextStep, TextBank
 from training.image_text.text_side import TextSide, mix_head, score_split, start_classifier
 from training.loops import evaluate
@@ -94,12 +92,12 @@ def checked_tables(config: ImageTextConfig, classes: list[str], skipped: list[st
     every named image exists, every class has a description (`DescriptionError` otherwise)."""
     captions = None
     if config.captions is not None:
-        captions = read_table(config.captions, "image")
+        captions = read_descriptions(config.captions, "image")
         check_images(captions, image_keys(config.dataset.data, skipped), config.captions)
     if config.class_descriptions is None:
         table = wordnet_classes(classes)
     else:
-        table = read_table(config.class_descriptions, "class")
+        table = read_descriptions(config.class_descriptions, "class")
         check_classes(table, classes, config.class_descriptions)
         table = table.assign(kind="given")
     return captions, table
