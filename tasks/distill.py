@@ -28,7 +28,7 @@ from tasks.configs.sections import (
     StrictConfig,
     classifier_config,
 )
-from tasks.data import DatasetRef, LoadedDataset, load_dataset
+from tasks.data import DatasetRef, load_dataset
 from tasks.rounds import Closed, Opened, RoundPlan, setup_device
 from tasks.training import (
     classifier_network,
@@ -43,6 +43,7 @@ from tasks.training import (
 )
 from training.batches import Batches, Normalize, RecordedViews, draw_views, unmoved_views
 from training.budget import Budget
+from training.datasets import LoadedDataset
 from training.device import inference_batch, place_model
 from training.distill.feature_bank import DTYPES, FeatureBank
 from training.distill.losses import (

@@ -30,10 +30,11 @@ from tasks.adapters.checkpoints import load_checkpoint
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.sections import ClassifierConfig, ProfiledConfig
 from tasks.configs.sparsify import SparsitySpec
-from tasks.data import DatasetRef, LoadedDataset, load_dataset
+from tasks.data import DatasetRef, load_dataset
 from tasks.rounds import Closed, Opened, RoundPlan, setup_device
 from training.batches import Batches, Normalize, RecordedViews
 from training.budget import Budget
+from training.datasets import LoadedDataset
 from training.device import inference_batch, place_model
 from training.features import WithEmbedding
 from training.loops import evaluate

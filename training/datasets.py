@@ -405,3 +405,29 @@ def channel_stats(images: Tensor) -> tuple[list[float], list[float]]:
     mean = x.mean(dim=(0, 2, 3))
     std = x.std(dim=(0, 2, 3)).clamp_min(1e-3)
     return mean.tolist(), std.tolist()
+
+
+@dataclass
+class LoadedDataset:
+    """Images (uint8 N x C x H x W), labels, dataset ids, split positions, each image's key
+    (its path relative to the data folder; `train/00042` in Fashion-MNIST) and content hash
+    (`training.datasets.content_hash`; empty in data sets prepared before they were
+    recorded), in memory."""
+
+    images: Tensor
+    labels: Tensor
+    ids: Tensor
+    splits: dict[str, Tensor]
+    keys: list[str]
+    contents: list[str] = field(default_factory=list)
+
+    def _seen(self, names: list[str]) -> set[str]:
+        return {names[i] for split in ("train", "val") for i in self.splits[split].tolist()}
+
+    def seen_keys(self) -> set[str]:
+        """The keys of the images a model of this data set trained or was chosen on."""
+        return self._seen(self.keys)
+
+    def seen_contents(self) -> set[str]:
+        """The content hashes of those images (empty when none were recorded)."""
+        return self._seen(self.contents) if self.contents else set()

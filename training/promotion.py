@@ -31,6 +31,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -326,3 +327,24 @@ def paired_verdict(version_uri: str, tags: dict[str, str], model_uri: str, score
         return None, comparison, f"{version_uri} could not be scored: {error}"
     new = new_evidence if scorer is score else scorer(model_uri)
     return paired_test(new, old, alpha), comparison, None
+
+
+class Seen(BaseModel):
+    """The images a model trained or was chosen on: their keys and their content hashes."""
+
+    model_config = ConfigDict(frozen=True)
+
+    keys: frozenset[str]
+    contents: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, data: Any) -> Seen:
+        """The images `data` (a `training.datasets.LoadedDataset`) trained or was chosen on."""
+        return cls(keys=frozenset(data.seen_keys()), contents=frozenset(data.seen_contents()))
+
+    def __or__(self, other: Seen) -> Seen:
+        return Seen(keys=self.keys | other.keys, contents=self.contents | other.contents)
+
+    def saw(self, key: str, content: str | None) -> bool:
+        """Whether the image of `key` (and `content`, when known) is among these, by either."""
+        return key in self.keys or (content is not None and content in self.contents)

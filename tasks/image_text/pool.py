@@ -22,8 +22,8 @@ import torch
 from PIL import Image
 
 from tasks.configs.sections import FASHION_MNIST
-from tasks.data import DatasetRef, LoadedDataset, fashion_mnist_root
-from training.datasets import IMAGE_EXTENSIONS, load_fashion_mnist
+from tasks.data import DatasetRef, fashion_mnist_root
+from training.datasets import IMAGE_EXTENSIONS, LoadedDataset, load_fashion_mnist
 from training.image_text.descriptions import DescriptionError, own_captions, read_descriptions
 from training.image_text.matching import (
     NO_MATCH,

@@ -28,7 +28,7 @@ from tasks.adapters.caching import computation_key
 from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint, torch_save
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.image_text import ImageTextConfig, seen_positions, unseen_labels
-from tasks.data import DatasetRef, LoadedDataset, load_dataset
+from tasks.data import DatasetRef, load_dataset
 from tasks.image_text.captioner import Captioned, caption_images, described_positions, undescribed
 from tasks.image_text.descriptions import image_keys, source_classes, wordnet_classes
 from tasks.image_text.pool import folder_pool, match_training_images, own_pool
@@ -39,7 +39,7 @@ from tasks.training import (
     position_batches,
     run_key,
 )
-from training.datasets import labelled_images, validation_images
+from training.datasets import LoadedDataset, labelled_images, validation_images
 from training.device import place_model
 from training.image_text.descriptions import (
     DescriptionError,
