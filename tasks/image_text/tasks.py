@@ -31,7 +31,7 @@ from tasks.configs.image_text import ImageTextConfig, seen_positions, unseen_lab
 from tasks.data import DatasetRef, load_dataset
 from tasks.image_text.captioner import Captioned, caption_images, described_positions, undescribed
 from tasks.image_text.descriptions import image_keys, source_classes, wordnet_classes
-from tasks.image_text.pool import folder_pool, match_training_images, own_pool
+from tasks.image_text.pool import own_pool
 from tasks.rounds import Closed, Opened, RoundPlan, setup_device
 from tasks.training import (
     configured_round,
@@ -49,6 +49,7 @@ from training.image_text.descriptions import (
     read_descriptions,
 )
 from training.image_text.losses import ImageTextStep, TextBank
+from training.image_text.matching import folder_pool, match_training_images
 from training.image_text.text_side import TextSide, mix_head, score_split, start_classifier
 from training.loops import evaluate
 from training.recipe import optimizer_to, sgd
