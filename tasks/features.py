@@ -23,11 +23,11 @@ from prefect import task
 from pydantic import Field, field_validator, model_validator
 
 from tasks.adapters import tracking
-from tasks.adapters.prediction import ModelVersionSection, existing_path, readable_images
+from tasks.adapters.prediction import ModelVersionSection, existing_path
 from tasks.adapters.versioning import atomic_path
 from tasks.configs.sections import DataSection
 from tasks.data import DatasetRef, load_dataset, split_source
-from training.datasets import DataError
+from training.datasets import DataError, readable_images
 from training.recognition import EMBEDDING_COLUMN, LABEL_COLUMN, folder_labels, split_recognition
 
 
