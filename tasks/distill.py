@@ -29,7 +29,7 @@ from tasks.configs.sections import (
     classifier_config,
 )
 from tasks.data import DatasetRef, load_dataset
-from tasks.rounds import Closed, Opened, RoundPlan, setup_device
+from tasks.rounds import RoundPlan
 from tasks.training import (
     classifier_network,
     configured_round,
@@ -44,7 +44,7 @@ from tasks.training import (
 from training.batches import Batches, Normalize, RecordedViews, draw_views, unmoved_views
 from training.budget import Budget
 from training.datasets import LoadedDataset
-from training.device import inference_batch, place_model
+from training.device import inference_batch, place_model, setup_device
 from training.distill.feature_bank import DTYPES, FeatureBank
 from training.distill.losses import (
     DistillStep,
@@ -58,7 +58,9 @@ from training.loops import evaluate
 from training.recipe import optimizer_to
 from training.rounds import (
     ClassifyStep,
+    Closed,
     NetworkSpec,
+    Opened,
     Round,
     StepSpec,
     Trainee,

@@ -23,7 +23,7 @@ from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.sections import ClassifierConfig
 from tasks.data import DatasetRef, load_dataset
-from tasks.rounds import Closed, Opened, RoundPlan, RoundResult, round_task, setup_device
+from tasks.rounds import RoundPlan, RoundResult, round_task
 from tasks.training import (
     classifier_round,
     eval_batches,
@@ -31,11 +31,11 @@ from tasks.training import (
     resume,
     split_batches,
 )
-from training.device import place_model
+from training.device import place_model, setup_device
 from training.pbt.scheduler import PBTScheduler, SearchSpace
 from training.pbt.soup import greedy_soup
 from training.recipe import choose_weights, start_average
-from training.rounds import Trainee
+from training.rounds import Closed, Opened, Trainee
 
 HYPERPARAMETERS = ("lr", "weight_decay", "momentum", "augment")
 

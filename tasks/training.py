@@ -31,19 +31,21 @@ from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.sections import ClassifierConfig, ProfiledConfig
 from tasks.configs.sparsify import SparsitySpec
 from tasks.data import DatasetRef, load_dataset
-from tasks.rounds import Closed, Opened, RoundPlan, setup_device
+from tasks.rounds import RoundPlan
 from training.batches import Batches, Normalize, RecordedViews
 from training.budget import Budget
 from training.datasets import LoadedDataset
-from training.device import inference_batch, place_model
+from training.device import inference_batch, place_model, setup_device
 from training.features import WithEmbedding
 from training.loops import evaluate
 from training.recipe import optimizer_to, set_momentum_and_decay, sgd
 from training.rounds import (
     ClassifierNetwork,
     ClassifyStep,
+    Closed,
     ImageBatches,
     NetworkSpec,
+    Opened,
     Passes,
     Round,
     StepSpec,

@@ -278,3 +278,21 @@ def _named_class(name: str) -> type:
     for part in qualname.split("."):
         found = getattr(found, part)
     return found
+
+
+@dataclass
+class Opened:
+    """A resumed round: what it trains, how, and what the plan keeps for `close`."""
+
+    trainee: Trainee
+    round: Round
+    context: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Closed:
+    """A trained round: its metrics, the checkpoint's content, and the kept weights' name."""
+
+    metrics: dict[str, float]
+    payload: dict[str, Any]
+    kept: str = "model"

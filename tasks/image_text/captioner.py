@@ -26,10 +26,9 @@ from tasks.adapters.checkpoints import torch_save
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.image_text import ImageTextConfig, seen_positions
 from tasks.data import DatasetRef, load_dataset
-from tasks.rounds import setup_device
 from tasks.training import run_key
 from training.batches import Normalize
-from training.device import place_model
+from training.device import place_model, setup_device
 from training.image_text.captioner import Captioner, Vocabulary, fit_captions, write_captions
 
 HELD_OUT = 0.1  # the share of described images the captioner is scored on

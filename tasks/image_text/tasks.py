@@ -32,7 +32,7 @@ from tasks.data import DatasetRef, load_dataset
 from tasks.image_text.captioner import Captioned, caption_images, described_positions, undescribed
 from tasks.image_text.descriptions import image_keys, source_classes, wordnet_classes
 from tasks.image_text.pool import own_pool
-from tasks.rounds import Closed, Opened, RoundPlan, setup_device
+from tasks.rounds import RoundPlan
 from tasks.training import (
     configured_round,
     image_batches,
@@ -40,7 +40,7 @@ from tasks.training import (
     run_key,
 )
 from training.datasets import LoadedDataset, labelled_images, validation_images
-from training.device import place_model
+from training.device import place_model, setup_device
 from training.image_text.descriptions import (
     DescriptionError,
     check_classes,
@@ -53,7 +53,7 @@ from training.image_text.matching import folder_pool, match_training_images
 from training.image_text.text_side import TextSide, mix_head, score_split, start_classifier
 from training.loops import evaluate
 from training.recipe import optimizer_to, sgd
-from training.rounds import Trainee
+from training.rounds import Closed, Opened, Trainee
 
 
 class Descriptions(BaseModel):
