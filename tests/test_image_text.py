@@ -362,7 +362,7 @@ def test_generation_stops_at_eos_and_pads_after_it():
 
 
 def test_bleu_takes_any_number_of_references_per_image():
-    from tasks.image_text.captioner import bleu
+    from training.image_text.captioner import bleu
 
     assert bleu(["a canvas shoe with a rubber sole"],
                 [["a canvas shoe with a rubber sole"]]) == pytest.approx(100.0)

@@ -29,7 +29,7 @@ from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint, torch_s
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.image_text import ImageTextConfig, seen_positions, unseen_labels
 from tasks.data import DatasetRef, load_dataset
-from tasks.image_text.captioner import Captioned, caption_images, described_positions, undescribed
+from tasks.image_text.captioner import Captioned, caption_images
 from tasks.image_text.descriptions import image_keys, source_classes, wordnet_classes
 from tasks.image_text.pool import own_pool
 from tasks.rounds import RoundPlan
@@ -41,6 +41,7 @@ from tasks.training import (
 )
 from training.datasets import LoadedDataset, labelled_images, validation_images
 from training.device import place_model, setup_device
+from training.image_text.captioner import described_positions, undescribed
 from training.image_text.descriptions import (
     DescriptionError,
     check_classes,
