@@ -54,10 +54,9 @@ from tasks.pbt import (
     MemberRound,
     member_config,
     member_round,
-    search_spaces,
 )
 from tasks.training import fit_to_data, run_key, test_and_export
-from training.pbt.scheduler import best_member, initial_hyperparameters
+from training.pbt.scheduler import best_member, initial_hyperparameters, search_spaces
 
 METHODS = ("a: default", "b: random search", "c: PBT")
 
