@@ -36,7 +36,7 @@ from training.batches import Batches, Normalize, RecordedViews
 from training.budget import Budget
 from training.datasets import LoadedDataset
 from training.device import inference_batch, place_model, setup_device
-from training.features import WithEmbedding
+from training.features import export_program
 from training.loops import evaluate
 from training.recipe import optimizer_to, set_momentum_and_decay, sgd
 from training.rounds import (
@@ -276,17 +276,6 @@ class ClassifierRound(RoundPlan):
 
     def kept(self, checkpoint: ArtifactRef, opened: Opened) -> None:
         _keep_warm(checkpoint, self.key(), opened.trainee.model, opened.trainee.optimizer)
-
-
-def export_program(model: nn.Module, channels: int, size: int, path: Path) -> None:
-    """Exports an eval-mode copy of `model` on the CPU, with a dynamic batch dimension; the
-    program returns the logits and the embedding (`WithEmbedding`)."""
-    model = model.to("cpu").eval()
-    example = torch.zeros(2, channels, size, size)
-    batch = torch.export.Dim("batch", min=1, max=1 << 20)
-    program = torch.export.export(WithEmbedding(model).eval(), (example,),
-                                  dynamic_shapes=({0: batch},))
-    torch.export.save(program, str(path))
 
 
 class TestResult(BaseModel):
