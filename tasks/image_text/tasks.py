@@ -51,7 +51,13 @@ from training.image_text.descriptions import (
 )
 from training.image_text.losses import ImageTextStep, TextBank
 from training.image_text.matching import folder_pool, match_training_images
-from training.image_text.text_side import TextSide, mix_head, score_split, start_classifier
+from training.image_text.text_side import (
+    TextSide,
+    mix_head,
+    score_split,
+    start_backbone,
+    start_classifier,
+)
 from training.loops import evaluate
 from training.recipe import optimizer_to, sgd
 from training.rounds import Closed, Opened, Trainee
@@ -307,16 +313,6 @@ class ImageTextRound(RoundPlan):
         start = "" if self.start is None else f"from-{self.start.md5[:12]}/"
         return (f"checkpoints/image_text/{run_key(self.config, self.dataset)}/{start}"
                 f"{self.phase}-{self.epoch + 1:03d}.pt")
-
-
-def start_backbone(model: ImageTextNet, weights: dict[str, Tensor]) -> None:
-    """The image side starts from a classifier's `weights` (the same network): every one but
-    its classifier (`fc`), which the image-text network replaces."""
-    kept = {k: v for k, v in weights.items() if not k.startswith("fc.")}
-    missing, unexpected = model.backbone.load_state_dict(kept, strict=False)
-    if unexpected or [k for k in missing if not k.startswith("fc.")]:
-        raise ValueError(f"the start checkpoint is another network's: missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}")
 
 
 class AsClassifier(BaseModel):
