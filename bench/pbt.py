@@ -55,7 +55,8 @@ from tasks.pbt import (
     member_config,
     member_round,
 )
-from tasks.training import fit_to_data, run_key, test_and_export
+from tasks.training import run_key, test_and_export
+from training.budget import fit_to_data
 from training.pbt.scheduler import best_member, initial_hyperparameters, search_spaces
 
 METHODS = ("a: default", "b: random search", "c: PBT")

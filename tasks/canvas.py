@@ -35,15 +35,14 @@ from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.sparsify import SparsifyConfig, SparsitySpec
 from tasks.data import DatasetRef, load_dataset
 from tasks.rounds import RoundPlan
-from tasks.training import configured_round, make_optimizer
 from training.canvas.contours import contour_scores
 from training.canvas.detection import as_rgb, detect, mean_average_precision
 from training.canvas.layouts import LayoutBatches, Layouts, LayoutSpec, make_layouts
 from training.canvas.rounds import TARGET, CanvasStep, LayoutPasses
 from training.device import place_model, setup_device
 from training.promotion import Scored
-from training.recipe import optimizer_to
-from training.rounds import Closed, Opened, Trainee
+from training.recipe import make_optimizer, optimizer_to
+from training.rounds import Closed, Opened, Trainee, configured_round
 from training.sparsify.report import (
     ActivationReport,
     SparsityReport,

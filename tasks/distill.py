@@ -30,18 +30,15 @@ from tasks.configs.sections import (
 )
 from tasks.data import DatasetRef, load_dataset
 from tasks.rounds import RoundPlan
-from tasks.training import (
-    classifier_network,
-    configured_round,
+from tasks.training import resume, run_key
+from training.batches import (
+    Batches,
+    Normalize,
+    RecordedViews,
+    draw_views,
     eval_batches,
-    image_batches,
-    make_optimizer,
-    new_model,
-    restore,
-    resume,
-    run_key,
+    unmoved_views,
 )
-from training.batches import Batches, Normalize, RecordedViews, draw_views, unmoved_views
 from training.budget import Budget
 from training.datasets import LoadedDataset
 from training.device import inference_batch, place_model, setup_device
@@ -55,7 +52,7 @@ from training.distill.losses import (
 )
 from training.distill.stages import draw_stage_ids, layer_features, stage_passes
 from training.loops import evaluate
-from training.recipe import optimizer_to
+from training.recipe import make_optimizer, optimizer_to, restore
 from training.rounds import (
     ClassifyStep,
     Closed,
@@ -64,6 +61,10 @@ from training.rounds import (
     Round,
     StepSpec,
     Trainee,
+    classifier_network,
+    configured_round,
+    image_batches,
+    new_model,
 )
 
 Role = Literal["teacher", "student"]

@@ -24,17 +24,12 @@ from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.sections import ClassifierConfig
 from tasks.data import DatasetRef, load_dataset
 from tasks.rounds import RoundPlan, RoundResult, round_task
-from tasks.training import (
-    classifier_round,
-    eval_batches,
-    new_model,
-    resume,
-    split_batches,
-)
+from tasks.training import resume
+from training.batches import eval_batches, split_batches
 from training.device import place_model, setup_device
 from training.pbt.soup import greedy_soup
 from training.recipe import choose_weights, start_average
-from training.rounds import Closed, Opened, Trainee
+from training.rounds import Closed, Opened, Trainee, classifier_round, new_model
 
 HYPERPARAMETERS = ("lr", "weight_decay", "momentum", "augment")
 

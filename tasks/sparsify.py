@@ -19,10 +19,12 @@ from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.sections import ClassifierConfig, classifier_config
 from tasks.configs.sparsify import SparsifyConfig, SparsitySpec
 from tasks.data import DatasetRef, load_dataset
-from tasks.training import eval_batches, new_model, trained_model
+from tasks.training import trained_model
+from training.batches import eval_batches
 from training.device import place_model, setup_device
 from training.features import export_program
 from training.loops import evaluate
+from training.rounds import new_model
 from training.sparsify.pruning import median_latency, parameter_count, prune_channels
 from training.sparsify.report import (
     ActivationReport,

@@ -23,8 +23,8 @@ from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.cascade import CascadeConfig
 from tasks.data import DatasetRef, load_dataset
 from tasks.rounds import RoundPlan, RoundResult
-from tasks.training import configured_round, eval_batches, image_batches, run_key
-from training.batches import Batches, Normalize
+from tasks.training import run_key
+from training.batches import Batches, Normalize, eval_batches
 from training.budget import Budget
 from training.cascade.learning import (
     CascadeNetwork,
@@ -49,7 +49,7 @@ from training.latency import (
 )
 from training.loops import evaluate
 from training.recipe import optimizer_to, sgd, train_round
-from training.rounds import SINGLE, Closed, Opened, Trainee
+from training.rounds import SINGLE, Closed, Opened, Trainee, configured_round, image_batches
 
 
 class CascadeSets(BaseModel):

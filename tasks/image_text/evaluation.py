@@ -18,7 +18,7 @@ from tasks.configs.image_text import ImageTextConfig
 from tasks.data import DatasetRef, load_dataset
 from tasks.image_text.tasks import Descriptions, new_network, text_side
 from tasks.promotion import promote_on_test_images
-from tasks.training import eval_batches
+from training.batches import eval_batches
 from training.device import place_model, setup_device
 from training.image_text.text_side import score_split
 

@@ -33,12 +33,8 @@ from tasks.image_text.captioner import Captioned, caption_images
 from tasks.image_text.descriptions import image_keys, source_classes, wordnet_classes
 from tasks.image_text.pool import own_pool
 from tasks.rounds import RoundPlan
-from tasks.training import (
-    configured_round,
-    image_batches,
-    position_batches,
-    run_key,
-)
+from tasks.training import run_key
+from training.batches import position_batches
 from training.datasets import LoadedDataset, labelled_images, validation_images
 from training.device import place_model, setup_device
 from training.image_text.captioner import described_positions, undescribed
@@ -60,7 +56,7 @@ from training.image_text.text_side import (
 )
 from training.loops import evaluate
 from training.recipe import optimizer_to, sgd
-from training.rounds import Closed, Opened, Trainee
+from training.rounds import Closed, Opened, Trainee, configured_round, image_batches
 
 
 class Descriptions(BaseModel):
