@@ -52,8 +52,8 @@ from tasks.configs.distill import DistillConfig
 from tasks.configs.sections import DataSection, classifier_config
 from tasks.data import load_dataset
 from tasks.distill import DistillPlan
-from tasks.training import eval_batches, trained_model
-from training.batches import Batches, Normalize
+from tasks.training import trained_model
+from training.batches import Batches, Normalize, eval_batches
 from training.loops import evaluate
 
 LOGITS = {"teacher_layer": "fc", "student_layer": "fc", "feature_loss": "kl",

@@ -1,7 +1,7 @@
 """Images per second of a scoring pass at the device's `inference_batch` against 1024.
 
 Every flow scores validation and test splits (and the sparsify flow's threshold calibrations)
-without gradients, through `tasks.training.eval_batches`, in batches of
+without gradients, through `training.batches.eval_batches`, in batches of
 `training.device.inference_batch`: 1024 on an accelerator, 256 on the CPU. This benchmark
 times `training.loops.evaluate` over the 10,000 Fashion-MNIST test images at both batch sizes,
 alternating pass by pass in one process (order swapped every round, so the machine's drift

@@ -54,10 +54,10 @@ from tasks.pbt import (
     MemberRound,
     member_config,
     member_round,
-    search_spaces,
 )
-from tasks.training import fit_to_data, run_key, test_and_export
-from training.pbt.scheduler import best_member, initial_hyperparameters
+from tasks.training import run_key, test_and_export
+from training.budget import fit_to_data
+from training.pbt.scheduler import best_member, initial_hyperparameters, search_spaces
 
 METHODS = ("a: default", "b: random search", "c: PBT")
 

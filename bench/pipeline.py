@@ -39,7 +39,8 @@ from tasks.configs.sections import classifier_config  # noqa: E402
 from tasks.configs.train import TrainConfig  # noqa: E402
 from tasks.data import load_dataset, prepare_dataset, source_version  # noqa: E402
 from tasks.promotion import test_images  # noqa: E402
-from tasks.training import eval_batches, trained_model  # noqa: E402
+from tasks.training import trained_model  # noqa: E402
+from training.batches import eval_batches  # noqa: E402
 from training.sparsify.pruning import parameter_count  # noqa: E402
 from training.sparsify.term import activation_stats  # noqa: E402
 

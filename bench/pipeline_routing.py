@@ -24,7 +24,7 @@ from tasks.adapters import tracking
 from tasks.adapters.versioning import ArtifactStore
 from tasks.configs.pipeline import PipelineConfig
 from tasks.data import load_dataset, prepare_dataset, source_version
-from tasks.training import eval_batches
+from training.batches import eval_batches
 from training.cascade.fallback import calibrate_fallback, fallback_table
 from training.cascade.learning import split_disjoint
 from training.cascade.routing import Router, choose_routing, stands, train_router

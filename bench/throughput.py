@@ -32,15 +32,12 @@ from tasks.configs.sections import ClassifierConfig, classifier_config
 from tasks.configs.train import TrainConfig
 from tasks.data import DatasetRef, load_dataset, prepare_dataset, source_version
 from tasks.rounds import round_task
-from tasks.training import (
-    ClassifierRound,
-    eval_batches,
-    make_optimizer,
-    new_model,
-    split_batches,
-)
+from tasks.training import ClassifierRound
+from training.batches import eval_batches, split_batches
 from training.device import autocast, place_model, resolve_device
 from training.loops import cosine_lr, evaluate
+from training.recipe import make_optimizer
+from training.rounds import new_model
 
 EXPERIMENT = "bench-throughput"
 

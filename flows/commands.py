@@ -224,6 +224,7 @@ def run_features(config: FeaturesConfig) -> None:
     from pathlib import Path
 
     from tasks import features
+    from training.recognition import read_gallery, recognize
 
     embedder = _exit_on_model_error(config, lambda: features.load_embedder(config.model_uri()))
     if config.images is not None:
@@ -231,8 +232,8 @@ def run_features(config: FeaturesConfig) -> None:
             table = features.embed_images(embedder, config.images, config.skip_bad_images)
             accuracy = None
             if config.gallery is not None:
-                table, accuracy = features.recognize(
-                    table, *features.read_gallery(Path(config.gallery)), config.k)
+                table, accuracy = recognize(table, *read_gallery(Path(config.gallery)),
+                                            config.k)
             return table, accuracy
 
         table, accuracy = _exit_on_data_error(embed_and_recognize)

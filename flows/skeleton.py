@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from tasks.adapters import tracking
 from tasks.adapters.locks import run_slot
-from tasks.adapters.registration import Baseline, Policy, Registration
+from tasks.adapters.registration import Policy, Registration
 from tasks.adapters.reporting import publish_summary
 from tasks.adapters.versioning import ArtifactRef
 from tasks.configs.image_text import unseen_labels
@@ -34,9 +34,10 @@ from tasks.configs.sparsify import SparsitySpec
 from tasks.data import DatasetRef, pixel_baselines, prepare_dataset, source_version
 from tasks.promotion import register_and_promote
 from tasks.rounds import RoundPlan, RoundResult, round_task
-from tasks.training import ClassifierRound, TestResult, fit_to_data, test_and_export
+from tasks.training import ClassifierRound, TestResult, test_and_export
 from training.baselines import best_baseline, mirror_safe
-from training.budget import Budget
+from training.budget import Budget, fit_to_data
+from training.promotion import Baseline
 from training.recipe import EarlyStopping
 
 ConfigT = TypeVar("ConfigT", bound=ProfiledConfig)

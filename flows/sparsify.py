@@ -33,15 +33,14 @@ from tasks.configs.sections import ClassifierConfig
 from tasks.configs.sparsify import SparsifyConfig, SparsitySpec
 from tasks.initial_weights import fetch_initial_weights
 from tasks.sparsify import (
-    ActivationReport,
     PruneResult,
-    SparsityReport,
     log_sweep,
     prune_dead_channels,
     sparsity_figure,
     test_activations,
 )
 from training.budget import Budget
+from training.sparsify.report import ActivationReport, SparsityReport
 
 # What other flows and the benchmarks may import (tests/test_layering.py): the flow and its
 # summary. Its step, which the `pipeline` composes too (a classifier's sparse rounds and their

@@ -34,7 +34,8 @@ from tasks.canvas import (
 from tasks.configs.sparsify import SparsifyConfig, SparsitySpec
 from tasks.data import prepare_dataset, source_version
 from tasks.rounds import RoundResult
-from tasks.sparsify import ActivationReport, SparsityReport, log_sweep, sparsity_figure
+from tasks.sparsify import log_sweep, sparsity_figure
+from training.sparsify.report import ActivationReport, SparsityReport
 
 # What other flows and the benchmarks may import (tests/test_layering.py): the flow
 # and its summary (the `sparsify` flow's canvas tasks); the technique's name is

@@ -34,17 +34,21 @@ from tasks.adapters.registration import (
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.sparsify import SparsifyConfig, SparsitySpec
 from tasks.data import DatasetRef, load_dataset
-from tasks.rounds import Closed, Opened, RoundPlan, setup_device
-from tasks.sparsify import ActivationReport, SparsityReport, measured_layers, measured_report
-from tasks.training import configured_round, make_optimizer
+from tasks.rounds import RoundPlan
 from training.canvas.contours import contour_scores
 from training.canvas.detection import as_rgb, detect, mean_average_precision
 from training.canvas.layouts import LayoutBatches, Layouts, LayoutSpec, make_layouts
 from training.canvas.rounds import TARGET, CanvasStep, LayoutPasses
-from training.device import place_model
+from training.device import place_model, setup_device
 from training.promotion import Scored
-from training.recipe import optimizer_to
-from training.rounds import Trainee
+from training.recipe import make_optimizer, optimizer_to
+from training.rounds import Closed, Opened, Trainee, configured_round
+from training.sparsify.report import (
+    ActivationReport,
+    SparsityReport,
+    measured_layers,
+    measured_report,
+)
 from training.sparsify.term import (
     activation_stats,
     layer_lambdas,

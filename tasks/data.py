@@ -10,12 +10,10 @@ give the same file and hash, and Prefect's cache skips the work when they were p
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import gzip
 import hashlib
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,6 +30,7 @@ from training.baselines import raw_pixel_baselines
 from training.datasets import (
     DataError,
     ImageSet,
+    LoadedDataset,
     assign_splits,
     channel_stats,
     content_hash,
@@ -109,32 +108,6 @@ class DatasetRef(BaseModel):
     std: list[float]
     sizes: dict[str, int]
     skipped: list[str]
-
-
-@dataclass
-class LoadedDataset:
-    """Images (uint8 N x C x H x W), labels, dataset ids, split positions, each image's key
-    (its path relative to the data folder; `train/00042` in Fashion-MNIST) and content hash
-    (`training.datasets.content_hash`; empty in data sets prepared before they were
-    recorded), in memory."""
-
-    images: Tensor
-    labels: Tensor
-    ids: Tensor
-    splits: dict[str, Tensor]
-    keys: list[str]
-    contents: list[str] = dataclasses.field(default_factory=list)
-
-    def _seen(self, names: list[str]) -> set[str]:
-        return {names[i] for split in ("train", "val") for i in self.splits[split].tolist()}
-
-    def seen_keys(self) -> set[str]:
-        """The keys of the images a model of this data set trained or was chosen on."""
-        return self._seen(self.keys)
-
-    def seen_contents(self) -> set[str]:
-        """The content hashes of those images (empty when none were recorded)."""
-        return self._seen(self.contents) if self.contents else set()
 
 
 log = logging.getLogger(__name__)

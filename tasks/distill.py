@@ -16,52 +16,33 @@ import torch
 from prefect import task
 from prefect.runtime import task_run
 from pydantic import BaseModel, ConfigDict, Field
-from torch import Tensor, nn
+from torch import nn
 
 from tasks.adapters.caching import computation_key
 from tasks.adapters.checkpoints import load_checkpoint, torch_save
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.distill import DistillConfig
-from tasks.configs.sections import (
-    ClassifierConfig,
-    ModelSection,
-    StrictConfig,
-    classifier_config,
-)
-from tasks.data import DatasetRef, LoadedDataset, load_dataset
-from tasks.rounds import Closed, Opened, RoundPlan, setup_device
-from tasks.training import (
-    classifier_network,
-    configured_round,
-    eval_batches,
-    image_batches,
-    make_optimizer,
-    new_model,
-    restore,
-    resume,
-    run_key,
-)
-from training.batches import Batches, Normalize, RecordedViews, draw_views, unmoved_views
+from tasks.configs.sections import ClassifierConfig, ModelSection, StrictConfig, classifier_config
+from tasks.data import DatasetRef, load_dataset
+from tasks.rounds import RoundPlan
+from tasks.training import resume, run_key
+from training.batches import RecordedViews
 from training.budget import Budget
-from training.device import inference_batch, place_model
-from training.distill.feature_bank import DTYPES, FeatureBank
-from training.distill.losses import (
-    DistillStep,
-    FeatureAdapter,
-    FeatureLossKind,
-    TeacherStep,
-    layer_shape,
+from training.device import place_model, setup_device
+from training.distill.feature_bank import FeatureBank
+from training.distill.losses import DistillStep, FeatureLossKind, TeacherStep, layer_shape
+from training.distill.stages import (
+    initial_bank,
+    stage_ids,
+    stage_round,
+    stage_scores,
+    stage_views,
+    student_mixup_seed,
+    student_network,
+    teacher_features,
 )
-from training.distill.stages import draw_stage_ids, layer_features, stage_passes
-from training.loops import evaluate
-from training.recipe import optimizer_to
-from training.rounds import (
-    ClassifyStep,
-    NetworkSpec,
-    Round,
-    StepSpec,
-    Trainee,
-)
+from training.recipe import make_optimizer, optimizer_to, restore
+from training.rounds import ClassifyStep, Closed, Opened, Trainee, classifier_network, new_model
 
 Role = Literal["teacher", "student"]
 
@@ -166,44 +147,6 @@ class BankSnapshot(BaseModel):
     feature_values: int
 
 
-def stage_ids(role: RoleConfig, train_ids: Tensor, stage: int) -> Tensor:
-    """The dataset ids `role` draws at `stage` (1-based): `draw_stage_ids` with its settings."""
-    return draw_stage_ids(train_ids, stage, role.role, role.run.seed, role.fraction,
-                          role.front_weight, role.back_weight, role.queue)
-
-
-def stage_round(role: RoleConfig, dataset: DatasetRef, data: LoadedDataset, ids: Tensor,
-                stage: int, step: StepSpec, network: NetworkSpec,
-                views: RecordedViews | None = None) -> Round:
-    """Stage `stage` (1-based) of `role`: `role.repeats` passes over one stream of shuffled,
-    augmented batches of the stage's images (`views`: recorded views in place of their
-    images' draws), on the cosine schedule spanning all stages
-    (`training.distill.stages.stage_passes`)."""
-    passes, schedule = stage_passes(stage, role.epochs, role.repeats)
-    return configured_round(
-        role, network, step, image_batches(role, dataset, data, ids, role.optim.batch_size, passes,
-                                           stream_seed=role.run.seed * 1000 + stage,
-                                           views=views),
-        passes, schedule, role.optim.warmup_epochs * role.repeats,
-        progress=f"{role.role} stage {stage}/{role.epochs}" if role.run.progress else None)
-
-
-def student_mixup_seed(student: StudentConfig, stage: int) -> int:
-    """The seed of the student's batch mixes at `stage` (`training.distill.losses.Mixup`)."""
-    return student.run.seed * 1000 + stage
-
-
-def stage_scores(round_: Round, model: nn.Module, dataset: DatasetRef, data: LoadedDataset,
-                 device: torch.device) -> dict[str, float]:
-    """A stage's validation score and how many images it trained on."""
-    scored = evaluate(model, eval_batches(data, dataset, "val", device), device)
-    batches = round_.batches
-    images = len(round_.passes) * (len(batches.positions) // batches.batch_size) \
-        * batches.batch_size
-    return {"val_accuracy": scored["accuracy"], "val_loss": scored["loss"],
-            "images": float(images)}
-
-
 def pretrain_config(teacher: RoleConfig) -> ClassifierConfig:
     """The teacher's warm start as a plain classifier run of `pretrain_epochs` epochs over all
     training images (trained by the `train` flow's epoch task)."""
@@ -251,26 +194,6 @@ class TeacherRound(RoundPlan):
     def relpath(self) -> str:
         return (f"checkpoints/distill/{run_key(self.config, self.dataset)}/"
                 f"teacher-{self.stage:03d}.pt")
-
-
-def teacher_features(model: nn.Module, layer: str, dataset: DatasetRef, data: LoadedDataset,
-                     ids: Tensor, device: torch.device, views: RecordedViews | None = None,
-                     augment: float = 0.0) -> Tensor:
-    """Features at `layer` of `ids`' images (eval mode, on the CPU): unaugmented, or each
-    image in its recorded view (drawn at strength `augment`)."""
-    return layer_features(model, layer, Batches(
-        data.images, data.labels, ids, inference_batch(device),
-        Normalize(dataset.mean, dataset.std), device=device, augment=augment, views=views),
-        device)
-
-
-def stage_views(teacher: RoleConfig, dataset: DatasetRef, ids: Tensor, stage: int
-                ) -> tuple[Tensor, Tensor]:
-    """The augmented views (flips, moves) a consistent bank records for `ids` at `stage`: the
-    teacher's augmentation, drawn from the seed and stage (a rerun records the same)."""
-    generator = torch.Generator().manual_seed(teacher.run.seed * 1_000_033 + stage)
-    return draw_views(len(ids), teacher.optim.augment, dataset.image_size, generator,
-                      teacher.optim.flips())
 
 
 def load_bank(store: ArtifactStore, ref: ArtifactRef, memmap: bool = False) -> FeatureBank:
@@ -328,37 +251,6 @@ def bank_snapshot(teacher: RoleConfig, bank: BankConfig, dataset: DatasetRef, st
     return BankSnapshot(stage=stage, bank=ref, fill_fraction=features.fill_fraction(),
                         state_histogram=features.state_histogram(), nbytes=features.nbytes(),
                         entries=len(features), feature_values=features.features[0].numel())
-
-
-def initial_bank(teacher: RoleConfig, bank: BankConfig, dataset: DatasetRef,
-                 data: LoadedDataset, model: nn.Module, initial_state: dict[str, Tensor],
-                 device: torch.device) -> FeatureBank:
-    """The bank before stage 1: every entry masked, or filled by the initial teacher (state 0).
-
-    `model` is the teacher network; it is left holding `initial_state` (the seeded weights).
-    """
-    train_ids = data.splits["train"]
-    model.load_state_dict(initial_state)
-    example = data.images[train_ids[:1]].float()
-    shape = layer_shape(model, bank.layer, example.to(device))
-    views = None  # state 0's entries: the image as it is
-    if bank.views == "augmented":
-        views = unmoved_views(len(train_ids), teacher.optim.augment, dataset.image_size)
-    features = FeatureBank(train_ids, shape, DTYPES[bank.dtype],
-                           0 if views is None else views[1].shape[1])
-    if bank.initial == "teacher":
-        features.update(train_ids, teacher_features(model, bank.layer, dataset, data, train_ids,
-                                                    device), 0, bank.average == "mean", views)
-    return features
-
-
-def student_network(student: StudentConfig, dataset: DatasetRef, feature_shape: tuple[int, ...],
-                    device: torch.device) -> tuple[nn.Module, FeatureAdapter]:
-    """The seeded student and its adapter to the bank's feature shape."""
-    model = new_model(student, dataset)
-    example = torch.zeros(1, dataset.channels, dataset.image_size, dataset.image_size)
-    adapter = FeatureAdapter(layer_shape(model, student.layer, example), feature_shape)
-    return place_model(model, device), adapter.to(device)
 
 
 class StudentRound(RoundPlan):

@@ -5,8 +5,9 @@ feature layer, `training.features.WithEmbedding`), so any registered version emb
 - `embed_images`: an image file or folder to a table of `path`, `label` (the image's folder
   name under an ImageFolder root, else empty), `predicted_label`, `confidence`, `embedding`,
   saved as Parquet;
-- `recognize`: each embedded image gets the label its k nearest neighbours in a gallery of
-  labelled embeddings vote for (`training.recognition`), with the accuracy where labels exist;
+- `training.recognition.recognize`: each embedded image gets the label its k nearest
+  neighbours in a gallery of labelled embeddings vote for, with the accuracy where labels
+  exist;
 - `recognition_accuracy`: the k-NN accuracy on a data set's test split with its training
   split as the gallery, beside the classifier's own accuracy on the same images.
 """
@@ -18,20 +19,16 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
 from prefect import task
 from pydantic import Field, field_validator, model_validator
 
 from tasks.adapters import tracking
-from tasks.adapters.prediction import ModelVersionSection, existing_path, readable_images
+from tasks.adapters.prediction import ModelVersionSection, existing_path
 from tasks.adapters.versioning import atomic_path
 from tasks.configs.sections import DataSection
 from tasks.data import DatasetRef, load_dataset, split_source
-from training.datasets import DataError
-from training.recognition import knn_accuracy, knn_classify
-
-EMBEDDING_COLUMN = "embedding"
-LABEL_COLUMN = "label"
+from training.datasets import DataError, readable_images
+from training.recognition import EMBEDDING_COLUMN, LABEL_COLUMN, folder_labels, split_recognition
 
 
 class FeaturesConfig(ModelVersionSection, DataSection):
@@ -80,14 +77,6 @@ def load_embedder(model_uri: str) -> Any:
     return model
 
 
-def folder_labels(root: Path, files: list[Path]) -> list[str | None]:
-    """Each file's folder below `root` (its class in an ImageFolder); None for a file at the
-    root or for a single file."""
-    if root.is_file():
-        return [None] * len(files)
-    return [f.parent.relative_to(root).as_posix() if f.parent != root else None for f in files]
-
-
 def embed_images(embedder: Any, images: str, skip_bad: bool = False) -> pd.DataFrame:
     """The table of the module docstring for the image file or folder `images`."""
     kept, blobs, _ = readable_images(images, skip_bad)
@@ -104,73 +93,6 @@ def write_table(table: pd.DataFrame, path: Path) -> Path:
     with atomic_path(path) as temporary:
         table.to_parquet(temporary, index=False)
     return path
-
-
-def read_gallery(path: Path) -> tuple[np.ndarray, list[str]]:
-    """The embeddings and labels of a gallery table.
-
-    Raises:
-        DataError: the file is not a Parquet table with `label` and `embedding` columns, or a
-            row has no label.
-    """
-    try:
-        table = pd.read_parquet(path)
-    except Exception as error:
-        raise DataError(f"cannot read gallery {path} as a Parquet table: {error}") from None
-    missing = [c for c in (LABEL_COLUMN, EMBEDDING_COLUMN) if c not in table.columns]
-    if missing:
-        raise DataError(f"gallery {path} lacks the column(s) {missing}; it has "
-                        f"{list(table.columns)}")
-    unlabelled = table[LABEL_COLUMN].isna()
-    if unlabelled.any():
-        raise DataError(f"gallery {path}: {int(unlabelled.sum())} rows have no label, e.g. "
-                        f"row {int(np.flatnonzero(unlabelled)[0])}")
-    return np.stack(table[EMBEDDING_COLUMN].to_list()), table[LABEL_COLUMN].astype(str).tolist()
-
-
-def recognize(table: pd.DataFrame, gallery: np.ndarray, gallery_labels: list[str], k: int
-              ) -> tuple[pd.DataFrame, float | None]:
-    """`table` with `recognized_label` and `similarity` (to the nearest gallery embedding),
-    and the recognition accuracy when every row of `table` has a label (else None)."""
-    if gallery.shape[1] != len(table[EMBEDDING_COLUMN].iloc[0]):
-        raise DataError(f"the gallery's embeddings have {gallery.shape[1]} values, this model's "
-                        f"{len(table[EMBEDDING_COLUMN].iloc[0])}: embed the gallery with the "
-                        "same model")
-    names = sorted(set(gallery_labels))
-    index = {name: i for i, name in enumerate(names)}
-    predicted, similarity = knn_classify(
-        torch.from_numpy(gallery), torch.tensor([index[n] for n in gallery_labels]),
-        torch.from_numpy(np.stack(table[EMBEDDING_COLUMN].to_list())), min(k, len(gallery)))
-    table = table.assign(recognized_label=[names[i] for i in predicted.tolist()],
-                         similarity=similarity.tolist())
-    labelled = table[LABEL_COLUMN].notna().all()
-    accuracy = float((table[LABEL_COLUMN] == table["recognized_label"]).mean()) \
-        if labelled else None
-    return table, accuracy
-
-
-def _as_pixels(images: torch.Tensor) -> np.ndarray:
-    """uint8 N x C x H x W to what the serving model takes: N x H x W (gray) or N x H x W x C."""
-    pixels = images.permute(0, 2, 3, 1).numpy()
-    return pixels[..., 0] if pixels.shape[3] == 1 else pixels
-
-
-def split_recognition(embedder: Any, images: torch.Tensor, labels: torch.Tensor,
-                      splits: dict[str, torch.Tensor], classes: list[str], k: int
-                      ) -> dict[str, float]:
-    """k-NN accuracy on the test split against the training split, and the classifier's."""
-    embedded = {}
-    for split in ("train", "test"):
-        index = splits[split]
-        table, vectors = embedder.embed(_as_pixels(images[index]))
-        embedded[split] = (torch.from_numpy(vectors), labels[index], table)
-    gallery, gallery_labels, _ = embedded["train"]
-    queries, query_labels, table = embedded["test"]
-    truth = [classes[i] for i in query_labels.tolist()]
-    return {"knn_accuracy": knn_accuracy(gallery, gallery_labels, queries, query_labels,
-                                         min(k, len(gallery))),
-            "classifier_accuracy": float(np.mean(table["label"].to_numpy() == np.array(truth))),
-            "gallery_images": float(len(gallery)), "test_images": float(len(queries))}
 
 
 def recognition_accuracy(embedder: Any, data: DataSection, k: int) -> dict[str, float]:

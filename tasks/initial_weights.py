@@ -24,8 +24,8 @@ from tasks.adapters.checkpoints import save_checkpoint
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.sections import MODEL_URI, ClassifierConfig
 from tasks.data import DatasetRef
-from tasks.training import new_model
 from training.datasets import DataError
+from training.rounds import new_model
 
 WRAPPER_PREFIX = "model."  # the exported program wraps the network (training.features)
 

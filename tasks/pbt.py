@@ -23,40 +23,15 @@ from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.sections import ClassifierConfig
 from tasks.data import DatasetRef, load_dataset
-from tasks.rounds import Closed, Opened, RoundPlan, RoundResult, round_task, setup_device
-from tasks.training import (
-    classifier_round,
-    eval_batches,
-    new_model,
-    resume,
-    split_batches,
-)
-from training.device import place_model
-from training.pbt.scheduler import PBTScheduler, SearchSpace
+from tasks.rounds import RoundPlan, RoundResult, round_task
+from tasks.training import resume
+from training.batches import eval_batches, split_batches
+from training.device import place_model, setup_device
 from training.pbt.soup import greedy_soup
 from training.recipe import choose_weights, start_average
-from training.rounds import Trainee
+from training.rounds import Closed, Opened, Trainee, classifier_round, new_model
 
 HYPERPARAMETERS = ("lr", "weight_decay", "momentum", "augment")
-
-
-def search_spaces(config: Any) -> list[SearchSpace]:
-    """The searched hyperparameters of a `pbt` config, with their bounds and scales."""
-    return [SearchSpace("lr", *config.lr_range, "log"),
-            SearchSpace("weight_decay", *config.weight_decay_range, "log"),
-            SearchSpace("momentum", *config.momentum_range, "linear"),
-            SearchSpace("augment", *config.augment_range, "linear")]
-
-
-def population_scheduler(config: Any, members: int, base: dict[str, float],
-                         val_images: int) -> PBTScheduler:
-    """The `pbt` config's scheduler: its search space and perturbations, member 0 at `base`'s
-    values, the incumbent kept within `--tie-margin` (none: one standard error on
-    `val_images`)."""
-    return PBTScheduler(search_spaces(config), members, base, config.run.seed,
-                        *config.explore_factors, linear_step=config.explore_step,
-                        margin=config.tie_margin, val_images=val_images, keep_base=True,
-                        explore=config.explore)
 
 
 # The checkpoint entry a member round scored and that gets tested and exported.

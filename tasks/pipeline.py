@@ -24,12 +24,12 @@ from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.sections import ClassifierConfig
 from tasks.data import DatasetRef, load_dataset
 from tasks.promotion import promote_on_test_images
-from tasks.rounds import setup_device
-from tasks.training import eval_batches, split_batches, trained_model
+from tasks.training import trained_model
+from training.batches import eval_batches, split_batches
 from training.cascade.fallback import fallback_infer
 from training.cascade.fallback_choice import Scored, choose_fallback
 from training.cascade.routing import Router
-from training.device import place_model
+from training.device import place_model, setup_device
 from training.latency import interleaved_ms_per_image
 from training.loops import predict
 from training.sparsify.pruning import parameter_count

@@ -1,8 +1,9 @@
 """Promotion on the data set's test images (a task and what it needs from the data): the
-test split as raw images, the images a registered version trained or was chosen on (`Seen`,
-read from the data set its tags record), the test images neither model saw
-(`unseen_test_split`), and the register-and-promote task that scores a classifier's pyfunc on
-them through `tasks.adapters.registration.promote` (MLflow calls, the lock, the decision).
+test split as raw images, the images a registered version trained or was chosen on
+(`training.promotion.Seen`, read from the data set its tags record), the test images neither
+model saw (`unseen_test_split`), and the register-and-promote task that scores a classifier's
+pyfunc on them through `tasks.adapters.registration.promote` (MLflow calls, the lock, the
+decision).
 """
 
 from __future__ import annotations
@@ -15,13 +16,10 @@ from typing import Any
 
 import numpy as np
 from prefect import task
-from pydantic import BaseModel, ConfigDict
 
 from tasks.adapters.registration import (
-    Comparison,
     Policy,
     Registration,
-    Scorer,
     log_served_model,
     promote,
     pyfunc_correct,
@@ -29,9 +27,9 @@ from tasks.adapters.registration import (
     transient,
 )
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
-from tasks.data import DatasetRef, LoadedDataset, load_dataset, load_dataset_artifact
-from training.datasets import ImageSet
-from training.promotion import Correct
+from tasks.data import DatasetRef, load_dataset, load_dataset_artifact
+from training.datasets import ImageSet, LoadedDataset
+from training.promotion import Comparison, Correct, Scorer, Seen
 
 
 def raw_images(data: LoadedDataset | ImageSet, index: Any) -> np.ndarray:
@@ -46,26 +44,6 @@ def test_images(dataset: DatasetRef) -> tuple[np.ndarray, list[str]]:
     data = load_dataset(dataset)
     index = data.splits["test"]
     return raw_images(data, index), [dataset.classes[i] for i in data.labels[index].tolist()]
-
-
-class Seen(BaseModel):
-    """The images a model trained or was chosen on: their keys and their content hashes."""
-
-    model_config = ConfigDict(frozen=True)
-
-    keys: frozenset[str]
-    contents: frozenset[str] = frozenset()
-
-    @classmethod
-    def of(cls, data: LoadedDataset) -> Seen:
-        return cls(keys=frozenset(data.seen_keys()), contents=frozenset(data.seen_contents()))
-
-    def __or__(self, other: Seen) -> Seen:
-        return Seen(keys=self.keys | other.keys, contents=self.contents | other.contents)
-
-    def saw(self, key: str, content: str | None) -> bool:
-        """Whether the image of `key` (and `content`, when known) is among these, by either."""
-        return key in self.keys or (content is not None and content in self.contents)
 
 
 def seen_by(tags: dict[str, str]) -> Seen | None:

@@ -18,7 +18,6 @@ skips the rounds already done.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,8 +29,8 @@ from tasks.adapters.caching import computation_key
 from tasks.adapters.checkpoints import save_checkpoint
 from tasks.adapters.torchrun import train_data_parallel
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
-from training.device import resolve_device
-from training.rounds import Round, Trainee, train_passes
+from training.device import setup_device
+from training.rounds import Closed, Opened, Round, Trainee, train_passes
 
 
 class RoundResult(BaseModel):
@@ -44,24 +43,6 @@ class RoundResult(BaseModel):
     round: int
     checkpoint: ArtifactRef
     metrics: dict[str, float]
-    kept: str = "model"
-
-
-@dataclass
-class Opened:
-    """A resumed round: what it trains, how, and what the plan keeps for `close`."""
-
-    trainee: Trainee
-    round: Round
-    context: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Closed:
-    """A trained round: its metrics, the checkpoint's content, and the kept weights' name."""
-
-    metrics: dict[str, float]
-    payload: dict[str, Any]
     kept: str = "model"
 
 
@@ -96,14 +77,6 @@ class RoundPlan(BaseModel):
 
     def kept(self, checkpoint: ArtifactRef, opened: Opened) -> None:
         """Called with the written checkpoint (the classifier keeps its live model warm)."""
-
-
-def setup_device(config: Any) -> torch.device:
-    """Applies the config's thread count and resolves its device (every training task's
-    first line)."""
-    if config.run.threads:
-        torch.set_num_threads(config.run.threads)
-    return resolve_device(config.run.device)
 
 
 def train_trainee(config: Any, round_: Round, trainee: Trainee, device: torch.device

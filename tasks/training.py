@@ -15,38 +15,32 @@ import hashlib
 import json
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from prefect import task
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from models import ImageClassifier, build_model
+from models import ImageClassifier
 from tasks.adapters.caching import computation_key, result_fields
 from tasks.adapters.checkpoints import load_checkpoint
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
-from tasks.configs.sections import ClassifierConfig, ProfiledConfig
+from tasks.configs.sections import ClassifierConfig
 from tasks.configs.sparsify import SparsitySpec
-from tasks.data import DatasetRef, LoadedDataset, load_dataset
-from tasks.rounds import Closed, Opened, RoundPlan, setup_device
-from training.batches import Batches, Normalize, RecordedViews
-from training.budget import Budget
-from training.device import inference_batch, place_model
-from training.features import WithEmbedding
+from tasks.data import DatasetRef, load_dataset
+from tasks.rounds import RoundPlan
+from training.batches import eval_batches
+from training.device import place_model, setup_device
+from training.features import export_program
 from training.loops import evaluate
-from training.recipe import optimizer_to, set_momentum_and_decay, sgd
+from training.recipe import make_optimizer, optimizer_to, restore
 from training.rounds import (
-    ClassifierNetwork,
-    ClassifyStep,
-    ImageBatches,
-    NetworkSpec,
-    Passes,
-    Round,
-    StepSpec,
+    Closed,
+    Opened,
     Trainee,
+    classifier_round,
+    new_model,
 )
 from training.sparsify.thresholds import install_thresholds, thresholds_in_place
 
@@ -55,59 +49,6 @@ def run_key(config: BaseModel, dataset: DatasetRef) -> str:
     """A short digest naming a training run's checkpoints (its result-relevant config, data)."""
     text = json.dumps([result_fields(config), dataset.artifact.md5], sort_keys=True)
     return hashlib.md5(text.encode()).hexdigest()[:12]
-
-
-def new_model(config: ClassifierConfig, dataset: DatasetRef) -> ImageClassifier:
-    """The configured network for the data set, initialised from the seed."""
-    torch.manual_seed(config.run.seed)
-    return build_model(config.network.model, dataset.channels, len(dataset.classes),
-                       config.network.width)
-
-
-def make_optimizer(model: nn.Module, config: ClassifierConfig) -> torch.optim.SGD:
-    """SGD with the config's momentum and weight decay (`training.recipe.sgd`)."""
-    optim = config.optim
-    return sgd(model.parameters(), optim.lr, optim.momentum, optim.weight_decay)
-
-
-def split_batches(data: LoadedDataset, dataset: DatasetRef, split: str, batch_size: int,
-                  device: torch.device, shuffle: bool = False, seed: int = 0,
-                  augment: float = 0.0, flip: bool = True) -> Batches:
-    """Batches over one split of a loaded data set; a shuffled (training) pass drops a short
-    last batch, so BatchNorm never sees a batch of one."""
-    return Batches(data.images, data.labels, data.splits[split], batch_size,
-                   Normalize(dataset.mean, dataset.std), shuffle=shuffle, seed=seed,
-                   augment=augment, drop_last=shuffle, device=device, flip=flip)
-
-
-def eval_batches(data: LoadedDataset, dataset: DatasetRef, split: str,
-                 device: torch.device) -> Batches:
-    """One split in order, unaugmented, in batches of the device's `inference_batch`: for
-    scoring and predicting without gradients."""
-    return position_batches(data, dataset, data.splits[split], device)
-
-
-def position_batches(data: LoadedDataset, dataset: DatasetRef, positions: torch.Tensor,
-                     device: torch.device) -> Batches:
-    """`eval_batches` over the images at `positions` (a part of a split, such as the
-    validation images a few-label run's choices read)."""
-    return Batches(data.images, data.labels, positions, inference_batch(device),
-                   Normalize(dataset.mean, dataset.std), device=device)
-
-
-def restore(model: nn.Module, optimizer: torch.optim.Optimizer | None,
-            checkpoint: dict, config: ClassifierConfig | None = None) -> None:
-    """Loads weights (and optimizer state) from a checkpoint payload.
-
-    With `config`, the optimizer keeps the configured momentum and weight decay, not the
-    stored ones (the learning rate is set at every step from the schedule): a resumed run, or
-    a PBT member starting from another's checkpoint, trains with its own hyperparameters.
-    """
-    model.load_state_dict(checkpoint["model"])
-    if optimizer is not None and "optimizer" in checkpoint:
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        if config is not None:
-            set_momentum_and_decay(optimizer, config.optim.momentum, config.optim.weight_decay)
 
 
 def resume(config: ClassifierConfig, dataset: DatasetRef, store: ArtifactStore,
@@ -123,13 +64,6 @@ def resume(config: ClassifierConfig, dataset: DatasetRef, store: ArtifactStore,
     model = place_model(model, device)
     optimizer_to(optimizer, device)
     return model, optimizer
-
-
-def fit_to_data(config: ProfiledConfig | ClassifierConfig, dataset: DatasetRef, rounds: int,
-                images_per_round: int | None = None) -> Budget:
-    """The budget of a run of `rounds` configured epochs (or stages) of `config` on
-    `dataset`'s training split (`training.budget.fit_budget`)."""
-    return config.optim.budget(dataset.sizes["train"], rounds, images_per_round)
 
 
 # The live model and optimizer of the last epoch this process finished, keyed by the checkpoint
@@ -153,54 +87,6 @@ def _keep_warm(checkpoint: ArtifactRef, key: str, model: nn.Module,
     with _WARM_LOCK:
         _WARM.clear()  # one run's model at a time: memory stays bounded
         _WARM[(checkpoint.md5, key)] = (model, optimizer)
-
-
-def image_batches(config: ClassifierConfig, dataset: DatasetRef, data: LoadedDataset,
-                  positions: torch.Tensor, batch_size: int, passes: Sequence[int],
-                  seeds: Sequence[int] | None = None, stream_seed: int | None = None,
-                  views: RecordedViews | None = None) -> ImageBatches:
-    """A round's shuffled batches over `positions` (`training.rounds.ImageBatches`) with the
-    data set's normalisation and `config`'s augmentation and flips: a shuffle per pass from
-    `seeds`, or one stream from `stream_seed`; `views` shown in place of their images' draws."""
-    return ImageBatches(data.images, data.labels, positions, batch_size, tuple(dataset.mean),
-                        tuple(dataset.std), config.optim.augment, config.optim.flips(),
-                        tuple(passes),
-                        seeds=None if seeds is None else tuple(seeds), stream_seed=stream_seed,
-                        views=views)
-
-
-def configured_round(config: ClassifierConfig, network: NetworkSpec | None, step: StepSpec,
-                     batches: Passes, passes: Sequence[int], schedule: tuple[int, int],
-                     warmup_epochs: float, **optional: Any) -> Round:
-    """A `training.rounds.Round` of `passes` with `config`'s optimizer settings (learning
-    rate, momentum, weight decay, gradient clip); `optional`: the round's other fields
-    (weight average, sparsity term, progress)."""
-    return Round(network=network, step=step, batches=batches, passes=tuple(passes),
-                 schedule=schedule, lr=config.optim.lr, momentum=config.optim.momentum,
-                 weight_decay=config.optim.weight_decay, warmup_epochs=warmup_epochs,
-                 grad_clip=config.optim.grad_clip, **optional)
-
-
-def classifier_network(config: ClassifierConfig, dataset: DatasetRef) -> ClassifierNetwork:
-    """The network spec of `config`'s classifier for the data set (`new_model` builds it)."""
-    return ClassifierNetwork(config.network.model, dataset.channels, len(dataset.classes),
-                             config.network.width)
-
-
-def classifier_round(config: ClassifierConfig, dataset: DatasetRef, data: LoadedDataset,
-                     passes: range, schedule: tuple[int, int], warmup_epochs: float = 0.0,
-                     progress: str | None = None, average_decay: float | None = None,
-                     sparsity: SparsitySpec | None = None) -> Round:
-    """`passes` of a classifier over the training split (`training.rounds.Round`): each pass
-    shuffled and augmented from its own seed, on the cosine schedule `schedule`; `sparsity`
-    adds its activation-sparsity term to the loss (`training.sparsify.term`), `average_decay`
-    a weight average."""
-    return configured_round(
-        config, classifier_network(config, dataset), ClassifyStep(config.optim.label_smoothing),
-        image_batches(config, dataset, data, data.splits["train"], config.optim.batch_size, passes,
-                      seeds=[config.run.seed * 1000 + n for n in passes]),
-        passes, schedule, warmup_epochs, average_decay=average_decay,
-        sparsity=None if sparsity is None else sparsity.term(), progress=progress)
 
 
 class ClassifierRound(RoundPlan):
@@ -273,17 +159,6 @@ class ClassifierRound(RoundPlan):
 
     def kept(self, checkpoint: ArtifactRef, opened: Opened) -> None:
         _keep_warm(checkpoint, self.key(), opened.trainee.model, opened.trainee.optimizer)
-
-
-def export_program(model: nn.Module, channels: int, size: int, path: Path) -> None:
-    """Exports an eval-mode copy of `model` on the CPU, with a dynamic batch dimension; the
-    program returns the logits and the embedding (`WithEmbedding`)."""
-    model = model.to("cpu").eval()
-    example = torch.zeros(2, channels, size, size)
-    batch = torch.export.Dim("batch", min=1, max=1 << 20)
-    program = torch.export.export(WithEmbedding(model).eval(), (example,),
-                                  dynamic_shapes=({0: batch},))
-    torch.export.save(program, str(path))
 
 
 class TestResult(BaseModel):

@@ -18,15 +18,15 @@ from tasks.distill import (
     bank_snapshot,
     load_bank,
     pretrain_config,
-    stage_ids,
-    teacher_features,
 )
 from tasks.rounds import round_task
-from tasks.training import ClassifierRound, new_model
+from tasks.training import ClassifierRound
 from training.batches import Normalize, shift_flip
 from training.distill.feature_bank import UNFILLED
+from training.distill.stages import stage_ids, teacher_features
 from training.distributed import Distributed
 from training.features import FeatureHooks
+from training.rounds import new_model
 
 
 def teacher_stage(teacher, dataset, stage, previous):

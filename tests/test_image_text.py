@@ -14,15 +14,16 @@ import torch
 
 from models.image_text import PAD, build_image_text, tokens
 from tasks.adapters.wordnet import WordNet, parse_data_line
-from tasks.image_text.descriptions import (
+from tasks.image_text.descriptions import image_keys, wordnet_classes
+from training.image_text.descriptions import (
     DescriptionError,
     check_classes,
     check_images,
-    image_keys,
-    read_table,
-    wordnet_classes,
+    image_measures,
+    image_phrases,
+    read_descriptions,
+    tertiles,
 )
-from training.image_text.descriptions import image_measures, image_phrases, tertiles
 from training.image_text.losses import (
     UNLABELLED,
     TextBank,
@@ -156,7 +157,7 @@ def test_the_validation_images_of_a_few_label_run_hold_at_most_k_per_class():
 
 
 def test_own_captions_give_class_texts_to_the_labelled_images_only():
-    from tasks.image_text.descriptions import own_captions
+    from training.image_text.descriptions import own_captions
 
     classes = pd.DataFrame({"class": ["Bag", "Bag", "Coat", "Coat", "Coat"],
                             "text": ["a bag", "a kind of container", "a coat",
@@ -260,17 +261,17 @@ def test_description_tables_refuse_bad_rows_naming_them(tmp_path):
     pd.DataFrame({"image": ["1", "2", "3"], "text": ["a shoe", " ", "a bag"],
                   "weight": [1.0, 1.0, 2.0]}).to_csv(table, index=False)
     with pytest.raises(DescriptionError, match=r"1 rows with an empty text \(lines 3\)"):
-        read_table(str(table), "image")
+        read_descriptions(str(table), "image")
     pd.DataFrame({"image": ["1", "2"], "text": ["a shoe", "a bag"],
                   "weight": [1.0, -0.5]}).to_csv(table, index=False)
     with pytest.raises(DescriptionError, match=r"negative or non-numeric weight \(lines 3\)"):
-        read_table(str(table), "image")
+        read_descriptions(str(table), "image")
     pd.DataFrame({"picture": ["1"], "text": ["a shoe"]}).to_csv(table, index=False)
     with pytest.raises(DescriptionError, match="no column image"):
-        read_table(str(table), "image")
+        read_descriptions(str(table), "image")
     parquet = tmp_path / "captions.parquet"
     pd.DataFrame({"image": ["0", "5"], "text": ["a shoe", "a bag"]}).to_parquet(parquet)
-    frame = read_table(str(parquet), "image")
+    frame = read_descriptions(str(parquet), "image")
     assert frame["weight"].tolist() == [1.0, 1.0]  # absent: 1
     with pytest.raises(DescriptionError, match=r"2 images not in the data set, e.g. 7, 9"):
         check_images(pd.DataFrame({"image": ["0", "9", "7"]}), ["0", "1", "2"], "t.csv")
@@ -361,7 +362,7 @@ def test_generation_stops_at_eos_and_pads_after_it():
 
 
 def test_bleu_takes_any_number_of_references_per_image():
-    from tasks.image_text.captioner import bleu
+    from training.image_text.captioner import bleu
 
     assert bleu(["a canvas shoe with a rubber sole"],
                 [["a canvas shoe with a rubber sole"]]) == pytest.approx(100.0)

@@ -144,7 +144,7 @@ def test_a_served_models_parameters_count_every_network_it_holds_once():
     network."""
     from types import SimpleNamespace
 
-    from tasks.adapters.registration import parameters_of
+    from training.promotion import parameters_of
 
     student, teacher = torch.nn.Linear(4, 2), torch.nn.Linear(8, 2)
     served = SimpleNamespace(program=student, fallback=teacher, again=student,

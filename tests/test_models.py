@@ -86,7 +86,7 @@ def test_every_network_serves_in_the_fast_layout_with_the_plain_layouts_numbers(
     every registered network's exported program, loaded as serving loads it, is in that
     layout and answers as the plain network does, to float rounding."""
     from serving.classifier import load_program
-    from tasks.training import export_program
+    from training.features import export_program
 
     torch.manual_seed(0)
     plain = models.build_model(name, in_channels=1, num_classes=7, width=4).eval()

@@ -25,10 +25,9 @@ from tasks.pbt import (
     MemberRound,
     exploit_weights,
     member_config,
-    population_scheduler,
 )
 from tasks.rounds import round_task
-from training.pbt.scheduler import replay
+from training.pbt.scheduler import population_scheduler, replay
 
 NAME = "pbt-smoke"
 

@@ -150,7 +150,8 @@ def test_the_image_text_step_goes_on_only_where_it_beats_the_student_on_validati
     from tasks.adapters.versioning import ArtifactStore
     from tasks.data import load_dataset, prepare_dataset, source_version
     from tasks.image_text.tasks import describe_images, new_network
-    from tasks.training import eval_batches, trained_model
+    from tasks.training import trained_model
+    from training.batches import eval_batches
 
     steps = {step.name: step for step in run.steps}
     text, student = steps["image_text"], steps["distill"]

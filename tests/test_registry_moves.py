@@ -104,7 +104,7 @@ def test_the_baseline_gate_has_a_margin_at_a_perfect_baseline():
     """The digits story: k-NN 121 of 121 on validation, the model 118. One standard error of a
     perfect score is 0, which refused the model; the Wilson interval's lower end is 0.969,
     which lets it through, while a model clearly below the baseline is still refused."""
-    from tasks.adapters.registration import Baseline
+    from training.promotion import Baseline
 
     digits = Baseline(name="knn", val_accuracy=1.0, model_val_accuracy=118 / 121,
                       val_images=121)

@@ -33,7 +33,7 @@ def test_a_threshold_zeros_every_value_at_most_it_and_keeps_the_rest():
 
 def test_the_exported_program_keeps_the_thresholds(tmp_path):
     from models import build_model
-    from tasks.training import export_program
+    from training.features import export_program
 
     torch.manual_seed(0)
     model = build_model("lenet", 1, 10, None).eval()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -109,3 +110,10 @@ def fit_budget(images: int, batch_size: int, rounds: int, min_steps: int | None,
     repeats = max(1, math.ceil(needed / (rounds * per_round)))
     repeats = max(1, min(repeats, max_epochs // rounds))
     return Budget(batch, per_round, repeats, rounds)
+
+
+def fit_to_data(config: Any, dataset: Any, rounds: int,
+                images_per_round: int | None = None) -> Budget:
+    """The budget of a run of `rounds` configured epochs (or stages) of `config` on
+    `dataset`'s training split (`training.budget.fit_budget`)."""
+    return config.optim.budget(dataset.sizes["train"], rounds, images_per_round)

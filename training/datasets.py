@@ -12,6 +12,9 @@ image under another name. An image's split is a pure function of its key (`stabl
 so adding, removing or renaming other images never moves it from test to training: a model
 retrained on a grown folder is scored on images the earlier model never saw; copies of one
 image (the same content under several names) share one split, the most held-out of theirs.
+
+`LoadedDataset` is a prepared data set in memory; `readable_images` reads the image files a
+user hands a registered model (predict, embed).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 from torchvision.datasets import FashionMNIST
 
-from training.preprocess import GRAY_MODES, image_to_array
+from training.preprocess import GRAY_MODES, decode_image, image_to_array
 
 # Extensions of the formats Pillow can open (some registered ones, like .pdf, are save-only).
 IMAGE_EXTENSIONS = frozenset(ext.lower() for ext, fmt in Image.registered_extensions().items()
@@ -405,3 +408,71 @@ def channel_stats(images: Tensor) -> tuple[list[float], list[float]]:
     mean = x.mean(dim=(0, 2, 3))
     std = x.std(dim=(0, 2, 3)).clamp_min(1e-3)
     return mean.tolist(), std.tolist()
+
+
+@dataclass
+class LoadedDataset:
+    """Images (uint8 N x C x H x W), labels, dataset ids, split positions, each image's key
+    (its path relative to the data folder; `train/00042` in Fashion-MNIST) and content hash
+    (`training.datasets.content_hash`; empty in data sets prepared before they were
+    recorded), in memory."""
+
+    images: Tensor
+    labels: Tensor
+    ids: Tensor
+    splits: dict[str, Tensor]
+    keys: list[str]
+    contents: list[str] = field(default_factory=list)
+
+    def _seen(self, names: list[str]) -> set[str]:
+        return {names[i] for split in ("train", "val") for i in self.splits[split].tolist()}
+
+    def seen_keys(self) -> set[str]:
+        """The keys of the images a model of this data set trained or was chosen on."""
+        return self._seen(self.keys)
+
+    def seen_contents(self) -> set[str]:
+        """The content hashes of those images (empty when none were recorded)."""
+        return self._seen(self.contents) if self.contents else set()
+
+
+def image_files(path: Path) -> list[Path]:
+    """The file itself, or every image file under a folder (sorted)."""
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file()
+                  and p.suffix.lower() in IMAGE_EXTENSIONS)
+
+
+def read_images(files: list[Path], skip_bad: bool) -> tuple[list[Path], list[bytes], list[Path]]:
+    """The readable files and their bytes, and the skipped ones.
+
+    Raises:
+        DataError: a file is not a readable image (and `skip_bad` is off).
+    """
+    kept, blobs, skipped = [], [], []
+    for file in files:
+        data = file.read_bytes()
+        try:
+            decode_image(data)
+        except ValueError as error:
+            if not skip_bad:
+                raise DataError(f"cannot read image {file}: {error}") from None
+            skipped.append(file)
+            continue
+        kept.append(file)
+        blobs.append(data)
+    return kept, blobs, skipped
+
+
+def readable_images(images: str, skip_bad: bool) -> tuple[list[Path], list[bytes], list[Path]]:
+    """The image files under `images` that decode, their bytes, and the skipped ones.
+
+    Raises:
+        DataError: no image files there, or one does not decode (and `skip_bad` is off).
+    """
+    files = image_files(Path(images).expanduser())
+    if not files:
+        raise DataError(f"no image files ({', '.join(sorted(IMAGE_EXTENSIONS)[:6])}, ...) "
+                        f"under {images}")
+    return read_images(files, skip_bad)

@@ -7,6 +7,7 @@ import ctypes
 import functools
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -115,3 +116,11 @@ def place_model(model: nn.Module, device: torch.device) -> nn.Module:
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     return model
+
+
+def setup_device(config: Any) -> torch.device:
+    """Applies the config's thread count and resolves its device (every training task's
+    first line)."""
+    if config.run.threads:
+        torch.set_num_threads(config.run.threads)
+    return resolve_device(config.run.device)

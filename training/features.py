@@ -1,9 +1,12 @@
-"""Features from named layers through forward hooks, so networks stay unchanged (torchdistill)."""
+"""Features from named layers through forward hooks, so networks stay unchanged (torchdistill),
+and a classifier exported as a program that returns its logits and its embedding."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
+import torch
 from torch import Tensor, nn
 
 
@@ -69,3 +72,14 @@ class WithEmbedding(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         logits = self.model(x)
         return logits, self._hooks[self.layer].flatten(1)
+
+
+def export_program(model: nn.Module, channels: int, size: int, path: Path) -> None:
+    """Exports an eval-mode copy of `model` on the CPU, with a dynamic batch dimension; the
+    program returns the logits and the embedding (`WithEmbedding`)."""
+    model = model.to("cpu").eval()
+    example = torch.zeros(2, channels, size, size)
+    batch = torch.export.Dim("batch", min=1, max=1 << 20)
+    program = torch.export.export(WithEmbedding(model).eval(), (example,),
+                                  dynamic_shapes=({0: batch},))
+    torch.export.save(program, str(path))

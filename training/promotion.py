@@ -27,11 +27,14 @@ standard error, which is 0 there.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 ALPHA = 0.05  # the default level of every paired decision
 WILSON_Z = 1.959963984540054  # two-sided 95%
@@ -206,3 +209,142 @@ def wilson_interval(accuracy: float, images: int, z: float = WILSON_Z) -> tuple[
     half = z / (1 + z2 / images) * math.sqrt(accuracy * (1 - accuracy) / images
                                              + z2 / (4 * images * images))
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+class Comparison(BaseModel):
+    """The images a challenger and the champion are compared on: how many, and why those."""
+
+    model_config = ConfigDict(frozen=True)
+
+    images: int
+    left_out: int  # test images the champion trained or was chosen on
+    note: str
+
+
+def parameters_of(served: object) -> int:
+    """The parameters and buffers of every network a served model holds as an attribute
+    (a fallback pyfunc: its student and its teacher), each tensor once."""
+    import torch
+
+    seen, total = set(), 0
+    for value in vars(served).values():
+        if isinstance(value, torch.nn.Module):
+            for tensor in (*value.parameters(), *value.buffers()):
+                if tensor.data_ptr() not in seen:
+                    seen.add(tensor.data_ptr())
+                    total += tensor.numel()
+    return total
+
+
+class Baseline(BaseModel):
+    """A reference a model must not fall below on validation to become champion: the stronger
+    raw-pixel baseline (`training.baselines`), the model's own validation accuracy, and the
+    number of validation images both were measured on.
+
+    The gate refuses a model only when it is below the Wilson score interval (95%) of the
+    baseline's accuracy b on n images (`training.promotion.wilson_interval`): a model that
+    ties the baseline within that interval passes, and at a perfect baseline the interval's
+    lower end is n / (n + 1.96^2) (0.969 on 121 images), not 1."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    val_accuracy: float
+    model_val_accuracy: float
+    val_images: int = Field(ge=1)
+
+    @property
+    def lower(self) -> float:
+        """The lower end of the baseline's Wilson interval."""
+        return wilson_interval(self.val_accuracy, self.val_images)[0]
+
+    @property
+    def passed(self) -> bool:
+        """Not below the baseline's interval (the gate lets the model through)."""
+        return self.model_val_accuracy >= self.lower
+
+    @property
+    def beaten(self) -> bool:
+        """Strictly above the baseline (shown in the summary; the gate asks `passed`)."""
+        return self.model_val_accuracy > self.val_accuracy
+
+    def refusal(self) -> str | None:
+        """Why the gate refuses the model (None when it `passed`)."""
+        if self.passed:
+            return None
+        return (f"below the raw-pixel {self.name} baseline on validation: "
+                f"{self.model_val_accuracy:.4f} < {self.lower:.4f}, the lower end of the "
+                f"baseline's 95% Wilson interval ({self.val_accuracy:.4f} on "
+                f"{self.val_images} images): registered, never champion; train longer "
+                "(--min-steps) or pick another model")
+
+
+Scorer = Callable[[str], Evidence]  # a pyfunc URI -> its per-image evidence
+
+
+Compare = Callable[[dict[str, str]], tuple[Scorer | None, Comparison]]
+
+
+def comparable(tags: dict[str, str], classes: list[str], metric: str) -> str | None:
+    """Why a registered version (its `tags`) cannot be compared with a model of `classes`
+    scored by `metric` (None: it can)."""
+    recorded = tags.get("classes")
+    if recorded is not None and recorded != json.dumps(classes):
+        return "was trained on other classes; register this data set's models under another " \
+               "--model-name"
+    if tags.get("metric", "test_accuracy") != metric:
+        return f"is scored by {tags.get('metric')}, not {metric}: register under another " \
+               "--model-name"
+    return None
+
+
+def recorded_parameters(uri: str, tags: dict[str, str],
+                        parameters: Callable[[str], int]) -> int | None:
+    """A registered version's served parameters: its `parameters` tag, else counted (None
+    when its pyfunc no longer loads)."""
+    if tags.get("parameters", "").isdigit():
+        return int(tags["parameters"])
+    try:
+        return parameters(uri)
+    except Exception:  # noqa: BLE001 (an old version that no longer loads: no cost to compare)
+        return None
+
+
+def paired_verdict(version_uri: str, tags: dict[str, str], model_uri: str, score: Scorer,
+                   new_evidence: Evidence, compare: Compare | None, alpha: float
+                   ) -> tuple[Verdict | None, Comparison | None, str | None]:
+    """The new model against the registered version at `version_uri` on the images neither
+    saw (`compare`, else `score`'s): the paired verdict, the comparison, or why there is
+    none."""
+    scorer, comparison = (score, None) if compare is None else compare(tags)
+    if scorer is None:
+        return None, comparison, (f"no test image is left that {version_uri} did not train "
+                                  "on: no fair comparison; move the alias by hand (python -m "
+                                  "flows promote) or keep the split settings between runs")
+    try:
+        old = scorer(version_uri)
+    except Exception as error:  # an old version that no longer loads or predicts
+        return None, comparison, f"{version_uri} could not be scored: {error}"
+    new = new_evidence if scorer is score else scorer(model_uri)
+    return paired_test(new, old, alpha), comparison, None
+
+
+class Seen(BaseModel):
+    """The images a model trained or was chosen on: their keys and their content hashes."""
+
+    model_config = ConfigDict(frozen=True)
+
+    keys: frozenset[str]
+    contents: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, data: Any) -> Seen:
+        """The images `data` (a `training.datasets.LoadedDataset`) trained or was chosen on."""
+        return cls(keys=frozenset(data.seen_keys()), contents=frozenset(data.seen_contents()))
+
+    def __or__(self, other: Seen) -> Seen:
+        return Seen(keys=self.keys | other.keys, contents=self.contents | other.contents)
+
+    def saw(self, key: str, content: str | None) -> bool:
+        """Whether the image of `key` (and `content`, when known) is among these, by either."""
+        return key in self.keys or (content is not None and content in self.contents)

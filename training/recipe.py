@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -188,3 +189,24 @@ class EarlyStopping:
     def should_stop(self) -> bool:
         """Whether `patience` rounds in a row scored below the best."""
         return self.patience is not None and self.stale >= self.patience
+
+
+def make_optimizer(model: nn.Module, config: Any) -> torch.optim.SGD:
+    """SGD with the config's momentum and weight decay (`training.recipe.sgd`)."""
+    optim = config.optim
+    return sgd(model.parameters(), optim.lr, optim.momentum, optim.weight_decay)
+
+
+def restore(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+            checkpoint: dict, config: Any = None) -> None:
+    """Loads weights (and optimizer state) from a checkpoint payload.
+
+    With `config`, the optimizer keeps the configured momentum and weight decay, not the
+    stored ones (the learning rate is set at every step from the schedule): a resumed run, or
+    a PBT member starting from another's checkpoint, trains with its own hyperparameters.
+    """
+    model.load_state_dict(checkpoint["model"])
+    if optimizer is not None and "optimizer" in checkpoint:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        if config is not None:
+            set_momentum_and_decay(optimizer, config.optim.momentum, config.optim.weight_decay)

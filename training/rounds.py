@@ -18,13 +18,16 @@ A `Round` holds everything a round trains from, as plain typed parts:
 `Round` as a record (`to_record`: nested dicts of tensors, numbers and strings, which
 `torch.load(weights_only=True)` reads back) and calls the same `train_passes` in every process, so
 the step is built in one place for both paths.
+
+`classifier_round` and `configured_round` build a round from a flow's config (a
+`ClassifierConfig` or any config with its `optim`, `network` and `run` sections, read only).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -33,8 +36,9 @@ import torch
 from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
 
-from models import build_model
+from models import ImageClassifier, build_model
 from training.batches import Batches, Normalize, RecordedViews
+from training.datasets import LoadedDataset
 from training.distributed import Distributed, wrap
 from training.loops import Step, classification_step
 from training.recipe import train_round
@@ -278,3 +282,76 @@ def _named_class(name: str) -> type:
     for part in qualname.split("."):
         found = getattr(found, part)
     return found
+
+
+@dataclass
+class Opened:
+    """A resumed round: what it trains, how, and what the plan keeps for `close`."""
+
+    trainee: Trainee
+    round: Round
+    context: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Closed:
+    """A trained round: its metrics, the checkpoint's content, and the kept weights' name."""
+
+    metrics: dict[str, float]
+    payload: dict[str, Any]
+    kept: str = "model"
+
+
+def new_model(config: Any, dataset: Any) -> ImageClassifier:
+    """The configured network for the data set, initialised from the seed."""
+    torch.manual_seed(config.run.seed)
+    return build_model(config.network.model, dataset.channels, len(dataset.classes),
+                       config.network.width)
+
+
+def image_batches(config: Any, dataset: Any, data: LoadedDataset,
+                  positions: torch.Tensor, batch_size: int, passes: Sequence[int],
+                  seeds: Sequence[int] | None = None, stream_seed: int | None = None,
+                  views: RecordedViews | None = None) -> ImageBatches:
+    """A round's shuffled batches over `positions` (`training.rounds.ImageBatches`) with the
+    data set's normalisation and `config`'s augmentation and flips: a shuffle per pass from
+    `seeds`, or one stream from `stream_seed`; `views` shown in place of their images' draws."""
+    return ImageBatches(data.images, data.labels, positions, batch_size, tuple(dataset.mean),
+                        tuple(dataset.std), config.optim.augment, config.optim.flips(),
+                        tuple(passes),
+                        seeds=None if seeds is None else tuple(seeds), stream_seed=stream_seed,
+                        views=views)
+
+
+def configured_round(config: Any, network: NetworkSpec | None, step: StepSpec,
+                     batches: Passes, passes: Sequence[int], schedule: tuple[int, int],
+                     warmup_epochs: float, **optional: Any) -> Round:
+    """A `training.rounds.Round` of `passes` with `config`'s optimizer settings (learning
+    rate, momentum, weight decay, gradient clip); `optional`: the round's other fields
+    (weight average, sparsity term, progress)."""
+    return Round(network=network, step=step, batches=batches, passes=tuple(passes),
+                 schedule=schedule, lr=config.optim.lr, momentum=config.optim.momentum,
+                 weight_decay=config.optim.weight_decay, warmup_epochs=warmup_epochs,
+                 grad_clip=config.optim.grad_clip, **optional)
+
+
+def classifier_network(config: Any, dataset: Any) -> ClassifierNetwork:
+    """The network spec of `config`'s classifier for the data set (`new_model` builds it)."""
+    return ClassifierNetwork(config.network.model, dataset.channels, len(dataset.classes),
+                             config.network.width)
+
+
+def classifier_round(config: Any, dataset: Any, data: LoadedDataset,
+                     passes: range, schedule: tuple[int, int], warmup_epochs: float = 0.0,
+                     progress: str | None = None, average_decay: float | None = None,
+                     sparsity: Any = None) -> Round:
+    """`passes` of a classifier over the training split (`training.rounds.Round`): each pass
+    shuffled and augmented from its own seed, on the cosine schedule `schedule`; `sparsity`
+    adds its activation-sparsity term to the loss (`training.sparsify.term`), `average_decay`
+    a weight average."""
+    return configured_round(
+        config, classifier_network(config, dataset), ClassifyStep(config.optim.label_smoothing),
+        image_batches(config, dataset, data, data.splits["train"], config.optim.batch_size, passes,
+                      seeds=[config.run.seed * 1000 + n for n in passes]),
+        passes, schedule, warmup_epochs, average_decay=average_decay,
+        sparsity=None if sparsity is None else sparsity.term(), progress=progress)

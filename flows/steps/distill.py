@@ -22,8 +22,8 @@ from tasks.distill import (
     pretrain_config,
 )
 from tasks.rounds import RoundResult, round_task
-from tasks.training import ClassifierRound, fit_to_data
-from training.budget import Budget
+from tasks.training import ClassifierRound
+from training.budget import Budget, fit_to_data
 from training.distill.stages import run_stages
 
 # What the `distill` flow, the `pipeline` and the benchmarks may import

@@ -28,7 +28,6 @@ from tasks.pbt import (
     exploit_weights,
     member_config,
     member_round,
-    population_scheduler,
     soup_members,
     write_lineage,
 )
@@ -41,6 +40,7 @@ from training.pbt.population import (
     PopulationSettings,
     run_population,
 )
+from training.pbt.scheduler import population_scheduler
 
 # What the `pbt` flow, the `pipeline` and the benchmarks may import (tests/test_layering.py):
 # the technique's name (its flow's, and the experiment its members' runs go to), the

@@ -13,7 +13,6 @@ from tasks.configs.sections import ClassifierConfig
 from tasks.configs.sparsify import SparsifyConfig, SparsitySpec
 from tasks.rounds import RoundResult
 from tasks.sparsify import (
-    SparsityReport,
     Thresholded,
     calibrate_zero_thresholds,
     sparsity_report,
@@ -23,6 +22,7 @@ from tasks.sparsify import (
 )
 from tasks.training import ClassifierRound
 from training.budget import Budget
+from training.sparsify.report import SparsityReport
 
 # What the `sparsify` flows, the `pipeline` and the benchmarks may import
 # (tests/test_layering.py): the technique's name (its flow's, and the run name of its rounds)

@@ -10,8 +10,7 @@ from pydantic import Field, field_validator
 from serving.image_text import ZERO_SHOT_PARAM
 from tasks.adapters import tracking
 from tasks.configs.sections import Project, StrictConfig, model_name_of, project_field
-from training.datasets import IMAGE_EXTENSIONS, DataError
-from training.preprocess import decode_image
+from training.datasets import DataError, readable_images
 
 
 class ModelVersionSection(StrictConfig):
@@ -67,48 +66,6 @@ def existing_path(value: str) -> str:
     if not Path(value).expanduser().exists():
         raise ValueError(f"no such image file or folder: {value}")
     return value
-
-
-def image_files(path: Path) -> list[Path]:
-    """The file itself, or every image file under a folder (sorted)."""
-    if path.is_file():
-        return [path]
-    return sorted(p for p in path.rglob("*") if p.is_file()
-                  and p.suffix.lower() in IMAGE_EXTENSIONS)
-
-
-def read_images(files: list[Path], skip_bad: bool) -> tuple[list[Path], list[bytes], list[Path]]:
-    """The readable files and their bytes, and the skipped ones.
-
-    Raises:
-        DataError: a file is not a readable image (and `skip_bad` is off).
-    """
-    kept, blobs, skipped = [], [], []
-    for file in files:
-        data = file.read_bytes()
-        try:
-            decode_image(data)
-        except ValueError as error:
-            if not skip_bad:
-                raise DataError(f"cannot read image {file}: {error}") from None
-            skipped.append(file)
-            continue
-        kept.append(file)
-        blobs.append(data)
-    return kept, blobs, skipped
-
-
-def readable_images(images: str, skip_bad: bool) -> tuple[list[Path], list[bytes], list[Path]]:
-    """The image files under `images` that decode, their bytes, and the skipped ones.
-
-    Raises:
-        DataError: no image files there, or one does not decode (and `skip_bad` is off).
-    """
-    files = image_files(Path(images).expanduser())
-    if not files:
-        raise DataError(f"no image files ({', '.join(sorted(IMAGE_EXTENSIONS)[:6])}, ...) "
-                        f"under {images}")
-    return read_images(files, skip_bad)
 
 
 def predict_images(config: PredictConfig) -> tuple[pd.DataFrame, list[Path]]:

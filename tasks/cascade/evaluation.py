@@ -21,13 +21,12 @@ from tasks.cascade.tasks import read_table, trained_cascade
 from tasks.configs.cascade import CascadeConfig
 from tasks.data import DatasetRef, load_dataset
 from tasks.promotion import promote_on_test_images
-from tasks.rounds import setup_device
-from tasks.training import eval_batches, run_key
-from training.batches import Normalize
+from tasks.training import run_key
+from training.batches import Normalize, eval_batches
 from training.cascade.calibration import CalibrationGoal, Routing, calibrate_cascade
 from training.cascade.learning import ExitTable, exit_table
 from training.cascade.testing import ScoredImages, measure_cascade
-from training.device import inference_batch, place_model
+from training.device import inference_batch, place_model, setup_device
 from training.latency import part_costs
 
 ROUTINGS: dict[str, str] = {  # what each routing of the super-network modules is, for people

@@ -22,9 +22,9 @@ from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.cascade import CascadeConfig
 from tasks.data import DatasetRef, load_dataset
-from tasks.rounds import Closed, Opened, RoundPlan, RoundResult, setup_device
-from tasks.training import configured_round, eval_batches, image_batches, run_key
-from training.batches import Batches, Normalize
+from tasks.rounds import RoundPlan, RoundResult
+from tasks.training import run_key
+from training.batches import Batches, Normalize, eval_batches
 from training.budget import Budget
 from training.cascade.learning import (
     CascadeNetwork,
@@ -40,7 +40,7 @@ from training.cascade.learning import (
     relative_costs,
     split_disjoint,
 )
-from training.device import inference_batch, place_model, resolve_device
+from training.device import inference_batch, place_model, resolve_device, setup_device
 from training.latency import (
     check_device,
     device_name,
@@ -49,7 +49,7 @@ from training.latency import (
 )
 from training.loops import evaluate
 from training.recipe import optimizer_to, sgd, train_round
-from training.rounds import SINGLE, Trainee
+from training.rounds import SINGLE, Closed, Opened, Trainee, configured_round, image_batches
 
 
 class CascadeSets(BaseModel):

@@ -11,14 +11,10 @@ undescribed training image. The written table and the captioner are versioned ar
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pandas as pd
-import sacrebleu
 import torch
 from prefect import task
 from pydantic import BaseModel, ConfigDict
-from torch import Tensor
 
 from models.image_text import image_backbone
 from tasks.adapters.caching import computation_key
@@ -26,11 +22,18 @@ from tasks.adapters.checkpoints import torch_save
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.image_text import ImageTextConfig, seen_positions
 from tasks.data import DatasetRef, load_dataset
-from tasks.rounds import setup_device
 from tasks.training import run_key
 from training.batches import Normalize
-from training.device import place_model
-from training.image_text.captioner import Captioner, Vocabulary, fit_captions, write_captions
+from training.device import place_model, setup_device
+from training.image_text.captioner import (
+    Captioner,
+    Vocabulary,
+    bleu,
+    described_positions,
+    fit_captions,
+    undescribed,
+    write_captions,
+)
 
 HELD_OUT = 0.1  # the share of described images the captioner is scored on
 
@@ -46,31 +49,6 @@ class Captioned(BaseModel):
     held_out: int  # described images it was scored on
     bleu: float  # corpus BLEU (0-100) of its captions on them
     constant_bleu: float  # ... of the most frequent description for every one of them
-
-
-def bleu(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> float:
-    """Corpus BLEU (sacrebleu, 0-100) of one hypothesis per image against that image's
-    references (any number per image)."""
-    most = max(len(r) for r in references)
-    streams = [[r[i] if i < len(r) else None for r in references] for i in range(most)]
-    return float(sacrebleu.corpus_bleu(list(hypotheses), streams).score)
-
-
-LOOKS_ONLY = frozenset({"phrase"})  # kinds that say how an image looks, not what it shows
-
-
-def described_positions(captions: pd.DataFrame) -> Tensor:
-    """The positions with a description that says what the image shows: a row of any kind
-    but a measured phrase (`LOOKS_ONLY`)."""
-    shows = captions[~captions["kind"].isin(LOOKS_ONLY)]
-    return torch.tensor(sorted(set(shows["position"].tolist())), dtype=torch.long)
-
-
-def undescribed(train: Tensor, captions: pd.DataFrame) -> Tensor:
-    """The training positions without a description (`described_positions`: measured
-    phrases alone do not count, so a few-label run's unlabelled images, which have only their
-    phrases, are the captioner's to describe)."""
-    return train[~torch.isin(train, described_positions(captions))]
 
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="caption-images")

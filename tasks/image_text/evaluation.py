@@ -18,9 +18,8 @@ from tasks.configs.image_text import ImageTextConfig
 from tasks.data import DatasetRef, load_dataset
 from tasks.image_text.tasks import Descriptions, new_network, text_side
 from tasks.promotion import promote_on_test_images
-from tasks.rounds import setup_device
-from tasks.training import eval_batches
-from training.device import place_model
+from training.batches import eval_batches
+from training.device import place_model, setup_device
 from training.image_text.text_side import score_split
 
 # `classes` is a parameter of the served model (`serving.image_text`): MLflow passes

@@ -8,39 +8,26 @@ copies of Fashion-MNIST training images the run does not use (distractors); each
 its source image's own descriptions. In a few-label run (`labels_per_class`) it holds only
 the unused images' copies: a pool made from the run's own images would hand an unlabelled
 image texts derived from its label. A user's pool is a folder of images with a
-`captions.csv` (image, text, weight) naming them. The pool is a versioned Parquet table
+`captions.csv` (image, text, weight) naming them (`training.image_text.matching.folder_pool`).
+The pool is a versioned Parquet table
 (image bytes, texts, weights, the source image where known).
 """
 
 from __future__ import annotations
 
-import io
-from pathlib import Path
-
 import pandas as pd
 import torch
-from PIL import Image
 
 from tasks.configs.sections import FASHION_MNIST
-from tasks.data import DatasetRef, LoadedDataset, fashion_mnist_root
-from tasks.image_text.descriptions import DescriptionError, own_captions, read_table
-from training.datasets import IMAGE_EXTENSIONS, load_fashion_mnist
+from tasks.data import DatasetRef, fashion_mnist_root
+from training.datasets import LoadedDataset, load_fashion_mnist
+from training.image_text.descriptions import DescriptionError, own_captions
 from training.image_text.matching import (
     NO_MATCH,
-    match,
-    precision_recall,
-    signatures,
+    png_bytes,
     to_pil,
     transformed_copy,
 )
-
-POOL_CAPTIONS = "captions.csv"
-
-
-def _png(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def own_pool(data: LoadedDataset, dataset: DatasetRef, classes: pd.DataFrame, share: float,
@@ -76,55 +63,10 @@ def own_pool(data: LoadedDataset, dataset: DatasetRef, classes: pd.DataFrame, sh
     texts = own_captions(images, labels, torch.arange(len(images)), classes, dataset.classes,
                          per_image, phrases, seed + 29)
     order = torch.randperm(len(images), generator=generator).tolist()  # items shuffled
-    pngs = [_png(transformed_copy(to_pil(images[i]), generator)) for i in order]
+    pngs = [png_bytes(transformed_copy(to_pil(images[i]), generator)) for i in order]
     item_of = {original: item for item, original in enumerate(order)}
     return pd.DataFrame({"item": texts["position"].map(item_of),
                          "image": texts["position"].map(lambda p: pngs[item_of[p]]),
                          "text": texts["text"], "weight": texts["weight"],
                          "source": texts["position"].map(lambda p: sources[p])}
                         ).sort_values(["item"], kind="stable").reset_index(drop=True)
-
-
-def folder_pool(folder: str) -> pd.DataFrame:
-    """A user's pool: the images of `folder` named by its `captions.csv` (their paths inside
-    the folder), with the table's texts and weights; `source` unknown (-1)."""
-    root = Path(folder)
-    table = read_table(str(root / POOL_CAPTIONS), "image")
-    names = sorted(set(table["image"]))
-    missing = [n for n in names if not (root / n).is_file()
-               or (root / n).suffix.lower() not in IMAGE_EXTENSIONS]
-    if missing:
-        raise DescriptionError(f"{root / POOL_CAPTIONS}: {len(missing)} images missing or not "
-                               f"images, e.g. {', '.join(missing[:5])}")
-    item = {name: i for i, name in enumerate(names)}
-    return pd.DataFrame({"item": table["image"].map(item),
-                         "image": table["image"].map(lambda n: (root / n).read_bytes()),
-                         "text": table["text"], "weight": table["weight"],
-                         "source": NO_MATCH}).sort_values("item", kind="stable")
-
-
-def match_training_images(data: LoadedDataset, pool: pd.DataFrame, threshold: float,
-                          margin: float) -> tuple[pd.DataFrame, dict[str, float]]:
-    """The training images matched against the pool: their captions (position, text,
-    weight, kind `matched`), and the matching's figures (precision and recall where the pool
-    knows its true matches)."""
-    items = pool.drop_duplicates("item").set_index("item").sort_index()
-    train = data.splits["train"]
-    if len(items) == 0:  # nothing to match against: the captioner describes every image
-        return (pd.DataFrame({"position": pd.Series(dtype=int), "text": pd.Series(dtype=str),
-                              "weight": pd.Series(dtype=float), "kind": pd.Series(dtype=str)}),
-                {"pool_items": 0, "matched_images": 0})
-    pool_images = [Image.open(io.BytesIO(b)) for b in items["image"]]
-    queries = signatures([to_pil(data.images[p]) for p in train.tolist()])
-    found, _ = match(queries, signatures(pool_images), signatures(pool_images, mirrored=True),
-                     threshold, margin)
-    truth_of = {int(s): int(i) for i, s in items["source"].items() if s != NO_MATCH}
-    truth = torch.tensor([truth_of.get(p, NO_MATCH) for p in train.tolist()])
-    figures = {"pool_items": len(items), "matched_images": int((found != NO_MATCH).sum())}
-    if truth_of:
-        figures |= {f"match_{k}": v for k, v in precision_recall(found, truth).items()}
-    pairs = pd.DataFrame({"position": train.tolist(), "item": found.tolist()})
-    rows = pairs[pairs["item"] != NO_MATCH].merge(pool[["item", "text", "weight"]], on="item")
-    captions = pd.DataFrame({"position": rows["position"], "text": rows["text"],
-                             "weight": rows["weight"], "kind": "matched"})
-    return captions, figures

@@ -28,33 +28,35 @@ from tasks.adapters.caching import computation_key
 from tasks.adapters.checkpoints import load_checkpoint, save_checkpoint, torch_save
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
 from tasks.configs.image_text import ImageTextConfig, seen_positions, unseen_labels
-from tasks.data import DatasetRef, LoadedDataset, load_dataset
-from tasks.image_text.captioner import Captioned, caption_images, described_positions, undescribed
-from tasks.image_text.descriptions import (
+from tasks.data import DatasetRef, load_dataset
+from tasks.image_text.captioner import Captioned, caption_images
+from tasks.image_text.descriptions import image_keys, source_classes, wordnet_classes
+from tasks.image_text.pool import own_pool
+from tasks.rounds import RoundPlan
+from tasks.training import run_key
+from training.batches import position_batches
+from training.datasets import LoadedDataset, labelled_images, validation_images
+from training.device import place_model, setup_device
+from training.image_text.captioner import described_positions, undescribed
+from training.image_text.descriptions import (
     DescriptionError,
     check_classes,
     check_images,
-    image_keys,
     own_captions,
-    read_table,
-    source_classes,
-    wordnet_classes,
+    read_descriptions,
 )
-from tasks.image_text.pool import folder_pool, match_training_images, own_pool
-from tasks.rounds import Closed, Opened, RoundPlan, setup_device
-from tasks.training import (
-    configured_round,
-    image_batches,
-    position_batches,
-    run_key,
-)
-from training.datasets import labelled_images, validation_images
-from training.device import place_model
 from training.image_text.losses import ImageTextStep, TextBank
-from training.image_text.text_side import TextSide, mix_head, score_split, start_classifier
+from training.image_text.matching import folder_pool, match_training_images
+from training.image_text.text_side import (
+    TextSide,
+    mix_head,
+    score_split,
+    start_backbone,
+    start_classifier,
+)
 from training.loops import evaluate
 from training.recipe import optimizer_to, sgd
-from training.rounds import Trainee
+from training.rounds import Closed, Opened, Trainee, configured_round, image_batches
 
 
 class Descriptions(BaseModel):
@@ -94,12 +96,12 @@ def checked_tables(config: ImageTextConfig, classes: list[str], skipped: list[st
     every named image exists, every class has a description (`DescriptionError` otherwise)."""
     captions = None
     if config.captions is not None:
-        captions = read_table(config.captions, "image")
+        captions = read_descriptions(config.captions, "image")
         check_images(captions, image_keys(config.dataset.data, skipped), config.captions)
     if config.class_descriptions is None:
         table = wordnet_classes(classes)
     else:
-        table = read_table(config.class_descriptions, "class")
+        table = read_descriptions(config.class_descriptions, "class")
         check_classes(table, classes, config.class_descriptions)
         table = table.assign(kind="given")
     return captions, table
@@ -307,16 +309,6 @@ class ImageTextRound(RoundPlan):
         start = "" if self.start is None else f"from-{self.start.md5[:12]}/"
         return (f"checkpoints/image_text/{run_key(self.config, self.dataset)}/{start}"
                 f"{self.phase}-{self.epoch + 1:03d}.pt")
-
-
-def start_backbone(model: ImageTextNet, weights: dict[str, Tensor]) -> None:
-    """The image side starts from a classifier's `weights` (the same network): every one but
-    its classifier (`fc`), which the image-text network replaces."""
-    kept = {k: v for k, v in weights.items() if not k.startswith("fc.")}
-    missing, unexpected = model.backbone.load_state_dict(kept, strict=False)
-    if unexpected or [k for k in missing if not k.startswith("fc.")]:
-        raise ValueError(f"the start checkpoint is another network's: missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}")
 
 
 class AsClassifier(BaseModel):

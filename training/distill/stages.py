@@ -1,7 +1,10 @@
-"""The staged-distillation core, pure PyTorch: which images a stage draws, the teacher's
-features for them, the passes of a stage and the order of the stages.
+"""The staged-distillation core, pure PyTorch: which images a stage draws, its round and
+scores, the teacher's features for them, the bank before stage 1, the student network, the
+passes of a stage and the order of the stages.
 
-The `distill` flow's tasks call these; the benchmarks run the flow itself.
+The `distill` flow's tasks call these (a role, bank or data set parameter typed `Any` is the
+task's `RoleConfig`, `StudentConfig`, `BankConfig` or `DatasetRef`, read only); the
+benchmarks run the flow itself.
 """
 
 from __future__ import annotations
@@ -12,10 +15,22 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from training.batches import Batches
-from training.device import autocast
+from training.batches import (
+    Batches,
+    Normalize,
+    RecordedViews,
+    draw_views,
+    eval_batches,
+    unmoved_views,
+)
+from training.datasets import LoadedDataset
+from training.device import autocast, inference_batch, place_model
 from training.distill.data_queue import RecencyQueue
+from training.distill.feature_bank import DTYPES, FeatureBank
+from training.distill.losses import FeatureAdapter, layer_shape
 from training.features import FeatureHooks
+from training.loops import evaluate
+from training.rounds import NetworkSpec, Round, StepSpec, configured_round, image_batches, new_model
 
 Role = Literal["teacher", "student"]
 
@@ -96,3 +111,92 @@ def run_stages(stages: int, single_bank: bool, teacher_stage: Callable[[int, Any
             student = finish(running)
         running = (teacher, bank, student_stage(stage, student, bank))
     finish(running)
+
+
+def stage_ids(role: Any, train_ids: Tensor, stage: int) -> Tensor:
+    """The dataset ids `role` draws at `stage` (1-based): `draw_stage_ids` with its settings."""
+    return draw_stage_ids(train_ids, stage, role.role, role.run.seed, role.fraction,
+                          role.front_weight, role.back_weight, role.queue)
+
+
+def stage_round(role: Any, dataset: Any, data: LoadedDataset, ids: Tensor,
+                stage: int, step: StepSpec, network: NetworkSpec,
+                views: RecordedViews | None = None) -> Round:
+    """Stage `stage` (1-based) of `role`: `role.repeats` passes over one stream of shuffled,
+    augmented batches of the stage's images (`views`: recorded views in place of their
+    images' draws), on the cosine schedule spanning all stages
+    (`training.distill.stages.stage_passes`)."""
+    passes, schedule = stage_passes(stage, role.epochs, role.repeats)
+    return configured_round(
+        role, network, step, image_batches(role, dataset, data, ids, role.optim.batch_size, passes,
+                                           stream_seed=role.run.seed * 1000 + stage,
+                                           views=views),
+        passes, schedule, role.optim.warmup_epochs * role.repeats,
+        progress=f"{role.role} stage {stage}/{role.epochs}" if role.run.progress else None)
+
+
+def student_mixup_seed(student: Any, stage: int) -> int:
+    """The seed of the student's batch mixes at `stage` (`training.distill.losses.Mixup`)."""
+    return student.run.seed * 1000 + stage
+
+
+def stage_scores(round_: Round, model: nn.Module, dataset: Any, data: LoadedDataset,
+                 device: torch.device) -> dict[str, float]:
+    """A stage's validation score and how many images it trained on."""
+    scored = evaluate(model, eval_batches(data, dataset, "val", device), device)
+    batches = round_.batches
+    images = len(round_.passes) * (len(batches.positions) // batches.batch_size) \
+        * batches.batch_size
+    return {"val_accuracy": scored["accuracy"], "val_loss": scored["loss"],
+            "images": float(images)}
+
+
+def teacher_features(model: nn.Module, layer: str, dataset: Any, data: LoadedDataset,
+                     ids: Tensor, device: torch.device, views: RecordedViews | None = None,
+                     augment: float = 0.0) -> Tensor:
+    """Features at `layer` of `ids`' images (eval mode, on the CPU): unaugmented, or each
+    image in its recorded view (drawn at strength `augment`)."""
+    return layer_features(model, layer, Batches(
+        data.images, data.labels, ids, inference_batch(device),
+        Normalize(dataset.mean, dataset.std), device=device, augment=augment, views=views),
+        device)
+
+
+def stage_views(teacher: Any, dataset: Any, ids: Tensor, stage: int
+                ) -> tuple[Tensor, Tensor]:
+    """The augmented views (flips, moves) a consistent bank records for `ids` at `stage`: the
+    teacher's augmentation, drawn from the seed and stage (a rerun records the same)."""
+    generator = torch.Generator().manual_seed(teacher.run.seed * 1_000_033 + stage)
+    return draw_views(len(ids), teacher.optim.augment, dataset.image_size, generator,
+                      teacher.optim.flips())
+
+
+def initial_bank(teacher: Any, bank: Any, dataset: Any,
+                 data: LoadedDataset, model: nn.Module, initial_state: dict[str, Tensor],
+                 device: torch.device) -> FeatureBank:
+    """The bank before stage 1: every entry masked, or filled by the initial teacher (state 0).
+
+    `model` is the teacher network; it is left holding `initial_state` (the seeded weights).
+    """
+    train_ids = data.splits["train"]
+    model.load_state_dict(initial_state)
+    example = data.images[train_ids[:1]].float()
+    shape = layer_shape(model, bank.layer, example.to(device))
+    views = None  # state 0's entries: the image as it is
+    if bank.views == "augmented":
+        views = unmoved_views(len(train_ids), teacher.optim.augment, dataset.image_size)
+    features = FeatureBank(train_ids, shape, DTYPES[bank.dtype],
+                           0 if views is None else views[1].shape[1])
+    if bank.initial == "teacher":
+        features.update(train_ids, teacher_features(model, bank.layer, dataset, data, train_ids,
+                                                    device), 0, bank.average == "mean", views)
+    return features
+
+
+def student_network(student: Any, dataset: Any, feature_shape: tuple[int, ...],
+                    device: torch.device) -> tuple[nn.Module, FeatureAdapter]:
+    """The seeded student and its adapter to the bank's feature shape."""
+    model = new_model(student, dataset)
+    example = torch.zeros(1, dataset.channels, dataset.image_size, dataset.image_size)
+    adapter = FeatureAdapter(layer_shape(model, student.layer, example), feature_shape)
+    return place_model(model, device), adapter.to(device)

@@ -3,6 +3,8 @@
 The `image_text` flow's third source of descriptions: trained on the images that have
 descriptions (teacher forcing, each description weighted), it writes one for each image that
 has none (greedy decoding). `Vocabulary` holds the words of the training descriptions.
+`undescribed` says which images it describes (a measured phrase alone does not count), `bleu`
+how well its captions match held-out references.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 
+import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -162,3 +165,31 @@ def write_captions(model: Captioner, images: Tensor, positions: Tensor, vocabula
         x = normalize(images[positions[start:start + 1024]].to(device))
         texts += [vocabulary.decode(row) for row in model.generate(x, CAPTION_LENGTH).tolist()]
     return texts
+
+
+def bleu(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> float:
+    """Corpus BLEU (sacrebleu, 0-100) of one hypothesis per image against that image's
+    references (any number per image). sacrebleu is imported here, not with the module:
+    training/ ships in a registered model's code and sacrebleu is no serving package."""
+    import sacrebleu
+
+    most = max(len(r) for r in references)
+    streams = [[r[i] if i < len(r) else None for r in references] for i in range(most)]
+    return float(sacrebleu.corpus_bleu(list(hypotheses), streams).score)
+
+
+LOOKS_ONLY = frozenset({"phrase"})  # kinds that say how an image looks, not what it shows
+
+
+def described_positions(captions: pd.DataFrame) -> Tensor:
+    """The positions with a description that says what the image shows: a row of any kind
+    but a measured phrase (`LOOKS_ONLY`)."""
+    shows = captions[~captions["kind"].isin(LOOKS_ONLY)]
+    return torch.tensor(sorted(set(shows["position"].tolist())), dtype=torch.long)
+
+
+def undescribed(train: Tensor, captions: pd.DataFrame) -> Tensor:
+    """The training positions without a description (`described_positions`: measured
+    phrases alone do not count, so a few-label run's unlabelled images, which have only their
+    phrases, are the captioner's to describe)."""
+    return train[~torch.isin(train, described_positions(captions))]

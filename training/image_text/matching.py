@@ -8,6 +8,9 @@ similar item when that cosine is at least `threshold` and beats the second most 
 by at least `margin` (Lowe's ratio test, as a difference): many garments look alike, and the
 margin keeps a look-alike from passing as a copy.
 
+A pool is a table of image-text pairs (`folder_pool`: a user's folder and its `captions.csv`);
+`match_training_images` hands a matched training image its pool item's texts.
+
 A DCT perceptual hash (imagehash's `phash`) was tried first: on 28-pixel Fashion-MNIST items
 it found at most a quarter of the true copies, whatever its threshold (docs/image_text.md).
 """
@@ -15,12 +18,17 @@ it found at most a quarter of the true copies, whatever its threshold (docs/imag
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
 import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
+
+from training.datasets import IMAGE_EXTENSIONS, LoadedDataset
+from training.image_text.descriptions import DescriptionError, read_descriptions
 
 NO_MATCH = -1
 SIGNATURE_SIZE = 28
@@ -92,3 +100,58 @@ def precision_recall(found: Tensor, truth: Tensor) -> dict[str, float]:
     return {"precision": float(correct.sum()) / max(int(made.sum()), 1),
             "recall": float(correct.sum()) / max(int(present.sum()), 1),
             "matched": int(made.sum()), "true_matches": int(present.sum())}
+
+
+POOL_CAPTIONS = "captions.csv"
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    """`image` encoded as PNG."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def folder_pool(folder: str) -> pd.DataFrame:
+    """A user's pool: the images of `folder` named by its `captions.csv` (their paths inside
+    the folder), with the table's texts and weights; `source` unknown (-1)."""
+    root = Path(folder)
+    table = read_descriptions(str(root / POOL_CAPTIONS), "image")
+    names = sorted(set(table["image"]))
+    missing = [n for n in names if not (root / n).is_file()
+               or (root / n).suffix.lower() not in IMAGE_EXTENSIONS]
+    if missing:
+        raise DescriptionError(f"{root / POOL_CAPTIONS}: {len(missing)} images missing or not "
+                               f"images, e.g. {', '.join(missing[:5])}")
+    item = {name: i for i, name in enumerate(names)}
+    return pd.DataFrame({"item": table["image"].map(item),
+                         "image": table["image"].map(lambda n: (root / n).read_bytes()),
+                         "text": table["text"], "weight": table["weight"],
+                         "source": NO_MATCH}).sort_values("item", kind="stable")
+
+
+def match_training_images(data: LoadedDataset, pool: pd.DataFrame, threshold: float,
+                          margin: float) -> tuple[pd.DataFrame, dict[str, float]]:
+    """The training images matched against the pool: their captions (position, text,
+    weight, kind `matched`), and the matching's figures (precision and recall where the pool
+    knows its true matches)."""
+    items = pool.drop_duplicates("item").set_index("item").sort_index()
+    train = data.splits["train"]
+    if len(items) == 0:  # nothing to match against: the captioner describes every image
+        return (pd.DataFrame({"position": pd.Series(dtype=int), "text": pd.Series(dtype=str),
+                              "weight": pd.Series(dtype=float), "kind": pd.Series(dtype=str)}),
+                {"pool_items": 0, "matched_images": 0})
+    pool_images = [Image.open(io.BytesIO(b)) for b in items["image"]]
+    queries = signatures([to_pil(data.images[p]) for p in train.tolist()])
+    found, _ = match(queries, signatures(pool_images), signatures(pool_images, mirrored=True),
+                     threshold, margin)
+    truth_of = {int(s): int(i) for i, s in items["source"].items() if s != NO_MATCH}
+    truth = torch.tensor([truth_of.get(p, NO_MATCH) for p in train.tolist()])
+    figures = {"pool_items": len(items), "matched_images": int((found != NO_MATCH).sum())}
+    if truth_of:
+        figures |= {f"match_{k}": v for k, v in precision_recall(found, truth).items()}
+    pairs = pd.DataFrame({"position": train.tolist(), "item": found.tolist()})
+    rows = pairs[pairs["item"] != NO_MATCH].merge(pool[["item", "text", "weight"]], on="item")
+    captions = pd.DataFrame({"position": rows["position"], "text": rows["text"],
+                             "weight": rows["weight"], "kind": "matched"})
+    return captions, figures

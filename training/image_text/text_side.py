@@ -107,3 +107,13 @@ def mix_head(model: ImageTextNet, side: TextSide, batches: Batches,
                                       zero_shot)
     model.head.weight.copy_(mixed_head(trained, zero_shot, alpha))
     return alpha, accuracies
+
+
+def start_backbone(model: ImageTextNet, weights: dict[str, Tensor]) -> None:
+    """The image side starts from a classifier's `weights` (the same network): every one but
+    its classifier (`fc`), which the image-text network replaces."""
+    kept = {k: v for k, v in weights.items() if not k.startswith("fc.")}
+    missing, unexpected = model.backbone.load_state_dict(kept, strict=False)
+    if unexpected or [k for k in missing if not k.startswith("fc.")]:
+        raise ValueError(f"the start checkpoint is another network's: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")

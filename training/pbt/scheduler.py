@@ -21,7 +21,7 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from training.scores import standard_error
 
@@ -223,3 +223,22 @@ def replay(scheduler: PBTScheduler, stage_scores: Sequence[Sequence[float | None
            ) -> list[Decision]:
     """The decisions a fresh scheduler makes on a run's recorded scores, stage by stage."""
     return [scheduler.decide(scores) for scores in stage_scores]
+
+
+def search_spaces(config: Any) -> list[SearchSpace]:
+    """The searched hyperparameters of a `pbt` config, with their bounds and scales."""
+    return [SearchSpace("lr", *config.lr_range, "log"),
+            SearchSpace("weight_decay", *config.weight_decay_range, "log"),
+            SearchSpace("momentum", *config.momentum_range, "linear"),
+            SearchSpace("augment", *config.augment_range, "linear")]
+
+
+def population_scheduler(config: Any, members: int, base: dict[str, float],
+                         val_images: int) -> PBTScheduler:
+    """The `pbt` config's scheduler: its search space and perturbations, member 0 at `base`'s
+    values, the incumbent kept within `--tie-margin` (none: one standard error on
+    `val_images`)."""
+    return PBTScheduler(search_spaces(config), members, base, config.run.seed,
+                        *config.explore_factors, linear_step=config.explore_step,
+                        margin=config.tie_margin, val_images=val_images, keep_base=True,
+                        explore=config.explore)
