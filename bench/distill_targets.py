@@ -23,7 +23,7 @@ same teacher states, stage images, batches and schedule). Only the student's tar
   fitted budget, whatever `--patience` says.
 
 Every student but `alone x1` trains `--patience` times the fitted budget (`--student-patience`).
-The teacher is warm-started (`--teacher-pretrain-epochs`) as a strong teacher would be. Scored
+The teacher is warm-started (`--teacher-pretrain-rounds`) as a strong teacher would be. Scored
 by checkpoint on the validation split (the choices read only it), on the test split and on the
 images no choice read (`bench.two_sets`); *gap closed*: (variant - alone) / (teacher - alone)
 on the unread images, at the seeds' means; the paired columns against `alone` and `kd` (same
@@ -31,7 +31,7 @@ seed, unread).
 
     python -m bench.distill_targets                          # both sets, seeds 0-2
     python -m bench.distill_targets --sets 2500x16 --seeds 0 --variants alone states-T1 \\
-        --set stages=2 train_limit=600 teacher_pretrain_epochs=1   # a check that it runs
+        --set stages=2 train_limit=600 teacher_pretrain_rounds=1   # a check that it runs
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
                         help="distill config fields for every run")
     args = parser.parse_args()
-    base = {"teacher_pretrain_epochs": 8, "student_patience": args.patience,
+    base = {"teacher_pretrain_rounds": 8, "student_patience": args.patience,
             **parse_overrides(args.set)}
     results, rows = [], []
     for name in args.sets:

@@ -41,10 +41,10 @@ from flows.image_text import image_text  # noqa: E402
 from tasks.configs.image_text import ImageTextConfig  # noqa: E402
 
 FEW = 10  # labelled images per class in the few-label runs
-ROUNDS = ImageTextConfig.model_fields["align_epochs"].default + \
-    ImageTextConfig.model_fields["epochs"].default
+ROUNDS = ImageTextConfig.model_fields["align_rounds"].default + \
+    ImageTextConfig.model_fields["rounds"].default
 VARIANTS = {
-    "(a) CE only": {"contrastive_weight": 0, "align_epochs": 0, "epochs": ROUNDS,
+    "(a) CE only": {"contrastive_weight": 0, "align_rounds": 0, "rounds": ROUNDS,
                     "text_init": False, "head_mixing": False},
     "(b) CE + contrastive": {"text_init": False, "head_mixing": False},
     "(c) (b) + text-initialized classifier": {"head_mixing": False},

@@ -1,7 +1,8 @@
 """PBT against the default hyperparameters and random search, at the same member-epochs.
 
-For each seed, N members (the `pbt` config's `members`) each train E = burn_in_epochs + stages x
-round_epochs epochs, so every method spends N x E member-epochs:
+For each seed, N members (the `pbt` config's `members`) each train E = burn_in_rounds + stages x
+stage_rounds rounds of the flow's budget (`repeats` passes each, the same for every method), so
+every method spends the same member-epochs:
 
 (a) default: N members with the default hyperparameters (different seeds), the best on the
     validation split kept;
@@ -14,7 +15,7 @@ were chosen on them in earlier sessions) and on 10,000 report images no choice e
 (`bench.report_set`), side by side.
 
 (a) and (b) train through the flow's own member round (`MemberRound`: the same data, batches,
-augmentation, cosine schedule over E epochs, gradient clipping, divergence check and weight
+augmentation, cosine schedule over E rounds, gradient clipping, divergence check and weight
 average, the budget fitted to the data) and are tested by the flow's `test_and_export`, on the
 weights PBT exports (the better of the last weights and the average on validation); a member
 that diverges is reported as failed.
@@ -64,15 +65,15 @@ METHODS = ("a: default", "b: random search", "c: PBT")
 
 @flow(name="bench-pbt-search")
 def independent_members(config: PBTConfig, method: str) -> tuple[float | str, dict, tuple]:
-    """(a) or (b): N members trained E epochs each with fixed hyperparameters; the best on
+    """(a) or (b): N members trained E rounds each with fixed hyperparameters; the best on
     validation is tested. Returns its test accuracy (or why all failed), its values and what
     scores it elsewhere (its classifier config, data set and checkpoint; empty if none)."""
     with tracking.tracked_run("bench-pbt", f"{method}-seed{config.run.seed}", config, {}) as run_id:
         dataset = prepare(config, run_id).dataset
-    epochs = config.burn_in_epochs + config.stages * config.round_epochs
-    budget = fit_to_data(config, dataset, epochs)  # the flow's budget: same batch and passes
+    rounds = config.burn_in_rounds + config.stages * config.stage_rounds
+    budget = fit_to_data(config, dataset, rounds)  # the flow's budget: same batch and passes
     base = classifier_config(config).replace(batch_size=budget.batch_size)
-    epochs *= budget.repeats
+    epochs = rounds * budget.repeats
     defaults = {name: getattr(base.optim, name) for name in HYPERPARAMETERS}
     if method == METHODS[0]:
         drawn = [defaults] * config.members
@@ -194,9 +195,9 @@ def main() -> None:
         results.append({"method": method, "test_accuracy": values, "mean": mean, "std": std,
                         "report_accuracy": reported[method], "report_mean": report_mean,
                         "report_std": report_std, "hyperparameters": chosen[method]})
-    epochs = config.burn_in_epochs + config.stages * config.round_epochs
+    rounds = config.burn_in_rounds + config.stages * config.stage_rounds
     if rows:
-        print(f"\n{config.members} members x {epochs} epochs of {config.network.model} on "
+        print(f"\n{config.members} members x {rounds} rounds of {config.network.model} on "
               f"{config.dataset.train_limit or 'all'} training images, per method and seed")
         print_table(["method", "report accuracy (never read)", "test accuracy (official)",
                      "per seed (test)", "failed"], rows)
@@ -209,7 +210,7 @@ def main() -> None:
               f"({os.cpu_count()} cores)")
     print_json({"benchmark": "pbt", "profile": args.profile, "seeds": args.seeds,
                 "report_images": len(report) if report else 0,
-                "overrides": overrides, "members": config.members, "epochs_per_member": epochs,
+                "overrides": overrides, "members": config.members, "rounds_per_member": rounds,
                 "results": results, "timing": timing})
 
 

@@ -68,8 +68,8 @@ def project_config(work: dict, seed: int, explore: bool = True) -> PBTConfig:
     `explore=False`: the control (`--no-explore`)."""
     stages = max(1, (work["epochs"] - 2) // 2)
     return PBTConfig(seed=seed, model=work["model"], width=work["width"],
-                     members=work["members"], burn_in_epochs=work["epochs"] - 2 * stages,
-                     round_epochs=2, stages=stages, batch_size=work["batch_size"],
+                     members=work["members"], burn_in_rounds=work["epochs"] - 2 * stages,
+                     stage_rounds=2, stages=stages, batch_size=work["batch_size"],
                      train_limit=work["train_limit"], val_fraction=work["val_fraction"],
                      val_limit=work["val_limit"], runner="dask", dask_workers=2, threads=1,
                      registry=False, progress=False, model_name="bench-pbt-peer", explore=explore,

@@ -98,40 +98,40 @@ VARIANTS: dict[str, dict] = {
     # term (the thresholds make the zeros; the term only keeps the maps small)
     "abs, fine-tuned, zero target 0.8": {"transform": "abs", "sparsity_lambda": 0.1,
                                          "zero_target": 0.8, "threshold_cycles": 8,
-                                         "threshold_settle_epochs": 2},
+                                         "threshold_settle_rounds": 2},
     # the thresholds raised inside one run of 22 rounds at lr 0.01 (`--zero-target-ramp`):
     # before each of rounds 1-12 in equal steps, topped up before every later round; the
     # control's optimizer and schedule. At lower targets too: what a share of zeros costs
     **{f"abs, fine-tuned, zero target {z:g}, ramp": {
-        "transform": "abs", "sparsity_lambda": 0.1, "epochs": 22, "zero_target": z,
+        "transform": "abs", "sparsity_lambda": 0.1, "rounds": 22, "zero_target": z,
         "zero_target_ramp": (1, 12)} for z in (0.8, 0.7, 0.6)},
     # both trained longer (38 rounds after `none`'s 8), the ramp over the first 20. No early
     # stopping: with patience 4 the dense run stopped near round 12 at lr 0.008, while the
     # ramp (kept only from round 20) ran on
     "abs, fine-tuned 38 rounds, zero target 0.8, ramp": {
-        "transform": "abs", "sparsity_lambda": 0.1, "epochs": 38, "zero_target": 0.8,
+        "transform": "abs", "sparsity_lambda": 0.1, "rounds": 38, "zero_target": 0.8,
         "zero_target_ramp": (1, 20), "patience": None},
-    "none, fine-tuned 38 rounds": {"sparsity_lambda": 0.0, "epochs": 38, "patience": None},
+    "none, fine-tuned 38 rounds": {"sparsity_lambda": 0.0, "rounds": 38, "patience": None},
     # the same 22 rounds spent with more on the term before the thresholds: 12 rounds at lr
     # 0.01, then 8 cycles of 1 round and 2 settling rounds
     "abs, fine-tuned 12 rounds, zero target 0.8": {
-        "transform": "abs", "sparsity_lambda": 0.1, "epochs": 12, "zero_target": 0.8,
-        "threshold_cycles": 8, "threshold_cycle_epochs": 1, "threshold_settle_epochs": 2},
+        "transform": "abs", "sparsity_lambda": 0.1, "rounds": 12, "zero_target": 0.8,
+        "threshold_cycles": 8, "threshold_cycle_rounds": 1, "threshold_settle_rounds": 2},
     # its control: the `none` network trained as many more rounds (4 + 8 x 2 + 2) without
     # the term or thresholds, so that the extra training is not counted as the method's
-    "none, fine-tuned 22 rounds": {"sparsity_lambda": 0.0, "epochs": 22},
+    "none, fine-tuned 22 rounds": {"sparsity_lambda": 0.0, "rounds": 22},
     # from scratch, both 30 rounds at the flow's lr 0.05 (the fine-tuned pair's 8 + 22), no
     # early stopping: the thresholds ramped before rounds 3-18 while the features still form
-    "none, 30 rounds": {"sparsity_lambda": 0.0, "epochs": 30, "patience": None},
+    "none, 30 rounds": {"sparsity_lambda": 0.0, "rounds": 30, "patience": None},
     **{f"abs, 30 rounds, zero target {z:g}, ramp 3-18": {
-        "transform": "abs", "sparsity_lambda": 0.1, "epochs": 30, "zero_target": z,
+        "transform": "abs", "sparsity_lambda": 0.1, "rounds": 30, "zero_target": z,
         "zero_target_ramp": (3, 18), "patience": None} for z in (0.8, 0.75)},
     # the term nearly off: the thresholds alone make the zeros
     "abs 0.001, 30 rounds, zero target 0.8, ramp 3-18": {
-        "transform": "abs", "sparsity_lambda": 0.001, "epochs": 30, "zero_target": 0.8,
+        "transform": "abs", "sparsity_lambda": 0.001, "rounds": 30, "zero_target": 0.8,
         "zero_target_ramp": (3, 18), "patience": None},
 }
-FINETUNE = {"epochs": 4, "lr": 0.01}  # added to the `none` run's 8 rounds
+FINETUNE = {"rounds": 4, "lr": 0.01}  # added to the `none` run's 8 rounds
 
 
 DENSE_VARIANTS = ("none", "abs")

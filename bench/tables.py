@@ -222,7 +222,15 @@ def pbt(record: dict) -> str:
     settings = ", ".join(f"{k}={v}" for k, v in record["overrides"].items()) or "the defaults"
     return "\n".join(lines) + (
         f"\n\nPaired: {'; '.join(gains)}. {record['members']} members x "
-        f"{record['epochs_per_member']} epochs each ({settings}). {provenance(record)}\n")
+        f"{per_member(record)} each ({settings}). {provenance(record)}\n")
+
+
+def per_member(record: dict) -> str:
+    """A `bench.pbt` record's training per member: its rounds (`epochs_per_member` in records
+    written before rounds had their name)."""
+    if "rounds_per_member" in record:
+        return f"{record['rounds_per_member']} rounds"
+    return f"{record['epochs_per_member']} epochs"
 
 
 def newest_per_flow(name: str, results: Path = RESULTS) -> dict:
@@ -516,6 +524,14 @@ def merged_variants_per_set(name: str, results: Path = RESULTS) -> dict:
     return {"results": entries, "sources": sources}
 
 
+def warm_start(base: dict) -> str:
+    """A `bench.distill_targets` record's teacher warm start: its rounds
+    (`teacher_pretrain_epochs` in records written before rounds had their name)."""
+    if "teacher_pretrain_rounds" in base:
+        return f"{base['teacher_pretrain_rounds']} rounds"
+    return f"{base['teacher_pretrain_epochs']} epochs"
+
+
 def distill_targets(picked: dict) -> str:
     """`bench.distill_targets`: per data set, the teacher and each student's accuracy on the
     unread images, the test split and the validation split, the gap closed and the paired
@@ -533,7 +549,7 @@ def distill_targets(picked: dict) -> str:
     setups = " ".join(dict.fromkeys(  # one sentence per distinct setting, sources oldest first
         f"Students train {r['base']['student_patience']}x the fitted budget"
         f"{f' ({others})' if others else ''}; the teacher is warm-started "
-        f"{r['base']['teacher_pretrain_epochs']} epochs." for r in picked["sources"]))
+        f"{warm_start(r['base'])}." for r in picked["sources"]))
     setups += " " + " ".join(provenance(r) for r in picked["sources"][::-1])
     return "\n".join(lines) + f"\n\nBest on validation: {chosen}. {setups}\n"
 

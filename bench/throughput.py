@@ -2,11 +2,12 @@
 
 Both train the same model on the same Fashion-MNIST images with the same batch size, the same
 augmentation, schedule and gradient clipping, and both score the validation split after each
-epoch. The flow side runs the real epoch task inside a Prefect flow with an MLflow run, metric
-logging and a checkpoint written, added to DVC and pushed: everything the `train` flow does per
-epoch. The two alternate epoch by epoch in one process (order swapped every round), so machine
-noise hits both; the ratio is the median of the rounds' paired ratios (this machine's speed
-drifts by 20% between minutes, so pairs beat pooled means).
+epoch. The flow side runs the real round task (a classifier round of one pass, `repeats` 1)
+inside a Prefect flow with an MLflow run, metric logging and a checkpoint written, added to DVC
+and pushed: everything the `train` flow does per round. The two alternate epoch by epoch in
+one process (order swapped every round), so machine noise hits both; the ratio is the median
+of the rounds' paired ratios (this machine's speed drifts by 20% between minutes, so pairs
+beat pooled means).
 
 Because that drift is larger than the effect, the flow's own cost is also measured directly in
 each flow epoch: wall time minus the time the task spent in the training loop and the
@@ -59,8 +60,8 @@ class BareLoop:
         batches = split_batches(self.data, self.dataset, "train", config.optim.batch_size,
                                 self.device, shuffle=True, seed=config.run.seed * 1000 + epoch,
                                 augment=config.optim.augment)
-        total = config.epochs * len(batches)
-        warmup = round(config.optim.warmup_epochs * len(batches))
+        total = config.rounds * len(batches)
+        warmup = round(config.optim.warmup_rounds * len(batches))
         started = time.perf_counter()
         self.model.train()
         for index, (_, x, y) in enumerate(batches):
@@ -93,9 +94,9 @@ class FlowSide:
         """Runs one round task and logs it; returns training images per second."""
         started = time.perf_counter()
         result = self.task(ClassifierRound(config=self.config, dataset=self.dataset,
-                                           epoch=epoch, run_name=EXPERIMENT), self.previous)
+                                           round=epoch, run_name=EXPERIMENT), self.previous)
         tracking.log_metrics(self.run_id, result.metrics, step=epoch + 1)
-        tracking.log_artifact_refs(self.run_id, {f"checkpoint.epoch-{epoch + 1:03d}":
+        tracking.log_artifact_refs(self.run_id, {f"checkpoint.round-{epoch + 1:03d}":
                                                  result.checkpoint})
         self.previous = result.checkpoint
         wall = time.perf_counter() - started
@@ -111,7 +112,7 @@ def measure(model_names: list[str], rounds: int, full: bool) -> list[dict]:
     """Alternates bare and flow epochs for each model; returns their rates and ratio."""
     results = []
     for name in model_names:
-        config = TrainConfig(profile="full" if full else "quick", model=name, epochs=rounds + 1,
+        config = TrainConfig(profile="full" if full else "quick", model=name, rounds=rounds + 1,
                              progress=False)
         data_cfg = config.dataset
         dataset = prepare_dataset(data_cfg, source_version(data_cfg))

@@ -1,6 +1,6 @@
 """Test accuracy of the `train` flow for the teacher and the student models, over seeds.
 
-Runs the real flow (data preparation, epochs, test, registration) once per model and seed on
+Runs the real flow (data preparation, rounds, test, registration) once per model and seed on
 Fashion-MNIST and reports mean and standard deviation of the accuracy, with every seed, on the
 official test images (some defaults were chosen on them earlier) and on 10,000 unread images
 no choice ever read (`bench.report_set`).

@@ -129,9 +129,9 @@ def cascade(config: CascadeConfig) -> CascadeSummary:
         for k in modules:
             log_budget(run_id, module_budget(config, sets.module_images[k]), f"module{k}_")
             best = run_rounds(
-                config.epochs, lambda epoch, _previous, k=k, start=checkpoint: ModuleRound(
+                config.rounds, lambda index, _previous, k=k, start=checkpoint: ModuleRound(
                     config=config, dataset=dataset, sets=sets, latency=latency, k=k,
-                    epoch=epoch, start=start),
+                    round=index, start=start),
                 run_id, config.patience, dataset.sizes["val"], key=f"module{k}_val_accuracy",
                 name=f"checkpoint.module-{k}")
             checkpoint = best.checkpoint

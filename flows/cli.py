@@ -46,7 +46,8 @@ def _parse_value(annotation: Any) -> Callable[[str], Any]:
 
 def add_config_options(parser: argparse.ArgumentParser, config_cls: type[StrictConfig]) -> None:
     """One `--field-name` option per config field, with its description and default; a
-    sectioned config's in one group per section."""
+    sectioned config's in one group per section; a hidden one per former name of a field
+    (`StrictConfig.RENAMED`), which sets the field with a notice naming the new flag."""
     groups = config_cls.field_groups()
     positional = getattr(config_cls, "POSITIONAL", ())
     for name in positional:
@@ -57,12 +58,37 @@ def add_config_options(parser: argparse.ArgumentParser, config_cls: type[StrictC
         target = parser.add_argument_group(f"{title} options", doc) if title else parser
         fields = sorted(group.items(), key=lambda item: item[0] != "profile")
         _add_options(target, config_cls, [(n, f) for n, f in fields if n not in positional])
+    fields = config_cls.flat_fields()
+    for old, new in config_cls.former_names().items():  # hidden from --help
+        parser.add_argument(_flag(old), dest=new, default=argparse.SUPPRESS,
+                            help=argparse.SUPPRESS, action=_FormerFlag, new_flag=_flag(new),
+                            type=_parse_value(fields[new].annotation))
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+class _FormerFlag(argparse.Action):
+    """A field's former flag (`StrictConfig.RENAMED`): sets the field, with a one-line notice
+    naming the new flag."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, new_flag: str,
+                 **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.new_flag = new_flag
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        print(f"notice: {option_string} is now {self.new_flag}; the old name is accepted "
+              f"until the next release", file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def _add_options(parser: Any, config_cls: type[StrictConfig],
                  fields: list[tuple[str, Any]]) -> None:
     for name, field in fields:
-        flag = "--" + name.replace("_", "-")
+        flag = _flag(name)
         annotation = field.annotation
         shown = "required" if field.is_required() else f"default: {field.default}"
         text = f"{field.description or ''} ({shown})"
@@ -132,10 +158,13 @@ def _summary(handler: Callable[..., Any]) -> str:
     return " ".join((handler.__doc__ or "").strip().split("\n\n")[0].split())
 
 
-def _suggestion(word: str, candidates: Sequence[str]) -> str:
-    """The names that `word` abbreviates, else the closest one."""
+def _suggestion(word: str, candidates: Sequence[str],
+                current: dict[str, str] | None = None) -> str:
+    """The names that `word` abbreviates, else the closest one; a former name as its
+    `current` one."""
     close = [name for name in candidates if name.startswith(word)][:3] or \
         difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    close = list(dict.fromkeys((current or {}).get(name, name) for name in close))
     return f" (did you mean {' or '.join(close)}?)" if close else ""
 
 
@@ -147,8 +176,8 @@ def _chosen(argv: Sequence[str]) -> str | None:
 def make_parser(commands: Sequence[Command], chosen: str | None = None
                 ) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser with one sub-command per flow or tool; only the `chosen` one gets
-    its options (its config imported). Abbreviated options are refused: `--epoch` is not
-    silently `--epochs`."""
+    its options (its config imported). Abbreviated options are refused: `--round` is not
+    silently `--rounds`."""
     parser = argparse.ArgumentParser(
         prog="python -m flows", allow_abbrev=False,
         description="Train compact image models with Prefect flows; runs tracked in MLflow, "
@@ -196,12 +225,14 @@ def main(commands: Sequence[Command], argv: Sequence[str] | None = None) -> Any:
     args = vars(args)
     command = args.pop("_command")
     if extras:
-        flags = [flag for action in subparsers[command.name]._actions
-                 for flag in action.option_strings]
+        actions = subparsers[command.name]._actions
+        flags = [flag for action in actions for flag in action.option_strings]
+        current = {flag: action.new_flag for action in actions
+                   if isinstance(action, _FormerFlag) for flag in action.option_strings}
         unknown = next((word for word in extras if word.startswith("-")), extras[0])
         subparsers[command.name].error(
             f"unrecognized arguments: {' '.join(extras)}"
-            f"{_suggestion(unknown.split('=')[0], flags)}")
+            f"{_suggestion(unknown.split('=')[0], flags, current)}")
     args.pop("command")
     config_cls = command.config_class()
     try:

@@ -96,7 +96,7 @@ def run_train(config: TrainConfig) -> None:
 
     summary = _exit_on_data_error(lambda: train(config))
     print(f"\ntest accuracy {summary.test_accuracy:.4f} "
-          f"(kept round {summary.best_epoch}, validation {summary.val_accuracy:.4f})")
+          f"(kept round {summary.best_round}, validation {summary.val_accuracy:.4f})")
     _print_registration(summary)
 
 
@@ -134,7 +134,7 @@ def run_sparsify(config: SparsifyConfig) -> None:
                       for name, layer in summary.report.layers.items())
     scores = (", ".join(f"{k} {v:.4f}" for k, v in summary.test.items())
               if config.task != "classification" else f"test accuracy {summary.test_accuracy:.4f}")
-    print(f"\n{scores} (kept round {summary.best_epoch}, validation "
+    print(f"\n{scores} (kept round {summary.best_round}, validation "
           f"{summary.report.score_name} {summary.report.val_score:.4f}); exact zeros on "
           f"validation: {zeros}")
     _print_registration(summary)

@@ -4,7 +4,7 @@ Prepare the data; describe every image (the user's captions table, matches in a 
 image-text pairs, or the project's own: each class's WordNet descriptions and phrases measured
 from the image), let a captioner trained on the described images describe the rest
 (`caption-images`), and encode every distinct text (`describe-images`); align image and text
-features with the contrastive loss alone for `--align-epochs` rounds; start the classifier
+features with the contrastive loss alone for `--align-rounds` rounds; start the classifier
 from the text features of each class's descriptions; train both sub-losses with early
 stopping on validation; with `--head-mixing`, mix the classifier with the zero-shot head
 (WiSE-FT, the weight chosen on validation); test the classifier and zero-shot classification
@@ -18,9 +18,8 @@ every choice reads at most K validation images per class (`tasks/image_text/task
 from __future__ import annotations
 
 from prefect import flow
-from pydantic import BaseModel, ConfigDict
 
-from flows.skeleton import begun_run, conclude, publish
+from flows.skeleton import BestRound, begun_run, conclude, publish
 from flows.steps.image_text import train_image_text
 from tasks.adapters import tracking
 from tasks.adapters.registration import Registration
@@ -38,15 +37,12 @@ __all__ = ["FLOW_NAME", "ImageTextSummary", "image_text"]
 FLOW_NAME = "image_text"
 
 
-class ImageTextSummary(BaseModel):
+class ImageTextSummary(BestRound):
     """What an `image_text` run gives back."""
-
-    model_config = ConfigDict(frozen=True)
 
     run_id: str
     descriptions: Descriptions
     aligned: ArtifactRef | None  # the checkpoint the classifier started from
-    best_epoch: int
     val_accuracy: float  # of the model kept (the mixed head's with head mixing)
     val_images: int  # the validation images the choices read
     head_mixing_alpha: float | None  # the weight of the trained head (None: not mixed)
@@ -84,7 +80,7 @@ def image_text(config: ImageTextConfig) -> ImageTextSummary:
                             lambda refusal: register_image_text(run_id, name, config, dataset,
                                                                 described, final, refusal))
         summary = ImageTextSummary(run_id=run_id, descriptions=described, aligned=aligned,
-                                   best_epoch=best.round + 1, val_accuracy=val_accuracy,
+                                   best_round=best.round + 1, val_accuracy=val_accuracy,
                                    val_images=described.val_images, head_mixing_alpha=alpha,
                                    test_metrics=metrics, baselines=prepared.baselines,
                                    registration=finished.registration)
@@ -92,9 +88,9 @@ def image_text(config: ImageTextConfig) -> ImageTextSummary:
         "zero-shot from the class descriptions": f"test {metrics['test_zero_shot_accuracy']:.4f}",
         "descriptions": f"{described.described_images} images, "
                         f"{described.texts_per_image:.1f} texts each ({config.text_encoder})",
-        "best round (validation)": f"{summary.best_epoch} ({best.metrics['val_accuracy']:.4f} "
+        "best round (validation)": f"{summary.best_round} ({best.metrics['val_accuracy']:.4f} "
                                    f"on {described.val_images} images)",
-        "budget": f"{config.align_epochs} alignment + {config.epochs} rounds x "
+        "budget": f"{config.align_rounds} alignment + {config.rounds} rounds x "
                   f"{budget.repeats} passes, batch {budget.batch_size}",
     }
     if alpha is not None:

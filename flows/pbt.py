@@ -73,6 +73,6 @@ def pbt(config: PBTConfig) -> PBTSummary:
                 "hyperparameters": ", ".join(f"{k}={v:.4g}" for k, v in
                                              population.hyperparameters.items()),
                 "stages": str(population.stages),
-                "budget": f"{budget.repeats} passes per epoch, batch {budget.batch_size}",
+                "budget": f"{budget.repeats} passes per round, batch {budget.batch_size}",
             })
     return summary

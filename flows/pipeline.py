@@ -11,7 +11,7 @@
    started from the class descriptions), and the result, as a plain student
    (`as-classifier`), goes on only if it beats the distilled student on validation.
 3. `pbt`'s population (its subflow) on the distilled student (or the image-text step's):
-   every member starts from the student's weights, trains a burn-in epoch and `--pbt-stages`
+   every member starts from the student's weights, trains a burn-in round and `--pbt-stages`
    stages with evaluation, weight copy and hyperparameter exploration, then the greedy soup.
 4. `sparsify`'s rounds on PBT's best: fine-tuning with the activation-sparsity term, then the
    activation thresholds (`--zero-threshold-tolerance`).
@@ -263,7 +263,7 @@ def run_sparsify(config: PipelineConfig, prepared: Prepared, run_id: str, start:
     activation report on the test split (the validation one chose the round and thresholds)."""
     sparse = prepared.apply(config.sparsify_config())
     with tracking.tracked_run(FLOW_NAME, "sparsify", sparse, parent_run_id=run_id) as sparse_run:
-        classifier, budget = budgeted_classifier(sparse, prepared, sparse_run, sparse.epochs)
+        classifier, budget = budgeted_classifier(sparse, prepared, sparse_run, sparse.rounds)
         _, best, report = train_sparse(sparse, classifier, prepared, budget, sparse_run, start)
         tracking.log_dict(sparse_run, report.model_dump(), "sparsity/report.json")
         test_report = test_activations(classifier, prepared.dataset, best.checkpoint,

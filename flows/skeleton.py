@@ -9,6 +9,7 @@ training before `finish`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -26,6 +27,7 @@ from tasks.adapters.versioning import ArtifactRef
 from tasks.configs.image_text import unseen_labels
 from tasks.configs.sections import (
     ClassifierConfig,
+    FormerNameWarning,
     ProfiledConfig,
     RunSection,
     classifier_config,
@@ -71,13 +73,25 @@ class Finished(BaseModel):
         return self.test.metrics["test_accuracy"]
 
 
-class ClassifierSummary(BaseModel):
-    """What a run that trains one classifier in rounds gives back (`train`, `sparsify`)."""
+class BestRound(BaseModel):
+    """A summary's kept round, `best_round` (from 1); `best_epoch`, its former name, reads it
+    for one release."""
 
     model_config = ConfigDict(frozen=True)
 
+    best_round: int
+
+    @property
+    def best_epoch(self) -> int:
+        warnings.warn("best_epoch is now best_round; the old name is accepted until the next "
+                      "release", FormerNameWarning, stacklevel=2)
+        return self.best_round
+
+
+class ClassifierSummary(BestRound):
+    """What a run that trains one classifier in rounds gives back (`train`, `sparsify`)."""
+
     run_id: str
-    best_epoch: int
     val_accuracy: float
     test_accuracy: float
     baselines: dict[str, float]
@@ -176,24 +190,24 @@ def log_budget(run_id: str, budget: Budget, prefix: str = "") -> None:
 
 def budgeted_classifier(config: ProfiledConfig, prepared: Prepared, run_id: str, rounds: int
                         ) -> tuple[ClassifierConfig, Budget]:
-    """The budget of `rounds` configured epochs of `config` on the prepared data (logged), and
-    the classifier part of `config` with that budget's batch."""
+    """The budget of `rounds` rounds of `config` on the prepared data (logged), and the
+    classifier part of `config` with that budget's batch."""
     budget = fit_to_data(config, prepared.dataset, rounds)
     log_budget(run_id, budget)
     return classifier_config(config).replace(
-        batch_size=budget.batch_size, epochs=rounds), budget
+        batch_size=budget.batch_size, rounds=rounds), budget
 
 
 def run_rounds(rounds: int, plan_of: Callable[[int, ArtifactRef | None], RoundPlan],
                run_id: str, patience: int | None, val_images: int, key: str = "val_accuracy",
                name: str = "checkpoint", first_step: int = 0, keep_from: int = 0,
-               previous: ArtifactRef | None = None, round_name: str = "epoch",
+               previous: ArtifactRef | None = None, round_name: str = "round",
                metrics_prefix: str = "", keep_last: bool = False,
                train: Callable[[RoundPlan, ArtifactRef | None], RoundResult] = round_task
                ) -> RoundResult:
     """Runs the round task (`tasks.rounds.round_task`, or `train`) on
-    `plan_of(epoch, previous)` from the previous round's checkpoint (the first from
-    `previous`) for up to `rounds` rounds, logging each round's metrics (named
+    `plan_of(index, previous)` (`index` from 0) from the previous round's checkpoint (the
+    first from `previous`) for up to `rounds` rounds, logging each round's metrics (named
     `<metrics_prefix><metric>`, at step `first_step` + the round's number) and checkpoint (as
     `<name>.<round_name>-NNN`), with early stopping on the metric `key` after `patience` rounds
     below the best; returns the round to keep (`training.recipe.EarlyStopping`), or with
@@ -202,19 +216,19 @@ def run_rounds(rounds: int, plan_of: Callable[[int, ArtifactRef | None], RoundPl
     logger = get_run_logger()
     stopping = EarlyStopping(patience, val_images)
     best = result = None
-    for epoch in range(rounds):
-        result = train(plan_of(epoch, previous), previous)
+    for index in range(rounds):
+        result = train(plan_of(index, previous), previous)
         tracking.log_metrics(run_id, {f"{metrics_prefix}{k}": v
                                       for k, v in result.metrics.items()},
-                             step=first_step + epoch + 1)
-        tracking.log_artifact_refs(run_id, {f"{name}.{round_name}-{epoch + 1:03d}":
+                             step=first_step + index + 1)
+        tracking.log_artifact_refs(run_id, {f"{name}.{round_name}-{index + 1:03d}":
                                             result.checkpoint})
-        logger.info("round %d/%d: %s", epoch + 1, rounds, ", ".join(
+        logger.info("round %d/%d: %s", index + 1, rounds, ", ".join(
             f"{k}={v:.4g}" for k, v in result.metrics.items()))
         previous = result.checkpoint
-        if keep_last or epoch < keep_from:
+        if keep_last or index < keep_from:
             continue
-        if stopping.update(epoch, result.metrics[key]):
+        if stopping.update(index, result.metrics[key]):
             best = result
         if stopping.should_stop:
             logger.info("early stop: %d rounds below the best %s", stopping.stale, key)
@@ -222,17 +236,17 @@ def run_rounds(rounds: int, plan_of: Callable[[int, ArtifactRef | None], RoundPl
     return result if keep_last else best
 
 
-def train_epochs(classifier: ClassifierConfig, prepared: Prepared, budget: Budget,
-                 run_id: str, patience: int | None, run_name: str = "train",
-                 sparsity: SparsitySpec | None = None,
-                 start: ArtifactRef | None = None, name: str = "checkpoint",
-                 first_step: int = 0) -> RoundResult:
+def train_classifier_rounds(classifier: ClassifierConfig, prepared: Prepared, budget: Budget,
+                            run_id: str, patience: int | None, run_name: str = "train",
+                            sparsity: SparsitySpec | None = None,
+                            start: ArtifactRef | None = None, name: str = "checkpoint",
+                            first_step: int = 0) -> RoundResult:
     """The classifier's rounds of `budget` (`run_rounds`: early stopping on validation
-    accuracy, checkpoints logged as `<name>.epoch-NNN`, metrics from step `first_step` + 1);
+    accuracy, checkpoints logged as `<name>.round-NNN`, metrics from step `first_step` + 1);
     the round to keep. `sparsity` adds the `sparsify` flow's activation-sparsity term to the
     loss; `start`: weights to fine-tune instead of a fresh network."""
-    return run_rounds(classifier.epochs, lambda epoch, _previous: ClassifierRound(
-        config=classifier, dataset=prepared.dataset, epoch=epoch, run_name=run_name,
+    return run_rounds(classifier.rounds, lambda index, _previous: ClassifierRound(
+        config=classifier, dataset=prepared.dataset, round=index, run_name=run_name,
         repeats=budget.repeats, sparsity=sparsity, start=start),
         run_id, patience, prepared.dataset.sizes["val"], name=name, first_step=first_step)
 

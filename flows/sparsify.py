@@ -100,7 +100,7 @@ def sparsify(config: SparsifyConfig) -> SparsifySummary | CanvasSummary:
                               {"task": config.task}) as run_id:
             return sparsify_canvas(config, name, run_id)
     with begun_run(config, FLOW_NAME, run_name) as (run_id, name, prepared, config):
-        classifier, budget = budgeted_classifier(config, prepared, run_id, config.epochs)
+        classifier, budget = budgeted_classifier(config, prepared, run_id, config.rounds)
         start = initial_weights(config, classifier, prepared, run_id)
         spec, best, report = train_sparse(config, classifier, prepared, budget, run_id, start)
         tracking.log_dict(run_id, report.model_dump(), "sparsity/report.json")
@@ -123,7 +123,7 @@ def sparsify(config: SparsifyConfig) -> SparsifySummary | CanvasSummary:
         tracking.log_figure(run_id, sparsity_figure(
             test_report, f"{config.network.model}, {spec.build().describe()}"),
             "sparsity/test_layers.png")
-        summary = SparsifySummary(run_id=run_id, best_epoch=best.round + 1,
+        summary = SparsifySummary(run_id=run_id, best_round=best.round + 1,
                                   val_accuracy=best.metrics["val_accuracy"],
                                   test_accuracy=finished.test_accuracy,
                                   baselines=prepared.baselines, spec=spec, report=report,
@@ -147,6 +147,6 @@ def sparsify(config: SparsifyConfig) -> SparsifySummary | CanvasSummary:
                                  f"left, validation {pruned.pruned_val_accuracy:.4f}, CPU time "
                                  f"{pruned.metrics()['pruned_latency_ratio_b1']:.2f} of the "
                                  f"original's at batch 1",
-        "best round (validation)": f"{summary.best_epoch} ({summary.val_accuracy:.4f})",
+        "best round (validation)": f"{summary.best_round} ({summary.val_accuracy:.4f})",
     })
     return summary

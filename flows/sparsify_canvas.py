@@ -14,9 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect import get_run_logger
-from pydantic import BaseModel, ConfigDict
 
-from flows.skeleton import run_rounds
+from flows.skeleton import BestRound, run_rounds
 from flows.steps.sparsify import FLOW_NAME
 from tasks.adapters import tracking
 from tasks.adapters.registration import Registration
@@ -43,14 +42,11 @@ from training.sparsify.report import ActivationReport, SparsityReport
 __all__ = ["CanvasSummary", "sparsify_canvas"]
 
 
-class CanvasSummary(BaseModel):
+class CanvasSummary(BestRound):
     """What a detection or contour run of `sparsify` gives back."""
-
-    model_config = ConfigDict(frozen=True)
 
     run_id: str
     task: str
-    best_epoch: int
     val_score: float
     test: dict[str, float]
     spec: SparsitySpec
@@ -88,8 +84,8 @@ def train_sparse_canvas(config: SparsifyConfig, layouts: LayoutsRef, run_id: str
     get_run_logger().info("sparsity term %s on %s", spec.build().describe(), ", ".join(
         f"{k} (lambda {v:.3g})" for k, v in spec.lambdas.items()))
     active = any(value > 0 for value in spec.lambdas.values())
-    best = run_rounds(config.epochs, lambda epoch, _previous: CanvasRound(
-        config=config, layouts=layouts, epoch=epoch, sparsity=spec if active else None),
+    best = run_rounds(config.rounds, lambda index, _previous: CanvasRound(
+        config=config, layouts=layouts, round=index, sparsity=spec if active else None),
         run_id, config.patience,
         layouts.sizes["val"], f"val_{SCORE[config.task]}")
     report = canvas_sparsity_report(config, layouts, best.checkpoint, spec)
@@ -149,6 +145,6 @@ def sparsify_canvas(config: SparsifyConfig, name: str, run_id: str) -> CanvasSum
                      "best round (validation)": f"{best.round + 1} ({report.val_score:.4f})",
                      "model": registration.describe(),
                      "decision": registration.decision, "MLflow run": run_id})
-    return CanvasSummary(run_id=run_id, task=config.task, best_epoch=best.round + 1,
+    return CanvasSummary(run_id=run_id, task=config.task, best_round=best.round + 1,
                         val_score=report.val_score, test=test, spec=spec, report=report,
                         test_report=test_report, sweep=points, registration=registration)

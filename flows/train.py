@@ -10,7 +10,7 @@ from flows.skeleton import (
     budgeted_classifier,
     finish,
     publish,
-    train_epochs,
+    train_classifier_rounds,
 )
 from tasks.configs.train import TrainConfig
 
@@ -34,18 +34,18 @@ def train(config: TrainConfig) -> TrainSummary:
     `config.run.model_name`."""
     run_name = f"{FLOW_NAME}-{config.network.model}-seed{config.run.seed}"
     with begun_run(config, FLOW_NAME, run_name) as (run_id, name, prepared, config):
-        classifier, budget = budgeted_classifier(config, prepared, run_id, config.epochs)
-        best = train_epochs(classifier, prepared, budget, run_id, config.patience)
+        classifier, budget = budgeted_classifier(config, prepared, run_id, config.rounds)
+        best = train_classifier_rounds(classifier, prepared, budget, run_id, config.patience)
         finished = finish(run_id, name, config.run, classifier, prepared, best.checkpoint,
                           best.metrics["val_accuracy"])
-        summary = TrainSummary(run_id=run_id, best_epoch=best.round + 1,
+        summary = TrainSummary(run_id=run_id, best_round=best.round + 1,
                                val_accuracy=best.metrics["val_accuracy"],
                                test_accuracy=finished.test_accuracy,
                                baselines=prepared.baselines, repeats=budget.repeats,
                                registration=finished.registration)
     publish("train-summary", f"train: {config.network.model} on {config.dataset.data}", run_id,
             finished, {
-        "best round (validation)": f"{summary.best_epoch} ({summary.val_accuracy:.4f})",
+        "best round (validation)": f"{summary.best_round} ({summary.val_accuracy:.4f})",
         "budget": f"{budget.rounds} rounds x {budget.repeats} passes, batch "
                   f"{budget.batch_size}: {budget.steps} steps",
     })

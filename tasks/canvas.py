@@ -146,22 +146,22 @@ def score(config: SparsifyConfig, model: nn.Module, layouts: Layouts,
 
 
 class CanvasRound(RoundPlan):
-    """Round `epoch` (0-based) of `config.epochs`: one shuffled, flipped pass over the
+    """Round `round` (0-based) of `config.rounds`: one shuffled, flipped pass over the
     training canvases on the cosine schedule of the whole run, with the sparsity term when
     given; then the validation canvases are scored (`val_map_50` or `val_boundary_f`). It
     trains in one process (`training.canvas.rounds`)."""
 
     config: SparsifyConfig
     layouts: LayoutsRef
-    epoch: int
+    round: int
     sparsity: SparsitySpec | None = None
 
     @property
     def number(self) -> int:
-        return self.epoch
+        return self.round
 
     def task_name(self) -> str:
-        return f"{self.config.task}-{self.epoch + 1}"
+        return f"{self.config.task}-{self.round + 1}"
 
     def open(self, previous: ArtifactRef | None, device: torch.device) -> Opened:
         config = self.config
@@ -177,7 +177,7 @@ class CanvasRound(RoundPlan):
             config, None, CanvasStep(config.task),
             LayoutPasses(load_layouts(self.layouts, "train"), config.task, config.optim.batch_size,
                          config.run.seed),
-            (self.epoch,), (0, config.epochs), config.optim.warmup_epochs,
+            (self.round,), (0, config.rounds), config.optim.warmup_rounds,
             sparsity=None if self.sparsity is None else self.sparsity.term(),
             progress=config.task if config.run.progress else None)
         return Opened(Trainee(model, optimizer), round_)
@@ -187,14 +187,14 @@ class CanvasRound(RoundPlan):
         model = opened.trainee.model
         scores = score(self.config, model, load_layouts(self.layouts, "val"), device)
         payload = {"model": {k: v.cpu() for k, v in model.state_dict().items()},
-                   "optimizer": opened.trainee.optimizer.state_dict(), "epoch": self.epoch}
+                   "optimizer": opened.trainee.optimizer.state_dict(), "round": self.round}
         return Closed(metrics | {f"val_{k}": v for k, v in scores.items()}, payload)
 
     def relpath(self) -> str:
         key = hashlib.md5(json.dumps([result_fields(self.config), self.layouts.artifact.md5,
                                       self.sparsity.model_dump() if self.sparsity else None],
                                      sort_keys=True).encode()).hexdigest()[:12]
-        return f"sparsify/{key}/round-{self.epoch + 1:03d}.pt"
+        return f"sparsify/{key}/round-{self.round + 1:03d}.pt"
 
 
 def _activations(config: SparsifyConfig, model: nn.Module, layouts: Layouts, layers: list[str],

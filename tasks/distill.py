@@ -5,7 +5,7 @@ Each task loads its inputs by reference, does one coarse unit of work, writes it
 atomically into the artifact store (versioned with DVC) and returns the reference and metrics.
 The images of a stage come from a recency queue replayed from the seed, so a task needs no
 queue state from another task, and a re-run (or a run resumed after a crash) draws the same
-images. Tasks are cached on their inputs and the code's version, like the `train` epochs.
+images. Tasks are cached on their inputs and the code's version, like the `train` rounds.
 """
 
 from __future__ import annotations
@@ -50,12 +50,12 @@ Role = Literal["teacher", "student"]
 class RoleConfig(ClassifierConfig):
     """One network's part of a `distill` run: what it is, how it learns, how it draws images.
 
-    `epochs` is the number of stages: the learning-rate schedule spans all of them.
+    `rounds` is the number of stages: the learning-rate schedule spans all of them.
     """
 
     role: Role
     repeats: int = Field(1, ge=1, description="passes over the stage's images per stage")
-    pretrain_epochs: int = Field(0, ge=0)
+    pretrain_rounds: int = Field(0, ge=0)
     fraction: float = Field(gt=0.0, lt=1.0)
     front_weight: float = Field(gt=0.0)
     back_weight: float = Field(gt=0.0)
@@ -110,12 +110,12 @@ class DistillPlan(BaseModel):
                     "optim": config.optim.replace(batch_size=budget.batch_size) if budget
                     else config.optim,
                     "repeats": (budget.repeats if budget else 1) * patience,
-                    "epochs": config.stages, "front_weight": config.front_weight,
+                    "rounds": config.stages, "front_weight": config.front_weight,
                     "back_weight": config.back_weight}
 
         teacher = RoleConfig(**shared(config.teacher_model, config.teacher_width,
                                       teacher_budget),
-                             role="teacher", pretrain_epochs=config.teacher_pretrain_epochs,
+                             role="teacher", pretrain_rounds=config.teacher_pretrain_rounds,
                              fraction=config.teacher_fraction, queue="recency")
         student = StudentConfig(
             **shared(config.student_model, config.student_width, student_budget,
@@ -148,9 +148,9 @@ class BankSnapshot(BaseModel):
 
 
 def pretrain_config(teacher: RoleConfig) -> ClassifierConfig:
-    """The teacher's warm start as a plain classifier run of `pretrain_epochs` epochs over all
-    training images (trained by the `train` flow's epoch task)."""
-    return classifier_config(teacher).replace(epochs=teacher.pretrain_epochs)
+    """The teacher's warm start as a plain classifier run of `pretrain_rounds` rounds over all
+    training images (trained by the `train` flow's round task)."""
+    return classifier_config(teacher).replace(rounds=teacher.pretrain_rounds)
 
 
 def _stage_name(prefix: str):

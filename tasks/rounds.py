@@ -34,9 +34,10 @@ from training.rounds import Closed, Opened, Round, Trainee, train_passes
 
 
 class RoundResult(BaseModel):
-    """What a round returns: its number (as its plan counts: an epoch from 0, a stage from
-    1), the checkpoint it wrote, its metrics, and which of its weights the checkpoint's scored
-    entry holds (`model`, the last weights; `averaged` or `soup` for PBT members)."""
+    """What a round returns: its number (as its plan counts: a classifier's round from 0, a
+    stage from 1), the checkpoint it wrote, its metrics, and which of its weights the
+    checkpoint's scored entry holds (`model`, the last weights; `averaged` or `soup` for PBT
+    members)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -58,7 +59,7 @@ class RoundPlan(BaseModel):
         raise NotImplementedError
 
     def task_name(self) -> str:
-        """The task run's name in the Prefect UI (`epoch-3`, `teacher-2`, ...)."""
+        """The task run's name in the Prefect UI (`round-3`, `teacher-2`, ...)."""
         raise NotImplementedError
 
     def open(self, previous: ArtifactRef | None, device: torch.device) -> Opened:

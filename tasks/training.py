@@ -66,11 +66,11 @@ def resume(config: ClassifierConfig, dataset: DatasetRef, store: ArtifactStore,
     return model, optimizer
 
 
-# The live model and optimizer of the last epoch this process finished, keyed by the checkpoint
-# they wrote and the run's key. The next epoch of the same run continues from them instead of
+# The live model and optimizer of the last round this process finished, keyed by the checkpoint
+# they wrote and the run's key. The next round of the same run continues from them instead of
 # rebuilding both from that checkpoint: the same state, and measurably faster on CPUs (a rebuilt
-# model trained 3-5% slower for the whole epoch here). An epoch takes the entry out before it
-# trains, so a failed epoch never leaves a half-trained model behind to be reused.
+# model trained 3-5% slower for the whole round here). A round takes the entry out before it
+# trains, so a failed round never leaves a half-trained model behind to be reused.
 _WARM: dict[tuple[str, str], tuple[nn.Module, torch.optim.Optimizer]] = {}
 _WARM_LOCK = threading.Lock()
 
@@ -90,7 +90,7 @@ def _keep_warm(checkpoint: ArtifactRef, key: str, model: nn.Module,
 
 
 class ClassifierRound(RoundPlan):
-    """Round `epoch` (0-based) of `config.epochs`: `repeats` passes over the training images
+    """Round `round` (0-based) of `config.rounds`: `repeats` passes over the training images
     (`training.budget`; 1 on a large data set) on the cosine schedule of the whole run, then
     the validation split scored. `sparsity`: the `sparsify` flow's activation-sparsity term,
     added to the loss. `start`: the weights the first round starts from (fine-tuning,
@@ -99,7 +99,7 @@ class ClassifierRound(RoundPlan):
 
     config: ClassifierConfig
     dataset: DatasetRef
-    epoch: int
+    round: int
     run_name: str = "train"
     repeats: int = 1
     sparsity: SparsitySpec | None = None
@@ -107,10 +107,10 @@ class ClassifierRound(RoundPlan):
 
     @property
     def number(self) -> int:
-        return self.epoch
+        return self.round
 
     def task_name(self) -> str:
-        return f"epoch-{self.epoch + 1}"  # 1-based, like checkpoints and steps
+        return f"round-{self.round + 1}"  # 1-based, like checkpoints and steps
 
     def key(self) -> str:
         """Names the run's checkpoints: its config, data, passes per round, term, start."""
@@ -126,11 +126,11 @@ class ClassifierRound(RoundPlan):
         if model is None:
             model, optimizer = resume(config, self.dataset, ArtifactStore(),
                                       previous or self.start, device)
-        passes = range(self.epoch * repeats, (self.epoch + 1) * repeats)
-        progress = f"round {self.epoch + 1}/{config.epochs}" if config.run.progress else None
+        passes = range(self.round * repeats, (self.round + 1) * repeats)
+        progress = f"round {self.round + 1}/{config.rounds}" if config.run.progress else None
         round_ = classifier_round(config, self.dataset, data, passes,
-                                  (0, config.epochs * repeats),
-                                  config.optim.warmup_epochs * repeats,
+                                  (0, config.rounds * repeats),
+                                  config.optim.warmup_rounds * repeats,
                                   progress, sparsity=self.sparsity)
         return Opened(Trainee(model, optimizer), round_, {"data": data})
 
@@ -149,13 +149,13 @@ class ClassifierRound(RoundPlan):
                              "val_seconds": time.perf_counter() - started}
         timings = {"images_per_second", "train_seconds", "val_seconds"}  # not the state
         payload = {"model": model.state_dict(),
-                   "optimizer": opened.trainee.optimizer.state_dict(), "epoch": self.epoch,
+                   "optimizer": opened.trainee.optimizer.state_dict(), "round": self.round,
                    "metrics": {k: v for k, v in metrics.items() if k not in timings}} | (
             {"thresholds": dict(thresholds)} if thresholds else {})
         return Closed(metrics, payload)
 
     def relpath(self) -> str:
-        return f"checkpoints/{self.run_name}/{self.key()}/epoch-{self.epoch + 1:03d}.pt"
+        return f"checkpoints/{self.run_name}/{self.key()}/round-{self.round + 1:03d}.pt"
 
     def kept(self, checkpoint: ArtifactRef, opened: Opened) -> None:
         _keep_warm(checkpoint, self.key(), opened.trainee.model, opened.trainee.optimizer)

@@ -92,7 +92,7 @@ def smoke(**overrides):
     profile registers nothing unless given `registry=True`)."""
     from tasks.configs.train import TrainConfig
 
-    return TrainConfig(**{"profile": "smoke", "model_name": SMOKE_MODEL, "epochs": 2,
+    return TrainConfig(**{"profile": "smoke", "model_name": SMOKE_MODEL, "rounds": 2,
                           "train_limit": 1024, "lr": 0.1, **overrides})
 
 
@@ -160,8 +160,8 @@ def kill_when_written(args: list[str], folder: Path, pattern: str,
 
 def assert_whole_after_kill(folder: Path, pattern: str) -> None:
     """No half-written file under a real name after `kill_when_written`: every file matching
-    `pattern` (`epoch-*.pt`) whose pointer exists has the bytes its pointer records, and none
-    of our own temporaries (`.epoch-002.<random>.pt`) is left. A kill during `dvc commit` may
+    `pattern` (`round-*.pt`) whose pointer exists has the bytes its pointer records, and none
+    of our own temporaries (`.round-002.<random>.pt`) is left. A kill during `dvc commit` may
     leave DVC's link-test file (`.<22 characters>.tmp`); the next commit in the folder
     removes it."""
     from tasks.adapters.versioning import data_dvc_hash, md5_of

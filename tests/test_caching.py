@@ -88,7 +88,7 @@ def test_a_rounds_key_leaves_out_the_fields_marked_run_only_at_any_depth():
 
     def key(**changes) -> dict:
         return result_fields(ClassifierRound(config=config.replace(**changes),
-                                             dataset=dataset, epoch=0))
+                                             dataset=dataset, round=0))
 
     elsewhere = key(device="cpu", threads=3, model_name="other", progress=False, patience=9,
                     baseline_gate=False, registry=False, max_latency_ms=5.0)

@@ -18,7 +18,7 @@ from tests.conftest import assert_whole_after_kill, kill_when_written, run_cli, 
 
 
 def smoke_cascade(**overrides) -> CascadeConfig:
-    return CascadeConfig(**{"profile": "smoke", "epochs": 2, "train_limit": 768, "lr": 0.1,
+    return CascadeConfig(**{"profile": "smoke", "rounds": 2, "train_limit": 768, "lr": 0.1,
                             "min_steps": 150,
                             "model_name": "smoke-cascade", **overrides})
 
@@ -44,7 +44,7 @@ def test_modules_train_in_order_on_rising_difficulty_and_everything_is_tracked(r
     for key in ("difficulty_sets", "latency_table", "checkpoint.calibrated",
                 "checkpoint.module-1.predictor", "checkpoint.exits-refit"):
         assert len(tags[f"dvc.{key}"]) == 32, key
-    assert len(tracking.artifact_refs(run.run_id)["checkpoint.module-2.epoch-002"]["md5"]) == 32
+    assert len(tracking.artifact_refs(run.run_id)["checkpoint.module-2.round-002"]["md5"]) == 32
     for k in range(3):
         history = client.get_metric_history(run.run_id, f"module{k}_val_accuracy")
         assert [m.step for m in history] == [1, 2]
@@ -188,7 +188,7 @@ def test_the_registered_pyfunc_runs_the_real_cascade(run):
 def test_killed_run_resumes_from_the_last_finished_round():
     from flows.cascade import cascade
 
-    args = ["--profile", "smoke", "--epochs", "2", "--train-limit", "768", "--lr", "0.1",
+    args = ["--profile", "smoke", "--rounds", "2", "--train-limit", "768", "--lr", "0.1",
             "--min-steps", "150", "--seed", "7", "--threads", "1", "--model-name",
             "cascade-resume"]
     # (--threads 1 also checks that the latency table is named for the threads the tasks

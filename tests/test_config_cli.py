@@ -18,10 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_profile_fills_only_what_is_not_given():
-    smoke = TrainConfig(profile="smoke", epochs=3)
-    assert (smoke.network.model, smoke.dataset.train_limit, smoke.epochs) == ("cnn2", 512, 3)
+    smoke = TrainConfig(profile="smoke", rounds=3)
+    assert (smoke.network.model, smoke.dataset.train_limit, smoke.rounds) == ("cnn2", 512, 3)
     quick = TrainConfig()
-    assert (quick.epochs, quick.dataset.train_limit, quick.network.model) == (8, 20000, "resnet18")
+    assert (quick.rounds, quick.dataset.train_limit, quick.network.model) == (8, 20000, "resnet18")
 
 
 def test_flat_and_nested_input_give_one_config_and_the_profile_fills_a_partial_section():
@@ -36,13 +36,48 @@ def test_flat_and_nested_input_give_one_config_and_the_profile_fills_a_partial_s
 
 def test_replace_validates_and_refuses_a_name_no_section_has():
     config = TrainConfig(profile="smoke")
-    changed = config.replace(lr=0.3, epochs=2, seed=4)
-    assert (changed.optim.lr, changed.epochs, changed.run.seed) == (0.3, 2, 4)
+    changed = config.replace(lr=0.3, rounds=2, seed=4)
+    assert (changed.optim.lr, changed.rounds, changed.run.seed) == (0.3, 2, 4)
     assert changed.dataset is config.dataset  # untouched sections are not validated again
     with pytest.raises(ValueError, match="no field learning_rate"):
         config.replace(learning_rate=0.1)
     with pytest.raises(ValidationError, match="lr"):
         config.replace(lr=-1.0)
+
+
+def test_former_names_still_configure_for_one_release_with_a_warning_naming_the_new():
+    """`epochs` counted rounds and is `rounds` now (an epoch is one pass over the training
+    images): the old names, flat, nested, prefixed or in `replace`, set the new fields."""
+    from tasks.configs.pipeline import PipelineConfig
+    from tasks.configs.sections import FormerNameWarning
+
+    with pytest.warns(FormerNameWarning, match="epochs is now rounds"):
+        old = TrainConfig(profile="smoke", epochs=3, optim={"warmup_epochs": 0.5})
+    assert old == TrainConfig(profile="smoke", rounds=3, warmup_rounds=0.5)
+    with pytest.warns(FormerNameWarning, match="epochs is now rounds"):
+        assert old.replace(epochs=2).rounds == 2
+    with pytest.warns(FormerNameWarning, match="pbt_round_epochs is now pbt_stage_rounds"):
+        pipeline = PipelineConfig(profile="smoke", pbt_round_epochs=2, sparse_epochs=3,
+                                  teacher_pretrain_epochs=1)
+    assert (pipeline.pbt.stage_rounds, pipeline.sparse.rounds,
+            pipeline.teacher_pretrain_rounds) == (2, 3, 1)
+    with pytest.raises(ValidationError, match="epochs is the former name of rounds"):
+        TrainConfig(epochs=3, rounds=4)
+
+
+def test_a_former_flag_sets_the_new_field_with_a_notice_and_stays_out_of_the_help(capsys):
+    from flows.cli import make_parser
+
+    parser, _ = make_parser(COMMANDS, "pipeline")
+    args = parser.parse_args(["pipeline", "--sparse-epochs", "3", "--warmup-epochs", "1"])
+    assert (args.sparse_rounds, args.warmup_rounds) == ("3", "1")
+    err = capsys.readouterr().err
+    assert "notice: --sparse-epochs is now --sparse-rounds" in err
+    assert "notice: --warmup-epochs is now --warmup-rounds" in err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["pipeline", "--help"])
+    out = capsys.readouterr().out
+    assert "--sparse-rounds" in out and "--sparse-epochs" not in out
 
 
 def test_a_field_name_in_two_sections_is_refused_when_the_class_is_made():
@@ -150,7 +185,8 @@ def test_top_level_help_imports_no_heavy_package():
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["train", "--epoch", "2"], "unrecognized arguments: --epoch 2 (did you mean --epochs?)"),
+    (["train", "--round", "2"], "unrecognized arguments: --round 2 (did you mean --rounds?)"),
+    (["train", "--epoch", "2"], "unrecognized arguments: --epoch 2 (did you mean --rounds?)"),
     (["train", "--modle", "lenet"], "(did you mean --model?)"),
     (["trian"], "unknown command 'trian' (did you mean train?)"),
     (["distill", "--student", "lenet"], "(did you mean --student-model or --student-width"),
@@ -216,7 +252,7 @@ def test_each_sparsify_task_has_its_defaults_below_the_profile_and_the_given_val
     assert (classification.sparsity_lambda, classification.lambda_gamma) == (0.42, 0.0)
     assert SparsifyConfig(lambda_gamma=0.5).lambda_gamma == 0.5
     contour = SparsifyConfig(task="contour")
-    assert (contour.sparsity_lambda, contour.optim.batch_size, contour.epochs) == (0.02, 16, 6)
+    assert (contour.sparsity_lambda, contour.optim.batch_size, contour.rounds) == (0.02, 16, 6)
     assert SparsifyConfig(task="contour", sparsity_lambda=0.3).sparsity_lambda == 0.3
     assert SparsifyConfig(task="detection").sparsity_lambda == 0.3
     assert SparsifyConfig(task="contour", profile="smoke").layouts == (64, 32, 32)

@@ -145,10 +145,10 @@ def test_mixup_without_a_live_teacher_or_with_dkd_is_refused(capsys, args, says)
 
 
 def test_killed_run_resumes_from_the_last_finished_stage():
-    # with a warm-started teacher (one epoch) whose state 0 fills the initial bank
+    # with a warm-started teacher (one round) whose state 0 fills the initial bank
     args = ["--profile", "smoke", "--model-name", "distill-resume", "--stages", "3",
             "--train-limit", "1024", "--seed", "6", "--threads", "1", "--teacher-width", "4",
-            "--teacher-pretrain-epochs", "1", "--initial-bank", "teacher", "--targets", "bank",
+            "--teacher-pretrain-rounds", "1", "--initial-bank", "teacher", "--targets", "bank",
             "--teacher-layer", "pool", "--student-layer", "pool", "--feature-loss", "cosine",
             "--feature-weight", "1", "--ce-weight", "1"]
     # teacher 2 runs before student 1 in-process: student 1's checkpoint appearing means
@@ -156,10 +156,10 @@ def test_killed_run_resumes_from_the_last_finished_stage():
     kill_when_written(["distill", *args], Path(os.environ["COMPACTML_ARTIFACTS"]),
                       "student-001.pt.dvc")
     config = distill_smoke(model_name="distill-resume", train_limit=1024, seed=6,
-                           teacher_width=4, teacher_pretrain_epochs=1, initial_bank="teacher")
+                           teacher_width=4, teacher_pretrain_rounds=1, initial_bank="teacher")
     state = distill(config, return_state=True)
     states = all_task_states(state)
-    assert states["epoch-1"] == "Cached"
+    assert states["round-1"] == "Cached"
     assert states["teacher-1"] == states["bank-1"] == states["teacher-2"] == "Cached"
     assert state.result().stages[0].bank.state_histogram[0] > 0  # the warm teacher's entries
     assert states["student-3"] == "Completed"

@@ -151,10 +151,10 @@ def test_initial_bank_from_the_untrained_teacher_is_state_zero(setup):
 def test_a_warm_started_teacher_is_state_zero_of_the_bank_and_of_stage_one(setup):
     config, _, dataset = setup
     plan = DistillPlan.of(config.replace(initial_bank="teacher",
-                                                    teacher_pretrain_epochs=1))
+                                                    teacher_pretrain_rounds=1))
     pretrain = pretrain_config(plan.teacher)
-    assert pretrain.epochs == 1 and pretrain.network.model == plan.teacher.network.model
-    warm = round_task.fn(ClassifierRound(config=pretrain, dataset=dataset, epoch=0,
+    assert pretrain.rounds == 1 and pretrain.network.model == plan.teacher.network.model
+    warm = round_task.fn(ClassifierRound(config=pretrain, dataset=dataset, round=0,
                                           run_name="distill-pretrain"))
     t1 = teacher_stage(plan.teacher, dataset, 1, warm.checkpoint)
     cold = bank_snapshot.fn(plan.teacher, plan.bank, dataset, 1, t1.checkpoint, None)

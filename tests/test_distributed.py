@@ -37,7 +37,7 @@ def _lenet_smoke():
     from tasks.configs.train import TrainConfig
     from tasks.data import prepare_dataset, source_version
 
-    config = TrainConfig(profile="smoke", model="lenet", epochs=2, train_limit=512,
+    config = TrainConfig(profile="smoke", model="lenet", rounds=2, train_limit=512,
                          batch_size=64, threads=1)
     data = config.dataset
     return classifier_config(config), prepare_dataset.fn(data, source_version(data))
@@ -57,7 +57,7 @@ def test_the_train_task_on_two_processes_follows_one_with_the_same_global_batch(
 
     classifier, dataset = _lenet_smoke()
     one, two = (round_task.fn(ClassifierRound(
-        config=classifier.replace(ddp_procs=procs), dataset=dataset, epoch=0,
+        config=classifier.replace(ddp_procs=procs), dataset=dataset, round=0,
         run_name="ddp-test", repeats=2)) for procs in (1, 2))
     assert two.checkpoint.path != one.checkpoint.path  # a setting of the result: its own key
     assert two.metrics["ddp_processes"] == 2 and "ddp_processes" not in one.metrics
@@ -133,7 +133,7 @@ def test_the_sparsity_term_and_thresholds_train_data_parallel_like_one_process()
     spec = SparsitySpec(lambdas={"block1": 0.3, "block2": 0.6}, transform="exp_abs", power=2,
                         abs_power=1, base=2.0, thresholds={"block1": 0.05})
     runs = [round_task.fn(ClassifierRound(
-        config=classifier.replace(ddp_procs=procs), dataset=dataset, epoch=0,
+        config=classifier.replace(ddp_procs=procs), dataset=dataset, round=0,
         run_name="ddp-sparse", sparsity=spec)) for procs in (1, 2)]
     assert runs[1].metrics["ddp_processes"] == 2
     for key in ("loss", "loss_ce", "loss_sparsity", "sparsity_block1", "sparsity_block2"):
@@ -154,7 +154,7 @@ def tiny_cascade():
     from tasks.data import prepare_dataset, source_version
     from tests.test_cascade_flow import smoke_cascade
 
-    settings = {"super_modules": (1,), "train_limit": 512, "min_steps": None, "epochs": 1,
+    settings = {"super_modules": (1,), "train_limit": 512, "min_steps": None, "rounds": 1,
                 "threads": 1, "latency_repeats": 1}
     config = smoke_cascade(**settings)
     data = config.dataset
@@ -174,7 +174,7 @@ def test_a_cascade_module_round_trains_data_parallel_like_one_process(k, tiny_ca
     settings, dataset, sets, latency = tiny_cascade
     configs = [smoke_cascade(**settings, ddp_procs=procs) for procs in (1, 2)]  # accepted
     runs = [round_task.fn(ModuleRound(config=config, dataset=dataset, sets=sets,
-                                       latency=latency, k=k, epoch=0)) for config in configs]
+                                       latency=latency, k=k, round=0)) for config in configs]
     one, two = ({key[len(f"module{k}_"):]: value for key, value in r.metrics.items()}
                 for r in runs)
     assert two["ddp_processes"] == 2 and "ddp_processes" not in one
@@ -205,14 +205,14 @@ def test_a_cascade_round_under_torchrun_in_one_process_is_the_in_process_round(
     from tests.test_cascade_flow import smoke_cascade
 
     settings, dataset, sets, latency = tiny_cascade
-    settings = settings | {"epochs": 2}
+    settings = settings | {"rounds": 2}
 
     def rounds(procs: int):
         config = smoke_cascade(**settings, ddp_procs=procs)
 
-        def plan(epoch: int) -> ModuleRound:
+        def plan(index: int) -> ModuleRound:
             return ModuleRound(config=config, dataset=dataset, sets=sets, latency=latency, k=1,
-                               epoch=epoch)
+                               round=index)
 
         return round_task.fn(plan(1), round_task.fn(plan(0)).checkpoint)
 

@@ -20,7 +20,7 @@ UNSEEN = ("Sandal", "Bag")
 
 
 def smoke_image_text(**overrides) -> ImageTextConfig:
-    return ImageTextConfig(**{"profile": "smoke", "text_encoder": "minilm", "epochs": 2,
+    return ImageTextConfig(**{"profile": "smoke", "text_encoder": "minilm", "rounds": 2,
                               "train_limit": 768, "lr": 0.1, "min_steps": 60,
                               "labels_per_class": 20, "unseen_classes": UNSEEN,
                               "model_name": "smoke-image-text", **overrides})
@@ -47,7 +47,7 @@ def test_descriptions_rounds_and_zero_shot_are_tracked_and_versioned(run):
     for key in ("captions", "class_descriptions", "text_features", "checkpoint.final"):
         assert len(tags[f"dvc.{key}"]) == 32, key
     refs = tracking.artifact_refs(run.run_id)
-    assert {"checkpoint.align-001", "checkpoint.epoch-002", "captions"} <= set(refs)
+    assert {"checkpoint.align-001", "checkpoint.round-002", "captions"} <= set(refs)
     # labelled: 2 of the class's descriptions + 2 phrases; unlabelled: 2 phrases + 1 written
     assert 3 <= metrics["texts_per_image"] < 4
     assert [m.step for m in client.get_metric_history(run.run_id, "align_loss")] == [1]
@@ -167,7 +167,7 @@ def test_the_registered_pyfunc_classifies_zero_shot_among_given_descriptions(run
     assert set(out["label"]) <= set(texts)
     assert out["confidence"].between(1 / len(texts), 1).all()
     named = [f"a {name.split('/')[0].lower()}" for name in labels[:200]]
-    # above chance (1 in len(texts)) by a one-sided binomial test: a 2-epoch smoke model's
+    # above chance (1 in len(texts)) by a one-sided binomial test: a 2-round smoke model's
     # accuracy depends on which 20 images per class keep their label
     hits, n, chance = int((out["label"] == pd.Series(named)).sum()), len(named), 1 / len(texts)
     p = sum(math.comb(n, k) * chance ** k * (1 - chance) ** (n - k) for k in range(hits, n + 1))
@@ -201,7 +201,7 @@ def pooled():
 
     return image_text(smoke_image_text(captions_source="pool", pool_distractors=500,
                                        unseen_classes=(), labels_per_class=None,
-                                       caption_steps=150, epochs=1, head_mixing=True,
+                                       caption_steps=150, rounds=1, head_mixing=True,
                                        registry=True, model_name="smoke-image-text-pool"))
 
 
@@ -248,8 +248,8 @@ def test_the_mixed_head_is_chosen_on_validation_tested_and_registered(pooled):
 
     final = checkpoint("checkpoint.final")
     config = smoke_image_text(captions_source="pool", pool_distractors=500, unseen_classes=(),
-                              labels_per_class=None, caption_steps=150, epochs=1)
-    kept = checkpoint(f"checkpoint.epoch-{final['epoch'] - config.align_epochs + 1:03d}")
+                              labels_per_class=None, caption_steps=150, rounds=1)
+    kept = checkpoint(f"checkpoint.round-{final['round'] - config.align_rounds + 1:03d}")
     dataset = _prepared(config)
     side = text_side(config, dataset, load_dataset(dataset), pooled.descriptions)
     model = new_network(config, dataset, pooled.descriptions)
@@ -300,6 +300,6 @@ def test_bad_options_name_the_field(capsys):
     code, err = cli("--captions", "/no/such/file.csv")
     assert code == 2 and "captions" in err and "no such file" in err
     code, err = cli("--contrastive-weight", "0")
-    assert code == 2 and "align_epochs needs the contrastive" in err
+    assert code == 2 and "align_rounds needs the contrastive" in err
     code, err = cli("--ddp-procs", "2")  # refused, never accepted and ignored
     assert code == 2 and "ddp_procs: the image_text flow trains in one process" in err

@@ -46,15 +46,15 @@ def test_sigterm_stops_a_run_its_threads_and_its_temporary_prefect_server():
     second round."""
     checkpoints = Path(os.environ["COMPACTML_ARTIFACTS"]) / "checkpoints" / "train"
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    before = set(checkpoints.rglob("epoch-001.pt"))  # other tests' runs
+    before = set(checkpoints.rglob("round-001.pt"))  # other tests' runs
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flows", "train", "--profile", "smoke", "--epochs", "3",
+        [sys.executable, "-m", "flows", "train", "--profile", "smoke", "--rounds", "3",
          "--train-limit", "1024", "--min-steps", "300", "--seed", "23", "--model-name",
          "interrupted"],
         cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        wait_for_new_files(proc, checkpoints, "epoch-001.pt", before, 240)
+        wait_for_new_files(proc, checkpoints, "round-001.pt", before, 240)
         assert proc.poll() is None, "the run ended before it could be stopped"
         family = [proc, *psutil.Process(proc.pid).children(recursive=True)]
         assert any("uvicorn" in " ".join(p.cmdline()) for p in family[1:]), \
@@ -71,7 +71,7 @@ def test_sigterm_stops_a_run_its_threads_and_its_temporary_prefect_server():
         [e.experiment_id for e in tracking.client().search_experiments()],
         "attributes.run_name = 'train-cnn2-seed23'", ViewType.ACTIVE_ONLY)
     assert run.info.status == "KILLED"
-    assert_whole_after_kill(checkpoints, "epoch-*.pt")  # no half-written round
+    assert_whole_after_kill(checkpoints, "round-*.pt")  # no half-written round
 
 
 def test_the_mlflow_server_going_away_ends_the_run_with_a_clear_error_and_the_rerun_resumes(
@@ -79,18 +79,18 @@ def test_the_mlflow_server_going_away_ends_the_run_with_a_clear_error_and_the_re
     port = free_port()
     server, uri = start_mlflow_server(tmp_path, port)
     checkpoints = Path(os.environ["COMPACTML_ARTIFACTS"]) / "checkpoints" / "train"
-    args = [sys.executable, "-m", "flows", "train", "--profile", "smoke", "--epochs", "2",
+    args = [sys.executable, "-m", "flows", "train", "--profile", "smoke", "--rounds", "2",
             "--train-limit", "512", "--min-steps", "200", "--seed", "31", "--model-name",
             "server-away"]
     # MLflow's own retries off, so the test need not wait out its backoff (minutes by default)
     env = subprocess_env() | {"MLFLOW_TRACKING_URI": uri, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
                               "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
-    before = set(checkpoints.rglob("epoch-001.pt")) if checkpoints.exists() else set()
+    before = set(checkpoints.rglob("round-001.pt")) if checkpoints.exists() else set()
     proc = subprocess.Popen(args, cwd=Path(__file__).resolve().parents[1], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        wait_for_new_files(proc, checkpoints, "epoch-001.pt", before, 180)
+        wait_for_new_files(proc, checkpoints, "round-001.pt", before, 180)
         assert proc.poll() is None, "the run ended before the server went away"
         os.killpg(server.pid, signal.SIGKILL)  # the server goes away mid-run
         server.wait()
@@ -101,7 +101,7 @@ def test_the_mlflow_server_going_away_ends_the_run_with_a_clear_error_and_the_re
     assert proc.returncode == 1
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"error: the MLflow tracking server at {uri} did not answer"), last
-    [first_round] = set(checkpoints.rglob("epoch-001.pt")) - before
+    [first_round] = set(checkpoints.rglob("round-001.pt")) - before
     written = first_round.stat().st_mtime_ns
     # the server back on its store: the same command resumes from the finished round
     server, uri = start_mlflow_server(tmp_path, port)

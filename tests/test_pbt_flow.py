@@ -42,7 +42,7 @@ def train_member(config, dataset, population, member, phase, index, first_epoch,
 
 
 def pbt_smoke(**overrides) -> PBTConfig:
-    """Seconds long: 2 cnn2 members, 1 burn-in epoch, 2 stages on 512 images, 1 thread."""
+    """Seconds long: 2 cnn2 members, 1 burn-in round, 2 stages on 512 images, 1 thread."""
     return PBTConfig(**{"profile": "smoke", "model_name": NAME, "threads": 1, **overrides})
 
 

@@ -28,7 +28,7 @@ def smoke_pipeline(**overrides) -> PipelineConfig:
     answers some images and the registered model is the cascade."""
     return PipelineConfig(**{"profile": "smoke", "registry": True, "model_name": NAME,
                              "class_descriptions": CLASS_DESCRIPTIONS,
-                             "teacher_pretrain_epochs": 4, "fallback_tolerance": 0.0,
+                             "teacher_pretrain_rounds": 4, "fallback_tolerance": 0.0,
                              **overrides})
 
 
@@ -168,7 +168,7 @@ def test_the_image_text_step_goes_on_only_where_it_beats_the_student_on_validati
         f"tags.mlflow.parentRunId = '{run.run_id}' and tags.mlflow.runName = 'image_text'"))
     # the smoke profile trains one joint round: the last is the one converted
     trained = max(k for k in tracking.artifact_refs(text_run.info.run_id)
-                  if k.startswith("checkpoint.epoch-"))
+                  if k.startswith("checkpoint.round-"))
     config = smoke_pipeline().image_text_config()
     dataset = prepare_dataset(config.dataset, source_version(config.dataset))
     network = new_network(config, dataset, describe_images(config, dataset))

@@ -43,8 +43,8 @@ class Trainer:
 
 
 def settings(**changes) -> PopulationSettings:
-    return PopulationSettings(**{"members": 3, "burn_in_epochs": 1, "burn_in_patience": None,
-                                 "stages": 2, "round_epochs": 1, "repeats": 2,
+    return PopulationSettings(**{"members": 3, "burn_in_rounds": 1, "burn_in_patience": None,
+                                 "stages": 2, "stage_rounds": 1, "repeats": 2,
                                  "average_decay": 0.9, "target_accuracy": None,
                                  "stage_patience": None, "soup": False, **changes})
 

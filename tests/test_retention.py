@@ -38,7 +38,7 @@ def _refs(run_id: str) -> dict[str, ArtifactRef]:
 
 
 def test_gc_frees_an_old_run_and_keeps_the_registered_versions(own_stores, capsys):
-    tiny = {"epochs": 1, "train_limit": 256}
+    tiny = {"rounds": 1, "train_limit": 256}
     with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: True}):  # files in these stores
         kept = train(smoke(**tiny, seed=11, model_name="gc-kept", registry=True))
         old = train(smoke(**tiny, seed=12, model_name="gc-old"))
@@ -68,7 +68,7 @@ def test_gc_frees_an_old_run_and_keeps_the_registered_versions(own_stores, capsy
 def test_gc_keeps_what_a_registered_versions_lineage_names_after_its_run_was_deleted(
         own_stores):
     with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: True}):
-        made = train(smoke(epochs=1, train_limit=256, seed=13, model_name="gc-deleted",
+        made = train(smoke(rounds=1, train_limit=256, seed=13, model_name="gc-deleted",
                            registry=True))
     refs = _refs(made.run_id)
     tracking.client().delete_run(made.run_id)  # as the MLflow UI's delete does

@@ -16,7 +16,7 @@ from tests.conftest import run_cli
 
 
 def smoke_sparsify(**overrides) -> SparsifyConfig:
-    return SparsifyConfig(**{"profile": "smoke", "epochs": 2, "train_limit": 768, "lr": 0.1,
+    return SparsifyConfig(**{"profile": "smoke", "rounds": 2, "train_limit": 768, "lr": 0.1,
                              "model_name": "smoke-sparsify", **overrides})
 
 
@@ -180,9 +180,9 @@ def test_init_from_fine_tunes_the_registered_weights_and_thresholds_add_zeros(sp
     version = sparse.registration.version
     assert sparse.registration.alias == "champion"  # the first of its name in this session
     tuned = sparsify(smoke_sparsify(init_from="models:/smoke-sparsify@champion", lr=1e-9,
-                                    epochs=1, sparsity_lambda=0.0, lambda_sweep=None,
+                                    rounds=1, sparsity_lambda=0.0, lambda_sweep=None,
                                     zero_threshold_tolerance=0.03, threshold_cycles=1,
-                                    threshold_cycle_epochs=1, threshold_cycle_lr=1e-9,
+                                    threshold_cycle_rounds=1, threshold_cycle_lr=1e-9,
                                     model_name="smoke-sparsify-tuned", registry=True))
     assert tuned.test_accuracy == pytest.approx(sparse.test_accuracy, abs=0.06)
     assert tuned.test_accuracy > 0.25
@@ -203,7 +203,7 @@ def test_init_from_fine_tunes_the_registered_weights_and_thresholds_add_zeros(sp
         raised = {m.step: m.value for m in
                   client.get_metric_history(tuned.run_id, f"zero_threshold_{layer}")}
         assert raised.get(1, 0.0) >= raised.get(0, 0.0), layer  # thresholds only rise
-    assert "checkpoint.cycle-1.epoch-001" in tracking.artifact_refs(tuned.run_id)
+    assert "checkpoint.cycle-1.round-001" in tracking.artifact_refs(tuned.run_id)
     assert tuned.registration.accuracy == pytest.approx(tuned.test_accuracy)  # as served
     tags = MlflowClient().get_run(tuned.run_id).data.tags
     assert tags["init_from"] == f"models:/smoke-sparsify/{version}"  # the alias resolved
@@ -222,9 +222,9 @@ def test_a_zero_target_is_reached_in_steps_and_settled(sparse):
 
     client = MlflowClient()
     target = sparsify(smoke_sparsify(init_from=sparse.registration.version_uri, lr=1e-9,
-                                     epochs=1, sparsity_lambda=0.0, lambda_sweep=None,
+                                     rounds=1, sparsity_lambda=0.0, lambda_sweep=None,
                                      zero_target=0.7, threshold_cycles=1,
-                                     threshold_cycle_epochs=1, threshold_settle_epochs=1,
+                                     threshold_cycle_rounds=1, threshold_settle_rounds=1,
                                      threshold_cycle_lr=1e-9, model_name="smoke-sparsify-zt"))
     for layer, report in target.report.layers.items():
         assert sparse.report.layers[layer].zero_fraction < 0.7 <= report.zero_fraction, layer
@@ -233,7 +233,7 @@ def test_a_zero_target_is_reached_in_steps_and_settled(sparse):
         # half the way, all the way, then the top-up after settling: nothing left to add
         assert sorted(steps) == [0, 1, 2] and 0 < steps[0] < steps[1] == steps[2], steps
     refs = tracking.artifact_refs(target.run_id)
-    assert "checkpoint.settle.epoch-001" in refs and "checkpoint.cycle-1.epoch-001" in refs
+    assert "checkpoint.settle.round-001" in refs and "checkpoint.cycle-1.round-001" in refs
     assert target.test_accuracy > 0.25
     # the thresholds were set on validation; the zeros logged for the test images are a
     # count there with the thresholds in place
@@ -254,7 +254,7 @@ def test_a_zero_target_ramp_raises_the_thresholds_inside_the_run(sparse):
 
     client = MlflowClient()
     ramped = sparsify(smoke_sparsify(init_from=sparse.registration.version_uri, lr=1e-9,
-                                     epochs=2, sparsity_lambda=0.0, lambda_sweep=None,
+                                     rounds=2, sparsity_lambda=0.0, lambda_sweep=None,
                                      zero_target=0.7, zero_target_ramp="1,2",
                                      model_name="smoke-sparsify-ramp"))
     for layer, report in ramped.report.layers.items():
@@ -262,12 +262,12 @@ def test_a_zero_target_ramp_raises_the_thresholds_inside_the_run(sparse):
         steps = {m.step: m.value for m in
                  client.get_metric_history(ramped.run_id, f"zero_threshold_{layer}")}
         assert sorted(steps) == [0, 1, 2] and 0 < steps[0] < steps[1] == steps[2], steps
-    assert ramped.best_epoch == 2
+    assert ramped.best_round == 2
     refs = tracking.artifact_refs(ramped.run_id)
-    assert {"checkpoint.epoch-001", "checkpoint.epoch-002"} <= set(refs)
-    folder = ArtifactStore().path_of(refs["checkpoint.epoch-002"]["path"]).parent
+    assert {"checkpoint.round-001", "checkpoint.round-002"} <= set(refs)
+    folder = ArtifactStore().path_of(refs["checkpoint.round-002"]["path"]).parent
     assert [p.name for p in folder.glob("*-thresholds-*.pt")] == [
-        "epoch-002-thresholds-zeros-0.7.pt"]
+        "round-002-thresholds-zeros-0.7.pt"]
 
 
 @pytest.fixture(scope="module", params=["detection", "contour"])
@@ -381,7 +381,7 @@ def client_classes(summary) -> list[str]:
     (["--zero-target", "0.8", "--zero-target-ramp", "2,99"],
      ["zero_target_ramp: 2,99", "within the run's"]),
     (["--zero-target", "0.8", "--zero-target-ramp", "3,2"], ["FIRST <= LAST"]),
-    (["--zero-target", "0.8", "--zero-target-ramp", "1,2", "--epochs", "3"],
+    (["--zero-target", "0.8", "--zero-target-ramp", "1,2", "--rounds", "3"],
      ["before round 1", "--init-from"]),
     (["--zero-target", "0.8", "--zero-target-ramp", "2,2", "--threshold-cycles", "2"],
      ["--threshold-cycles", "give one"]),

@@ -1,4 +1,4 @@
-"""Task logic through `.fn()`: the data and epoch tasks on a fresh artifact store."""
+"""Task logic through `.fn()`: the data and round tasks on a fresh artifact store."""
 
 import math
 
@@ -41,18 +41,18 @@ def test_resized_rgb_fashion_mnist():
     assert load_dataset(ref).images.shape[1:] == (3, 32, 32)
 
 
-def test_epoch_task_resumes_with_the_configured_learning_rate():
-    config = TrainConfig(profile="smoke", epochs=2, lr=0.2, momentum=0.0, train_limit=256)
+def test_round_task_resumes_with_the_configured_learning_rate():
+    config = TrainConfig(profile="smoke", rounds=2, lr=0.2, momentum=0.0, train_limit=256)
     data = config.dataset
     dataset = prepare_dataset.fn(data, source_version(data))
     classifier = classifier_config(config)
-    first = round_task.fn(ClassifierRound(config=classifier, dataset=dataset, epoch=0))
-    assert first.checkpoint.path.endswith(f"{run_key(classifier, dataset)}/epoch-001.pt")
+    first = round_task.fn(ClassifierRound(config=classifier, dataset=dataset, round=0))
+    assert first.checkpoint.path.endswith(f"{run_key(classifier, dataset)}/round-001.pt")
     # A checkpoint written with another learning rate: the resumed run must not inherit it.
     stored = torch.load(ArtifactStore().fetch(first.checkpoint), weights_only=True)
     assert stored["optimizer"]["param_groups"][0]["lr"] == first.metrics["lr"]
     faster = classifier.replace(lr=0.4)
-    second = round_task.fn(ClassifierRound(config=faster, dataset=dataset, epoch=1),
+    second = round_task.fn(ClassifierRound(config=faster, dataset=dataset, round=1),
                             first.checkpoint)
     # 256 images in batches of 64: 4 steps an epoch; the last step is step 7 of 8, and the
     # cosine schedule of the configured 0.4 gives 0.4 * (1 + cos(7/8 pi)) / 2 there.
@@ -62,12 +62,12 @@ def test_epoch_task_resumes_with_the_configured_learning_rate():
 def test_warm_continuation_equals_a_cold_resume_from_the_checkpoint():
     from tasks import training
 
-    config = TrainConfig(profile="smoke", epochs=2, train_limit=256, seed=3)
+    config = TrainConfig(profile="smoke", rounds=2, train_limit=256, seed=3)
     data = config.dataset
     dataset = prepare_dataset.fn(data, source_version(data))
     classifier = classifier_config(config)
-    first = round_task.fn(ClassifierRound(config=classifier, dataset=dataset, epoch=0))
-    second = ClassifierRound(config=classifier, dataset=dataset, epoch=1)
+    first = round_task.fn(ClassifierRound(config=classifier, dataset=dataset, round=0))
+    second = ClassifierRound(config=classifier, dataset=dataset, round=1)
     warm = round_task.fn(second, first.checkpoint)  # live model
     training._WARM.clear()
     cold = round_task.fn(second, first.checkpoint)  # from disk
@@ -93,16 +93,16 @@ def test_rounds_before_keep_from_are_neither_kept_nor_counted_by_early_stopping(
     scores = [0.9, 0.8, 0.7, 0.6, 0.5]
     trained: list[int] = []
 
-    def scored_round(epoch: int, _previous: ArtifactRef | None) -> RoundResult:
-        trained.append(epoch)
-        return RoundResult(round=epoch, metrics={"val_accuracy": scores[epoch]},
-                           checkpoint=ArtifactRef(path=f"round-{epoch}.pt", md5=f"{epoch:032x}",
+    def scored_round(index: int, _previous: ArtifactRef | None) -> RoundResult:
+        trained.append(index)
+        return RoundResult(round=index, metrics={"val_accuracy": scores[index]},
+                           checkpoint=ArtifactRef(path=f"round-{index}.pt", md5=f"{index:032x}",
                                                   size=1))
 
     @flow
     def rounds(keep_from: int) -> int:
         with tracking.tracked_run("test-rounds", f"keep-from-{keep_from}") as run_id:
-            return run_rounds(len(scores), lambda epoch, _previous: epoch, run_id, 1, 100000,
+            return run_rounds(len(scores), lambda index, _previous: index, run_id, 1, 100000,
                               keep_from=keep_from, train=scored_round).round
 
     assert rounds(0) == 0 and trained == [0, 1]

@@ -29,11 +29,11 @@ def test_run_records_config_metrics_versions_and_champion(first_run):
         assert len(tags[f"dvc.{artifact}"]) == 32, artifact
     # every round's checkpoint in one JSON artifact, not a tag each
     refs = tracking.artifact_refs(first_run.run_id)
-    assert set(refs) == {"dataset", "checkpoint.epoch-001", "checkpoint.epoch-002",
+    assert set(refs) == {"dataset", "checkpoint.round-001", "checkpoint.round-002",
                          "checkpoint.final", "program"}
-    assert "dvc.checkpoint.epoch-001" not in tags
+    assert "dvc.checkpoint.round-001" not in tags
     assert refs["program"]["md5"] == tags["dvc.program"]
-    assert refs["checkpoint.epoch-002"]["path"].endswith("epoch-002.pt")
+    assert refs["checkpoint.round-002"]["path"].endswith("round-002.pt")
     # MLflow's own views: a model-development experiment, the data set as the run's inputs
     # (its DVC hash as digest, a split each), the pyfunc as the run's logged model
     experiment = MlflowClient().get_experiment(run.info.experiment_id)
@@ -66,7 +66,7 @@ def test_worse_model_is_only_a_challenger(first_run):
 
 
 def test_a_model_below_the_raw_pixel_baselines_is_never_champion(first_run):
-    # a learning rate too small to learn in 2 epochs: below 3-NN and linear on the pixels
+    # a learning rate too small to learn in 2 rounds: below 3-NN and linear on the pixels
     weak = train(smoke(lr=1e-5, seed=2, baseline_gate=True, model_name="gated-model",
                        registry=True))
     baselines = weak.baselines
@@ -86,7 +86,7 @@ def test_same_config_again_reuses_every_training_task(first_run):
     # in another project (run-only: the same work) and registered: its own experiment and name
     state = train(smoke(project="team-a", registry=True), return_state=True)
     states = task_states(state)
-    assert states["epoch-1"] == "Cached" and states["epoch-2"] == "Cached"
+    assert states["round-1"] == "Cached" and states["round-2"] == "Cached"
     assert states["prepare-dataset"] == "Cached" and states["register-and-promote"] == "Completed"
     summary = state.result()
     assert summary.test_accuracy == pytest.approx(first_run.test_accuracy)
@@ -96,29 +96,29 @@ def test_same_config_again_reuses_every_training_task(first_run):
     assert tracking.alias_version(f"team-a-{NAME}", "champion") == "1"
 
 
-def test_killed_run_resumes_from_the_last_finished_epoch(session_dir):
-    config = ["--profile", "smoke", "--model-name", "resume", "--epochs", "4",
+def test_killed_run_resumes_from_the_last_finished_round(session_dir):
+    config = ["--profile", "smoke", "--model-name", "resume", "--rounds", "4",
               "--train-limit", "3000", "--seed", "5"]
     checkpoints = Path(os.environ["COMPACTML_ARTIFACTS"]) / "checkpoints" / "train"
-    # epoch 2's checkpoint appearing means epoch 1's task has returned and its result is stored
-    written = kill_when_written(["train", *config], checkpoints, "epoch-002.pt.dvc",
+    # round 2's checkpoint appearing means round 1's task has returned and its result is stored
+    written = kill_when_written(["train", *config], checkpoints, "round-002.pt.dvc",
                                 timeout=300)
-    # the kill lands during epoch 2's `dvc commit`: no checkpoint is half-written
+    # the kill lands during round 2's `dvc commit`: no checkpoint is half-written
     run_folder = written[0].parent  # this run's folder (the session has others)
-    assert_whole_after_kill(run_folder, "epoch-*.pt")
+    assert_whole_after_kill(run_folder, "round-*.pt")
     (run_folder / tmp_fname()).write_bytes(b"test")  # named and filled as DVC's link test
-    config_obj = TrainConfig(profile="smoke", model_name="resume", epochs=4, train_limit=3000,
+    config_obj = TrainConfig(profile="smoke", model_name="resume", rounds=4, train_limit=3000,
                              seed=5)
     state = train(config_obj, return_state=True)
     states = task_states(state)
-    assert states["epoch-1"] == "Cached"
-    assert states["epoch-4"] == "Completed"
+    assert states["round-1"] == "Cached"
+    assert states["round-4"] == "Completed"
     # and the resumed run has removed whatever temporary file the killed one left
-    assert not list(run_folder.rglob(".*.tmp")) and not list(run_folder.rglob(".epoch-*"))
+    assert not list(run_folder.rglob(".*.tmp")) and not list(run_folder.rglob(".round-*"))
 
 
 def test_image_folder_trains_end_to_end(fashion_folder):
-    summary = train(TrainConfig(profile="smoke", data=str(fashion_folder), epochs=3,
+    summary = train(TrainConfig(profile="smoke", data=str(fashion_folder), rounds=3,
                                 model_name="folder-model", lr=0.1, registry=True))
     assert summary.registration.alias == "champion"
     model = tracking.load_pyfunc("models:/folder-model@champion")
@@ -165,7 +165,7 @@ def test_a_run_killed_while_it_holds_the_registry_lock_leaves_it_to_the_rerun(mo
     from tests.conftest import kill_when, subprocess_env
 
     name = "killed-in-promotion"
-    args = ["--profile", "smoke", "--register", "--model-name", name, "--epochs", "1",
+    args = ["--profile", "smoke", "--register", "--model-name", name, "--rounds", "1",
             "--train-limit", "512", "--seed", "7"]
     kill_when(["train", *args], lambda: read_lease(name), "the run never held the registry lock",
               timeout=300, env={**subprocess_env(), "COMPACTML_REGISTRY_LEASE_SECONDS": "3600"})
@@ -174,7 +174,7 @@ def test_a_run_killed_while_it_holds_the_registry_lock_leaves_it_to_the_rerun(mo
     from tasks.adapters import locks
 
     monkeypatch.setattr(locks, "RUN_WAIT_SECONDS", 5.0)  # not the hour its lease has left
-    summary = train(TrainConfig(profile="smoke", model_name=name, epochs=1, train_limit=512,
+    summary = train(TrainConfig(profile="smoke", model_name=name, rounds=1, train_limit=512,
                                 seed=7, registry=True))
     assert summary.registration.alias == "champion"
     assert tracking.model_versions(name) == [summary.registration.version]

@@ -1,12 +1,13 @@
-"""Training budgets that fit the data: optimizer steps as well as epochs.
+"""Training budgets that fit the data: optimizer steps as well as rounds.
 
-A budget given only in epochs starves a small data set: 8 epochs of 1,000 images at batch 128
-are 56 optimizer steps, far too few to learn anything. `fit_budget` keeps the configured
-epochs for a large data set and, for a small one,
+A round is what a flow repeats (one task, one checkpoint, validation after it); an epoch is one
+pass over the training images. A budget given only in rounds of one pass starves a small data
+set: 8 passes over 1,000 images at batch 128 are 56 optimizer steps, far too few to learn
+anything. `fit_budget` keeps one pass a round for a large data set and, for a small one,
 
 - lowers the batch so that an epoch has at least `min_batches` steps (a power of two, never
   below `min_batch`, never above the configured batch), and
-- repeats every configured epoch `repeats` times, the smallest whole number that gives at
+- repeats the pass of every round `repeats` times, the smallest whole number that gives at
   least `min_steps` optimizer steps in all, capped so that no run exceeds `max_epochs` passes.
   The minimum counts steps of the configured batch: a batch lowered to fit the data takes
   proportionally more steps (a quarter of the batch, four times the steps), so lowering it
@@ -18,11 +19,11 @@ The minimum is `min_steps` in full up to `full_below` training images and shrink
 proportion above them (`min_steps x full_below / images`), so the passes grow faster than the
 data shrinks: a set of 1,000 images needs hundreds of passes to learn what it can (on 8-pixel
 Fashion-MNIST, 1,000 steps left the `distill` student 2.8 points below `lenet` trained long,
-3,000 steps 0.2), while 18,000 images at the configured 8 epochs (1,120 steps) are past it.
+3,000 steps 0.2), while 18,000 images at the configured 8 rounds (1,120 steps) are past it.
 
-`repeats` is one number per run, so every schedule built on epochs (a cosine over the run, PBT
-rounds, distillation stages) stretches alike: a flow trains `epochs x repeats` passes as
-`epochs` rounds of `repeats` passes each, and checks validation (early stopping, PBT's choice)
+`repeats` is one number per run, so every schedule built on rounds (a cosine over the run, PBT
+rounds, distillation stages) stretches alike: a flow trains `rounds x repeats` passes as
+`rounds` rounds of `repeats` passes each, and checks validation (early stopping, PBT's choice)
 once per round.
 """
 
@@ -40,8 +41,8 @@ class Budget:
     Attributes:
         batch_size: images per optimizer step.
         steps_per_epoch: optimizer steps in one pass (a short last batch is dropped).
-        repeats: passes per configured epoch (1 for a large data set).
-        rounds: the configured epochs (or stages): validation is checked once per round.
+        repeats: passes per round (1 for a large data set).
+        rounds: the configured rounds (or stages): validation is checked once per round.
     """
 
     batch_size: int
@@ -85,14 +86,15 @@ def needed_steps(images: int, min_steps: int, full_below: int | None) -> int:
 def fit_budget(images: int, batch_size: int, rounds: int, min_steps: int | None,
                max_epochs: int, images_per_round: int | None = None,
                full_below: int | None = None) -> Budget:
-    """The budget of a run of `rounds` configured epochs on `images` training images.
+    """The budget of a run of `rounds` rounds on `images` training images.
 
     Args:
         images: training images (after the validation split).
         batch_size: the configured batch.
-        rounds: the configured epochs (or PBT epochs, or distillation stages).
+        rounds: the configured rounds (or PBT rounds, or distillation stages).
         min_steps: at least this many optimizer steps of `batch_size` images in all (a lowered
-            batch takes proportionally more); `None` keeps the configured batch and epochs.
+            batch takes proportionally more); `None` keeps the configured batch and one pass a
+            round.
         max_epochs: never more passes than this in all (repeats are capped to fit).
         images_per_round: images one round passes over, when a round draws a subset (a
             distillation stage draws a fraction of the training images); default `images`.
@@ -114,6 +116,6 @@ def fit_budget(images: int, batch_size: int, rounds: int, min_steps: int | None,
 
 def fit_to_data(config: Any, dataset: Any, rounds: int,
                 images_per_round: int | None = None) -> Budget:
-    """The budget of a run of `rounds` configured epochs (or stages) of `config` on
+    """The budget of a run of `rounds` rounds (or stages) of `config` on
     `dataset`'s training split (`training.budget.fit_budget`)."""
     return config.optim.budget(dataset.sizes["train"], rounds, images_per_round)

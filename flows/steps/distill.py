@@ -143,13 +143,13 @@ def distill_stages(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef
 
 def pretrain_teacher(plan: DistillPlan, dataset: DatasetRef, teacher_run_id: str
                      ) -> ArtifactRef | None:
-    """The teacher's warm start (`--teacher-pretrain-epochs`, logged on the teacher's run as
+    """The teacher's warm start (`--teacher-pretrain-rounds`, logged on the teacher's run as
     `pretrain_*` and `checkpoint.pretrain-NNN`): its last checkpoint, or None."""
-    if plan.teacher.pretrain_epochs == 0:
+    if plan.teacher.pretrain_rounds == 0:
         return None
     config = pretrain_config(plan.teacher)
-    return run_rounds(config.epochs, lambda epoch, _previous: ClassifierRound(
-        config=config, dataset=dataset, epoch=epoch, run_name="distill-pretrain",
+    return run_rounds(config.rounds, lambda index, _previous: ClassifierRound(
+        config=config, dataset=dataset, round=index, run_name="distill-pretrain",
         repeats=plan.teacher.repeats), teacher_run_id, None, dataset.sizes["val"],
         round_name="pretrain", metrics_prefix="pretrain_", keep_last=True).checkpoint
 

@@ -45,24 +45,24 @@ def train_image_text(config: ImageTextConfig, prepared: Prepared, run_id: str,
         tracking.log_metrics(run_id, {"generated_descriptions": captioned.generated,
                                       "captioner_bleu": captioned.bleu,
                                       "captioner_constant_bleu": captioned.constant_bleu})
-    rounds = config.align_epochs + config.epochs
+    rounds = config.align_rounds + config.rounds
     budget = config.optim.budget(described.train_images, rounds)
     log_budget(run_id, budget)
     config = config.replace(batch_size=budget.batch_size)
 
-    def plan(phase: str, epoch: int) -> ImageTextRound:
+    def plan(phase: str, index: int) -> ImageTextRound:
         return ImageTextRound(config=config, dataset=dataset, described=described,
-                              phase=phase, epoch=epoch, rounds=rounds,
+                              phase=phase, round=index, rounds=rounds,
                               repeats=budget.repeats, start=start)
 
     aligned = None
-    if config.align_epochs:  # the alignment phase's last round is where `joint` starts
-        aligned = run_rounds(config.align_epochs,
-                             lambda epoch, _previous: plan("align", epoch), run_id, None,
+    if config.align_rounds:  # the alignment phase's last round is where `joint` starts
+        aligned = run_rounds(config.align_rounds,
+                             lambda index, _previous: plan("align", index), run_id, None,
                              described.val_images, round_name="align",
                              metrics_prefix="align_", keep_last=True).checkpoint
 
-    best = run_rounds(config.epochs,
-                      lambda epoch, _previous: plan("joint", config.align_epochs + epoch),
+    best = run_rounds(config.rounds,
+                      lambda index, _previous: plan("joint", config.align_rounds + index),
                       run_id, config.patience, described.val_images, previous=aligned)
     return config, described, budget, aligned, best

@@ -96,7 +96,7 @@ def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str
                    ) -> PopulationResult:
     """Burn-in, then stages of train / evaluate / copy / explore; see the module docstring.
 
-    Every epoch of the config is `repeats` passes at `batch_size` images (the budget fitted to
+    Every round of the config is `repeats` passes at `batch_size` images (the budget fitted to
     the data set, `training.budget`). `start`: weights every member starts from (a checkpoint
     of `model` weights only, e.g. the `pipeline`'s distilled student) instead of its seed's
     initialization."""
@@ -119,7 +119,7 @@ def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str
     def on_member(m: int, round_: PopulationRound, result: RoundResult,
                   hyperparameters: dict[str, float]) -> None:
         step = round_.index if round_.phase == "stage" else \
-            round_.index - config.burn_in_epochs
+            round_.index - config.burn_in_rounds
         tracking.log_metrics(member_runs[m], result.metrics | {
             f"hp_{k}": v for k, v in hyperparameters.items()}, step=step)
 
@@ -136,9 +136,9 @@ def pbt_population(config: PBTConfig, dataset: DatasetRef, member_runs: list[str
                       first).result()
 
     settings = PopulationSettings(
-        members=config.members, burn_in_epochs=config.burn_in_epochs,
+        members=config.members, burn_in_rounds=config.burn_in_rounds,
         burn_in_patience=config.burn_in_patience, stages=config.stages,
-        round_epochs=config.round_epochs, repeats=repeats, average_decay=config.average_decay,
+        stage_rounds=config.stage_rounds, repeats=repeats, average_decay=config.average_decay,
         target_accuracy=config.target_accuracy, stage_patience=config.stage_patience,
         soup=config.soup)
     result = run_population(
@@ -162,7 +162,7 @@ def population_step(config: PBTConfig, prepared: Prepared, run_id: str,
     given) and its lineage logged; the best's classifier config, the population and its
     budget."""
     classifier, budget = budgeted_classifier(
-        config, prepared, run_id, config.burn_in_epochs + config.stages * config.round_epochs)
+        config, prepared, run_id, config.burn_in_rounds + config.stages * config.stage_rounds)
     member_runs = [tracking.start_run(FLOW_NAME, f"member-{m}", parent_run_id=run_id)
                    for m in range(config.members)]
     try:

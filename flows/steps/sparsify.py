@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prefect import get_run_logger
 
-from flows.skeleton import Prepared, run_rounds, train_epochs
+from flows.skeleton import Prepared, run_rounds, train_classifier_rounds
 from tasks.adapters import tracking
 from tasks.adapters.versioning import ArtifactRef
 from tasks.configs.sections import ClassifierConfig
@@ -49,8 +49,8 @@ def train_sparse(config: SparsifyConfig, classifier: ClassifierConfig, prepared:
         best, thresholds = ramped_training(config, classifier, prepared, budget, run_id, spec,
                                            start)
     else:
-        best = train_epochs(classifier, prepared, budget, run_id, config.patience, FLOW_NAME,
-                            sparsity=spec, start=start)
+        best = train_classifier_rounds(classifier, prepared, budget, run_id, config.patience,
+                                       FLOW_NAME, sparsity=spec, start=start)
         thresholds: dict[str, float] = {}
         if config.zero_threshold_tolerance is not None or config.zero_target is not None:
             best, thresholds = thresholded_training(config, classifier, prepared, budget,
@@ -76,22 +76,22 @@ def ramped_training(config: SparsifyConfig, classifier: ClassifierConfig, prepar
     first, last = config.zero_target_ramp
     layers = tuple(spec.lambdas)
 
-    def ramped_round(epoch: int, previous: ArtifactRef | None) -> ClassifierRound:
+    def ramped_round(index: int, previous: ArtifactRef | None) -> ClassifierRound:
         held = spec
-        if epoch + 1 >= first:  # this calibration closes 1 / (calibrations left) of the gap
+        if index + 1 >= first:  # this calibration closes 1 / (calibrations left) of the gap
             calibrated = zero_target_step(classifier, prepared.dataset, previous or start,
-                                          layers, config.zero_target, 1.0 / max(last - epoch, 1))
-            tracking.log_metrics(run_id, calibrated.metrics(), step=epoch)
+                                          layers, config.zero_target, 1.0 / max(last - index, 1))
+            tracking.log_metrics(run_id, calibrated.metrics(), step=index)
             held = spec.model_copy(update={"thresholds": calibrated.thresholds})
-        return ClassifierRound(config=classifier, dataset=prepared.dataset, epoch=epoch,
+        return ClassifierRound(config=classifier, dataset=prepared.dataset, round=index,
                                run_name=FLOW_NAME, repeats=budget.repeats, sparsity=held,
                                start=start)
 
-    best = run_rounds(classifier.epochs, ramped_round, run_id, config.patience,
+    best = run_rounds(classifier.rounds, ramped_round, run_id, config.patience,
                       prepared.dataset.sizes["val"], keep_from=last - 1)
     topped = zero_target_thresholds(classifier, prepared.dataset, best.checkpoint, layers,
                                     config.zero_target, 1.0)
-    tracking.log_metrics(run_id, topped.metrics(), step=classifier.epochs)
+    tracking.log_metrics(run_id, topped.metrics(), step=classifier.rounds)
     return best.model_copy(update={"checkpoint": topped.checkpoint, "metrics": (
         best.metrics | {"val_accuracy": topped.val_accuracy})}), topped.thresholds
 
@@ -101,7 +101,7 @@ def thresholded_training(config: SparsifyConfig, classifier: ClassifierConfig,
                          best: RoundResult) -> tuple[RoundResult, dict[str, float]]:
     """Activation thresholds on `best`'s network: calibrated to `--zero-threshold-tolerance`
     or set for `--zero-target` (in equal steps, one per calibration), raised over
-    `--threshold-cycles` of training with them in place, then `--threshold-settle-epochs`
+    `--threshold-cycles` of training with them in place, then `--threshold-settle-rounds`
     (with a zero target, topped up to it after them: the settled network may have moved
     below it), kept where it is no worse on validation; each calibration logged at its
     cycle. The kept round and its thresholds."""
@@ -126,7 +126,7 @@ def thresholded_training(config: SparsifyConfig, classifier: ClassifierConfig,
         tracking.log_metrics(run_id, thresholded.metrics(), step=cycle + 1)
     best = best.model_copy(update={"checkpoint": thresholded.checkpoint, "metrics": (
         best.metrics | {"val_accuracy": thresholded.val_accuracy})})
-    if not config.threshold_settle_epochs:
+    if not config.threshold_settle_rounds:
         return best, thresholded.thresholds
     settled = threshold_cycle(config, classifier, prepared, budget, run_id, spec, thresholded,
                               config.threshold_cycles, settle=True)
@@ -145,20 +145,21 @@ def thresholded_training(config: SparsifyConfig, classifier: ClassifierConfig,
 def threshold_cycle(config: SparsifyConfig, classifier: ClassifierConfig, prepared: Prepared,
                     budget: Budget, run_id: str, spec: SparsitySpec, thresholded: Thresholded,
                     cycle: int, settle: bool = False) -> RoundResult:
-    """Cycle `cycle` (0-based) of `--threshold-cycles`: `--threshold-cycle-epochs` rounds
+    """Cycle `cycle` (0-based) of `--threshold-cycles`: `--threshold-cycle-rounds` rounds
     from the calibrated checkpoint with its thresholds in place while training (FATReLU
     fine-tuning, Kurtz et al. 2020: the network adapts to the zeros it is given) and the term,
     at `--threshold-cycle-lr`, with a fresh optimizer; logged after the main rounds as
-    `checkpoint.cycle-N.epoch-NNN`. `settle`: the `--threshold-settle-epochs` rounds after
-    the last cycle (`checkpoint.settle.epoch-NNN`), with the final thresholds. Returns the
+    `checkpoint.cycle-N.round-NNN`. `settle`: the `--threshold-settle-rounds` rounds after
+    the last cycle (`checkpoint.settle.round-NNN`), with the final thresholds. Returns the
     round with the best validation accuracy (thresholds in place)."""
-    rounds = config.threshold_settle_epochs if settle else config.threshold_cycle_epochs
-    cycling = classifier.replace(epochs=rounds, lr=config.threshold_cycle_lr, warmup_epochs=0.0)
+    rounds = config.threshold_settle_rounds if settle else config.threshold_cycle_rounds
+    cycling = classifier.replace(rounds=rounds, lr=config.threshold_cycle_lr, warmup_rounds=0.0)
     held = spec.model_copy(update={"thresholds": thresholded.thresholds})
     get_run_logger().info("threshold %s: %s", "settling" if settle else
                           f"cycle {cycle + 1}/{config.threshold_cycles}",
                           ", ".join(f"{k} {v:.3g}" for k, v in thresholded.thresholds.items()))
-    return train_epochs(cycling, prepared, budget, run_id, None, FLOW_NAME, sparsity=held,
-                        start=thresholded.checkpoint,
-                        name="checkpoint.settle" if settle else f"checkpoint.cycle-{cycle + 1}",
-                        first_step=classifier.epochs + cycle * config.threshold_cycle_epochs)
+    return train_classifier_rounds(
+        cycling, prepared, budget, run_id, None, FLOW_NAME, sparsity=held,
+        start=thresholded.checkpoint,
+        name="checkpoint.settle" if settle else f"checkpoint.cycle-{cycle + 1}",
+        first_step=classifier.rounds + cycle * config.threshold_cycle_rounds)

@@ -191,8 +191,8 @@ def set_tags(run_id: str, tags: Mapping[str, Any]) -> None:
 
 
 ARTIFACT_REFS = "dvc/artifacts.json"
-# a round's artifact: checkpoint.epoch-003, bank.stage-002, checkpoint.align-001, ...
-PER_ROUND = re.compile(r"\b(epoch|stage|align|pretrain)-\d+$")
+# a round's artifact: checkpoint.round-003, bank.stage-002, checkpoint.align-001, ...
+PER_ROUND = re.compile(r"\b(round|stage|align|pretrain)-\d+$")
 
 
 def artifact_refs(run_id: str) -> dict[str, dict[str, str]]:
@@ -206,7 +206,7 @@ def artifact_refs(run_id: str) -> dict[str, dict[str, str]]:
 
 def log_artifact_refs(run_id: str, refs: Mapping[str, ArtifactRef]) -> None:
     """Records each versioned artifact (content hash and path) in the run's
-    `dvc/artifacts.json`, and all but the per-round ones (`checkpoint.epoch-003`) also as tag
+    `dvc/artifacts.json`, and all but the per-round ones (`checkpoint.round-003`) also as tag
     `dvc.<name>` = content hash, so the run's page shows the few that matter."""
     set_tags(run_id, {f"dvc.{name}": ref.md5 for name, ref in refs.items()
                       if not PER_ROUND.search(name)})

@@ -135,29 +135,30 @@ def read_table(ref: ArtifactRef) -> dict:
 
 def module_budget(config: CascadeConfig, images: int) -> Budget:
     """Module training's budget on its set of `images` (`training.budget.fit_budget`)."""
-    return config.optim.budget(images, config.epochs)
+    return config.optim.budget(images, config.rounds)
 
 
 class ModuleRound(RoundPlan):
-    """Round `epoch` of module k on its curriculum set (`--stage-training`: the modules before
-    it train along, or stay frozen; `training.cascade.learning.ModuleStep`), from `start` (the
-    cascade as module k - 1 left it) or the previous round of this module; then module k's
-    exit scored on validation (`module{k}_val_accuracy`: its most expensive sub-network)."""
+    """Round `round` (0-based) of `config.rounds` of module k on its curriculum set
+    (`--stage-training`: the modules before it train along, or stay frozen;
+    `training.cascade.learning.ModuleStep`), from `start` (the cascade as module k - 1 left it)
+    or the previous round of this module; then module k's exit scored on validation
+    (`module{k}_val_accuracy`: its most expensive sub-network)."""
 
     config: CascadeConfig
     dataset: DatasetRef
     sets: CascadeSets
     latency: ArtifactRef
     k: int
-    epoch: int
+    round: int
     start: ArtifactRef | None = None
 
     @property
     def number(self) -> int:
-        return self.epoch
+        return self.round
 
     def task_name(self) -> str:
-        return f"module-{self.k}-round-{self.epoch + 1}"
+        return f"module-{self.k}-round-{self.round + 1}"
 
     def open(self, previous: ArtifactRef | None, device: torch.device) -> Opened:
         config, k, store = self.config, self.k, ArtifactStore()
@@ -178,7 +179,7 @@ class ModuleRound(RoundPlan):
         optimizer_to(optimizer, device)
         relative = (relative_costs(net, part_costs(read_table(self.latency)), k)
                     if net.is_super(k) else None)
-        passes = range(self.epoch * budget.repeats, (self.epoch + 1) * budget.repeats)
+        passes = range(self.round * budget.repeats, (self.round + 1) * budget.repeats)
         seeds = tuple(config.run.seed * 1000 + n + 100 * k for n in passes)  # each pass's shuffle
         step = ModuleStep(k, frozen, None if relative is None else relative.cpu(),
                           config.latency_weight, config.optim.label_smoothing, seeds[0])
@@ -187,7 +188,7 @@ class ModuleRound(RoundPlan):
                                    len(self.dataset.classes)), step,
             image_batches(config, self.dataset, data, rows, budget.batch_size, passes,
                           seeds=seeds),
-            passes, (0, budget.epochs), config.optim.warmup_epochs * budget.repeats)
+            passes, (0, budget.epochs), config.optim.warmup_rounds * budget.repeats)
         return Opened(Trainee(net, optimizer), round_, {"data": data, "frozen": frozen})
 
     def close(self, opened: Opened, device: torch.device, metrics: dict[str, float],
@@ -199,12 +200,12 @@ class ModuleRound(RoundPlan):
         metrics = {f"module{k}_{name}": value for name, value in metrics.items()} | {
             f"module{k}_val_accuracy": val["accuracy"], f"module{k}_train_seconds": seconds}
         payload = {"model": net.state_dict(), "optimizer": opened.trainee.optimizer.state_dict(),
-                   "module": k, "epoch": self.epoch}
+                   "module": k, "round": self.round}
         return Closed(metrics, payload)
 
     def relpath(self) -> str:
         return (f"checkpoints/cascade/{run_key(self.config, self.dataset)}/"
-                f"module-{self.k}-round-{self.epoch + 1:03d}.pt")
+                f"module-{self.k}-round-{self.round + 1:03d}.pt")
 
 
 @task(cache_key_fn=computation_key, persist_result=True,

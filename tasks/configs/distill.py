@@ -21,15 +21,16 @@ class DistillConfig(ProfiledConfig):
     learns stage by stage from the labels and the teacher's states (by default each state run
     on the student's own batches; or the feature bank the states fill, or the last state)."""
 
+    RENAMED: ClassVar[dict[str, str]] = {"teacher_pretrain_epochs": "teacher_pretrain_rounds"}
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
         "smoke": {"teacher_model": "resnet8", "student_model": "cnn2", "stages": 2,
                   "train_limit": 512, "test_limit": 256, "val_limit": 1000, "batch_size": 64,
-                  "lr": 0.1, "student_patience": 1, "teacher_pretrain_epochs": 0,
+                  "lr": 0.1, "student_patience": 1, "teacher_pretrain_rounds": 0,
                   "progress": False, "min_steps": None,
                   "baseline_gate": False, "registry": False},
         "quick": {},
         "full": {"train_limit": None, "stages": 60, "teacher_width": 32, "batch_size": 256,
-                 "lr": 0.1, "warmup_epochs": 1.0},
+                 "lr": 0.1, "warmup_rounds": 1.0},
     }
 
     cluster: RunnerSection = Field(default_factory=RunnerSection)
@@ -41,10 +42,12 @@ class DistillConfig(ProfiledConfig):
     student_width: int | None = Field(None, ge=1, le=1024, description="the student's width; "
                                       "none: the model's default")
     stages: int = Field(10, ge=2, le=10000, description="S: teacher and student stages")
-    teacher_pretrain_epochs: int = Field(8, ge=0, le=1000, description="epochs the teacher "
-                                         "trains on all training images before stage 1 (a warm "
-                                         "start: its state 0, which --initial-bank teacher "
-                                         "fills the bank from); 0: from the seeded weights")
+    teacher_pretrain_rounds: int = Field(8, ge=0, le=1000, description="rounds the teacher "
+                                         "trains on all training images before stage 1 (each "
+                                         "one pass, repeated on a small data set, see "
+                                         "min_steps; a warm start: its state 0, which "
+                                         "--initial-bank teacher fills the bank from); 0: from "
+                                         "the seeded weights")
     teacher_fraction: float = Field(0.8, gt=0.0, lt=1.0, description="N/M: the share of the M "
                                     "training images the teacher draws per stage")
     student_fraction: float = Field(0.8, gt=0.0, lt=1.0, description="P/M: the share of the "

@@ -33,9 +33,10 @@ class ImageTextConfig(ProfiledConfig, RoundsFields):
     image and text features plus the classifier's cross-entropy, the classifier initialized
     from the text features of each class's descriptions (`training/image_text/losses.py`)."""
 
+    RENAMED: ClassVar[dict[str, str]] = {"align_epochs": "align_rounds"}
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
         "smoke": {**TrainConfig.PROFILES["smoke"], "text_encoder": "builtin",
-                  "align_epochs": 1, "caption_steps": 60},
+                  "align_rounds": 1, "caption_steps": 60},
         "quick": {},
         "full": {**{k: v for k, v in TrainConfig.PROFILES["full"].items() if k != "model"}},
     }
@@ -104,7 +105,7 @@ class ImageTextConfig(ProfiledConfig, RoundsFields):
     text_init: bool = Field(True, description="initialize the classifier from the text "
                             "features of each class's descriptions (after the alignment "
                             "rounds); off: random directions of the same norm, the ablation")
-    align_epochs: int = Field(2, ge=0, le=1000, description="rounds of the contrastive loss "
+    align_rounds: int = Field(2, ge=0, le=1000, description="rounds of the contrastive loss "
                               "alone before the classifier trains (what the text-initialized "
                               "classifier starts from)")
     labels_per_class: int | None = Field(None, ge=1, description="keep the labels of only this "
@@ -176,9 +177,9 @@ class ImageTextConfig(ProfiledConfig, RoundsFields):
     def _some_loss(self) -> ImageTextConfig:
         if self.contrastive_weight == 0 and self.ce_weight == 0:
             raise ValueError("contrastive_weight and ce_weight are both 0: nothing to learn")
-        if self.contrastive_weight == 0 and self.align_epochs:
-            raise ValueError("align_epochs needs the contrastive sub-loss "
-                             "(contrastive_weight > 0); set --align-epochs 0")
+        if self.contrastive_weight == 0 and self.align_rounds:
+            raise ValueError("align_rounds needs the contrastive sub-loss "
+                             "(contrastive_weight > 0); set --align-rounds 0")
         return self
 
 

@@ -17,28 +17,32 @@ class PBTConfig(ProfiledConfig):
     member); the stages search them within the `*_range` bounds.
     """
 
+    RENAMED: ClassVar[dict[str, str]] = {"burn_in_epochs": "burn_in_rounds",
+                                         "round_epochs": "stage_rounds"}
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
-        "smoke": {"model": "cnn2", "members": 2, "burn_in_epochs": 1, "round_epochs": 1,
+        "smoke": {"model": "cnn2", "members": 2, "burn_in_rounds": 1, "stage_rounds": 1,
                   "stages": 2, "train_limit": 512, "test_limit": 256, "val_limit": 1000,
                   "batch_size": 64,
                   "progress": False, "min_steps": None,
                   "baseline_gate": False, "registry": False},
         "quick": {"model": "lenet"},  # N members: a network that trains in a minute each
-        "full": {"train_limit": None, "members": 8, "burn_in_epochs": 5, "round_epochs": 5,
+        "full": {"train_limit": None, "members": 8, "burn_in_rounds": 5, "stage_rounds": 5,
                  "stages": 11, "width": 32, "batch_size": 256},
     }
 
     network: ModelSection = Field(default_factory=ModelSection)
     cluster: RunnerSection = Field(default_factory=RunnerSection)
     members: int = Field(4, ge=2, le=256, description="N: networks in the population")
-    burn_in_epochs: int = Field(1, ge=1, le=1000, description="epochs every member trains with "
+    burn_in_rounds: int = Field(1, ge=1, le=1000, description="rounds every member trains with "
                                 "the same hyperparameters before the stages (Ray Tune's "
-                                "burn-in period)")
+                                "burn-in period), each one pass over the training images "
+                                "(repeated on a small data set, see min_steps) and one task")
     burn_in_patience: int | None = Field(None, ge=1, description="end the burn-in early after "
-                                         "this many epochs without a better validation "
-                                         "accuracy; none: all burn-in epochs")
-    round_epochs: int = Field(2, ge=1, le=1000, description="epochs each member trains per "
-                              "stage")
+                                         "this many rounds without a better validation "
+                                         "accuracy; none: all burn-in rounds")
+    stage_rounds: int = Field(2, ge=1, le=1000, description="rounds each member trains per "
+                              "stage, in one task (each round one pass over the training "
+                              "images, repeated on a small data set)")
     stages: int = Field(4, ge=1, le=10000, description="stop after this many stages")
     target_accuracy: float | None = Field(None, gt=0.0, le=1.0, description="stop once the "
                                           "best validation accuracy reaches this")

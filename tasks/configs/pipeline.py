@@ -23,7 +23,7 @@ from tasks.configs.sparsify import SparsifyConfig, SparsifyNetwork
 PIPELINE_DISTILL: dict[str, Any] = {
     "targets": "bank", "teacher_layer": "pool", "student_layer": "pool",
     "feature_loss": "cosine", "feature_weight": 1.0, "ce_weight": 1.0, "temperature": 4.0,
-    "student_patience": 1, "teacher_pretrain_epochs": 0}
+    "student_patience": 1, "teacher_pretrain_rounds": 0}
 
 
 class TextStep(StrictConfig):
@@ -31,18 +31,22 @@ class TextStep(StrictConfig):
     side trains against the texts (one alignment round, then these) before PBT, and is kept
     only where it helps on validation (the `image-text` flow's fields)."""
 
+    RENAMED: ClassVar[dict[str, str]] = {"epochs": "rounds"}
+
     encoder: Literal["minilm", "builtin"] = same_field(ImageTextConfig, "text_encoder")
-    epochs: int = same_field(ImageTextConfig, "epochs", 3)
+    rounds: int = same_field(ImageTextConfig, "rounds", 3)
     lr: float = same_field(ImageTextConfig, "lr", 0.01)  # a fine-tuning of the student
 
 
 class PBTStep(StrictConfig):
-    """PBT on the distilled student: every member starts from it, after one burn-in epoch (the
+    """PBT on the distilled student: every member starts from it, after one burn-in round (the
     `pbt` flow's fields)."""
+
+    RENAMED: ClassVar[dict[str, str]] = {"round_epochs": "stage_rounds"}
 
     members: int = same_field(PBTConfig, "members", 3)
     stages: int = same_field(PBTConfig, "stages", 2)
-    round_epochs: int = same_field(PBTConfig, "round_epochs", 1)
+    stage_rounds: int = same_field(PBTConfig, "stage_rounds", 1)
     # a fine-tuning: below a fresh run's range
     lr_range: CommaList[tuple[float, float]] = same_field(PBTConfig, "lr_range", (0.005, 0.1))
 
@@ -51,7 +55,9 @@ class SparseStep(StrictConfig):
     """Activation-sparsity fine-tuning of PBT's best (the `sparsify` flow's fields; the term's
     own are the config's `transform`, `sparsity_lambda`, ...)."""
 
-    epochs: int = same_field(SparsifyConfig, "epochs", 4)
+    RENAMED: ClassVar[dict[str, str]] = {"epochs": "rounds"}
+
+    rounds: int = same_field(SparsifyConfig, "rounds", 4)
     lr: float = same_field(SparsifyConfig, "lr", 0.01)
     layers: CommaList[tuple[str, ...]] | None = same_field(SparsifyConfig, "sparse_layers")
 
@@ -87,12 +93,12 @@ class PipelineConfig(DistillConfig):
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
         "smoke": {**DistillConfig.PROFILES["smoke"], **PIPELINE_DISTILL, "pbt_members": 2,
                   "pbt_stages": 1,
-                  "sparse_epochs": 1, "zero_threshold_tolerance": None,
-                  "text_encoder": "builtin", "text_epochs": 1},
+                  "sparse_rounds": 1, "zero_threshold_tolerance": None,
+                  "text_encoder": "builtin", "text_rounds": 1},
         "quick": PIPELINE_DISTILL,
         "full": {**DistillConfig.PROFILES["full"], **PIPELINE_DISTILL, "pbt_members": 8,
                  "pbt_stages": 6,
-                 "pbt_round_epochs": 3, "sparse_epochs": 8},
+                 "pbt_stage_rounds": 3, "sparse_rounds": 8},
     }
 
     text: TextStep = Field(default_factory=TextStep)
@@ -138,12 +144,12 @@ class PipelineConfig(DistillConfig):
 
     def image_text_config(self) -> ImageTextConfig:
         """The image-text step's config: the student's network, the descriptions given, one
-        alignment round and `text_epochs` joint ones at `text_lr`."""
+        alignment round and `text_rounds` joint ones at `text_lr`."""
         return ImageTextConfig(
             profile=self.profile, dataset=self.dataset, run=self.run,
             network=ImageTextNetwork(**self.student_network().model_dump()),
-            optim=self.optim.replace(lr=self.text.lr), epochs=self.text.epochs,
-            align_epochs=1, captions=self.captions, class_descriptions=self.class_descriptions,
+            optim=self.optim.replace(lr=self.text.lr), rounds=self.text.rounds,
+            align_rounds=1, captions=self.captions, class_descriptions=self.class_descriptions,
             text_encoder=self.text.encoder)
 
     def student_network(self) -> ModelSection:
@@ -158,7 +164,7 @@ class PipelineConfig(DistillConfig):
             network=self.student_network(),
             optim=self.optim.replace(lr=min(self.optim.lr, self.pbt.lr_range[1])),
             members=self.pbt.members, stages=self.pbt.stages,
-            round_epochs=self.pbt.round_epochs, burn_in_epochs=1, lr_range=self.pbt.lr_range)
+            stage_rounds=self.pbt.stage_rounds, burn_in_rounds=1, lr_range=self.pbt.lr_range)
 
     def sparsify_config(self) -> SparsifyConfig:
         """The sparsity fine-tuning's config: the student's network, the `sparse` step's
@@ -166,7 +172,7 @@ class PipelineConfig(DistillConfig):
         return SparsifyConfig(
             profile=self.profile, dataset=self.dataset, run=self.run,
             network=SparsifyNetwork(**self.student_network().model_dump()),
-            optim=self.optim.replace(lr=self.sparse.lr), epochs=self.sparse.epochs,
+            optim=self.optim.replace(lr=self.sparse.lr), rounds=self.sparse.rounds,
             sparse_layers=self.sparse.layers, transform=self.transform,
             sparsity_lambda=self.sparsity_lambda, lambda_gamma=self.lambda_gamma,
             zero_threshold_tolerance=self.zero_threshold_tolerance)

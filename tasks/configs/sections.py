@@ -4,6 +4,8 @@ nests flat input into them, and the profile that fills the fields not given."""
 from __future__ import annotations
 
 import re
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Self, TypeVar
 
@@ -69,6 +71,32 @@ def model_name_of(project: str | None, model_name: str | None, flow_name: str) -
     return f"{project}-{model_name}" if project else model_name
 
 
+class FormerNameWarning(DeprecationWarning):
+    """A config given a field's former name (`StrictConfig.RENAMED`): accepted for one release,
+    under its new name."""
+
+
+# shown once per place that gives a former name, unlike other deprecation warnings (hidden
+# outside `__main__`): a deployment's or a script's config is the user's to change
+warnings.simplefilter("default", FormerNameWarning)
+
+
+def renamed(values: Mapping[str, Any], former: Mapping[str, str], owner: str
+            ) -> dict[str, Any]:
+    """`values` with each former name (`former`: old -> new) given as its new name, warning
+    (`FormerNameWarning`) with the new name; an old and a new name given together is an
+    error."""
+    values = dict(values)
+    for old in [name for name in values if name in former]:
+        new = former[old]
+        if new in values:
+            raise ValueError(f"{old} is the former name of {new}: give {new} alone")
+        warnings.warn(f"{owner}: {old} is now {new}; the old name is accepted until the next "
+                      f"release", FormerNameWarning, stacklevel=2)
+        values[new] = values.pop(old)
+    return values
+
+
 def same_field(config: type[StrictConfig], name: str, default: Any = ...) -> Any:
     """Field `name` (a command-line name) of another flow's `config`, its bounds and
     description, with another `default` where given: a config that nests another flow's
@@ -82,6 +110,24 @@ class StrictConfig(BaseModel):
     """Base of every config: unknown fields are errors, values are validated and frozen."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    # the former names of a class's own fields, old -> new: accepted for one release, with a
+    # `FormerNameWarning` (`renamed`); on the command line as hidden flags with a notice
+    RENAMED: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def former_names(cls) -> dict[str, str]:
+        """Former names by their command-line names, old -> new: every `RENAMED` of the class
+        and its bases."""
+        return {old: new for klass in reversed(cls.__mro__)
+                for old, new in vars(klass).get("RENAMED", {}).items()}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _former(cls, values: Any) -> Any:
+        if not isinstance(values, Mapping):
+            return values
+        return renamed(values, cls.former_names(), cls.__name__)
 
     @classmethod
     def field_groups(cls) -> dict[str | None, dict[str, FieldInfo]]:
@@ -103,6 +149,7 @@ class StrictConfig(BaseModel):
     def replace(self, **changes: Any) -> Self:
         """A copy with `changes`, validated again (unlike `model_copy`, which would keep a
         misspelled or invalid value): an unknown name is an error."""
+        changes = renamed(changes, type(self).former_names(), type(self).__name__)
         unknown = sorted(set(changes) - set(type(self).model_fields))
         if unknown:
             raise ValueError(f"{type(self).__name__} has no field {', '.join(unknown)}")
@@ -207,9 +254,13 @@ class OptimSection(StrictConfig):
     budget that fits the steps to the data (`training/budget.py`): a small data set gets a
     smaller batch and more passes, so that it trains for enough optimizer steps."""
 
+    RENAMED: ClassVar[dict[str, str]] = {"warmup_epochs": "warmup_rounds"}
+
     batch_size: int = Field(128, ge=1, le=65536, description="images per training step")
     lr: float = Field(0.05, gt=0.0, le=10.0, description="peak learning rate (cosine decay)")
-    warmup_epochs: float = Field(0.0, ge=0.0, le=100.0, description="linear warm-up, in epochs")
+    warmup_rounds: float = Field(0.0, ge=0.0, le=100.0, description="linear warm-up, in rounds "
+                                 "(each `repeats` passes over the training images on a small "
+                                 "data set, see min_steps)")
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum")
     weight_decay: float = Field(5e-4, ge=0.0, lt=1.0, description="L2 weight decay")
     label_smoothing: float = Field(0.0, ge=0.0, lt=1.0, description="cross-entropy label "
@@ -226,9 +277,10 @@ class OptimSection(StrictConfig):
 
     min_steps: int | None = Field(3000, ge=1, le=10_000_000, description="train at least this "
                                   "many optimizer steps: on a small data set the batch shrinks "
-                                  "(to 8 steps an epoch, not below 16 images) and every epoch "
-                                  "(PBT epoch, distillation stage) is repeated to reach them; "
-                                  "none: the configured batch and epochs exactly")
+                                  "(to 8 steps an epoch, not below 16 images) and every round "
+                                  "(a PBT round, a distillation stage) is repeated to reach them "
+                                  "(`repeats` passes a round); none: the configured batch and "
+                                  "one pass a round exactly")
     min_steps_full_below: int | None = Field(4096, ge=1, le=10_000_000, description="min_steps "
                                              "holds in full up to this many training images and "
                                              "shrinks in proportion above (8,192 images: half); "
@@ -237,7 +289,7 @@ class OptimSection(StrictConfig):
                             "training images than this, however small the data set")
 
     def budget(self, images: int, rounds: int, images_per_round: int | None = None) -> Budget:
-        """The budget of `rounds` configured epochs on `images` training images with these
+        """The budget of `rounds` rounds on `images` training images with these
         settings (`training.budget.fit_budget`)."""
         return fit_budget(images, self.batch_size, rounds, self.min_steps, self.max_epochs,
                           images_per_round, self.min_steps_full_below)
@@ -382,6 +434,14 @@ class SectionedConfig(StrictConfig):
         return aliases
 
     @classmethod
+    def former_names(cls) -> dict[str, str]:
+        names = super().former_names()
+        for name, section in cls.sections().items():
+            names.update({cls.flat_name(name, old): cls.flat_name(name, new)
+                          for old, new in section.former_names().items()})
+        return names
+
+    @classmethod
     def defaults(cls, values: dict[str, Any]) -> dict[str, Any]:
         """Flat values that fill the fields `values` does not give (none here; a profile's)."""
         return {}
@@ -391,6 +451,7 @@ class SectionedConfig(StrictConfig):
     def _nest(cls, values: Any) -> Any:
         if not isinstance(values, dict):
             return values
+        values = renamed(values, cls.former_names(), cls.__name__)  # whichever runs first
         sections = cls.sections()
         nested: dict[str, Any] = {}
         preset: dict[str, dict[str, Any]] = {name: {} for name in sections}
@@ -430,6 +491,7 @@ class SectionedConfig(StrictConfig):
     def replace(self, **changes: Any) -> Self:
         """A copy with `changes`, by flat field name or whole section, validated again (a
         changed section only): an unknown name is an error."""
+        changes = renamed(changes, type(self).former_names(), type(self).__name__)
         owners = type(self)._owners
         unknown = sorted(set(changes) - set(owners) - set(type(self).model_fields))
         if unknown:
@@ -449,9 +511,11 @@ class SectionedConfig(StrictConfig):
 class RoundsFields(StrictConfig):
     """How many rounds a classifier trains, and when it stops early."""
 
-    epochs: int = Field(8, ge=1, le=1000, description="rounds of training: passes over the "
-                        "training images, each repeated on a small data set (see min_steps); "
-                        "validation is checked after every round")
+    RENAMED: ClassVar[dict[str, str]] = {"epochs": "rounds"}
+
+    rounds: int = Field(8, ge=1, le=1000, description="rounds of training: each one pass over "
+                        "the training images, repeated on a small data set (see min_steps), "
+                        "one task and one checkpoint; validation is checked after every round")
     patience: int | None = Field(4, ge=1, description="stop after this many rounds in a row "
                                  "below the best validation accuracy; the latest round within "
                                  "one standard error of the best is kept; none: run every "

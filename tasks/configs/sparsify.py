@@ -57,6 +57,8 @@ class SparsifyConfig(TrainConfig):
     loss plus a sparsity term on the activations of chosen layers (`training/sparsify/term.py`).
     A task's defaults (`TASK_DEFAULTS`) sit below the profile's and the given values."""
 
+    RENAMED: ClassVar[dict[str, str]] = {"threshold_cycle_epochs": "threshold_cycle_rounds",
+                                         "threshold_settle_epochs": "threshold_settle_rounds"}
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
         "smoke": {**TrainConfig.PROFILES["smoke"], "model": None, "layouts": (64, 32, 32)},
         "quick": {},
@@ -67,10 +69,10 @@ class SparsifyConfig(TrainConfig):
         # lambda 0.3) won on Fashion-MNIST and lost on a second data set; 0.42 zeros as many
         # values as the rule on Fashion-MNIST's validation images (`bench.area_rule`)
         "classification": {"lambda_gamma": 0.0, "sparsity_lambda": 0.42},
-        "detection": {"batch_size": 16, "lr": 0.05, "epochs": 8, "min_steps": None},
+        "detection": {"batch_size": 16, "lr": 0.05, "rounds": 8, "min_steps": None},
         # lambda 0.3 cost the contour U-Net 2.7 points of boundary F, 0.02 nothing measurable
         # (docs/sparsify.md)
-        "contour": {"batch_size": 16, "lr": 0.05, "epochs": 6, "min_steps": None,
+        "contour": {"batch_size": 16, "lr": 0.05, "rounds": 6, "min_steps": None,
                     "sparsity_lambda": 0.02},
     }
 
@@ -123,16 +125,16 @@ class SparsifyConfig(TrainConfig):
         "--threshold-cycles, whatever the accuracy; none: thresholds by the tolerance")
     threshold_cycles: int = Field(0, ge=0, le=50, description="classification, with "
                                   "--zero-threshold-tolerance or --zero-target: after the first "
-                                  "calibration, this many times train --threshold-cycle-epochs "
+                                  "calibration, this many times train --threshold-cycle-rounds "
                                   "rounds with the thresholds in place (the term stays) and "
                                   "calibrate again on top, so the thresholds rise while the "
                                   "network adapts to them; all calibrations together cost at "
                                   "most the tolerance, or the last reaches the zero target")
-    threshold_cycle_epochs: int = Field(2, ge=1, le=100, description="rounds of each threshold "
+    threshold_cycle_rounds: int = Field(2, ge=1, le=100, description="rounds of each threshold "
                                         "cycle (each of the main run's passes per round)")
     threshold_cycle_lr: float = Field(0.005, gt=0.0, le=10.0, description="peak learning rate "
                                       "of each threshold cycle (cosine over its rounds)")
-    threshold_settle_epochs: int = Field(0, ge=0, le=100, description="classification, with "
+    threshold_settle_rounds: int = Field(0, ge=0, le=100, description="classification, with "
                                          "thresholds: after the last calibration, train this "
                                          "many rounds with the final thresholds in place (at "
                                          "--threshold-cycle-lr, the term on), kept where no "
@@ -236,8 +238,8 @@ class SparsifyConfig(TrainConfig):
             raise ValueError(f"zero_target: thresholds are for --task classification, not "
                              f"{self.task}")
         thresholded = self.zero_threshold_tolerance is not None or self.zero_target is not None
-        if self.threshold_settle_epochs and not thresholded:
-            raise ValueError(f"threshold_settle_epochs: {self.threshold_settle_epochs} rounds "
+        if self.threshold_settle_rounds and not thresholded:
+            raise ValueError(f"threshold_settle_rounds: {self.threshold_settle_rounds} rounds "
                              f"settle thresholds: give --zero-threshold-tolerance (or "
                              f"--zero-target) too")
         if self.threshold_cycles and not thresholded:
@@ -265,12 +267,12 @@ class SparsifyConfig(TrainConfig):
         if self.zero_target is None:
             raise ValueError(f"{ramp} raises thresholds toward a zero target: give "
                              f"--zero-target too")
-        if self.threshold_cycles or self.threshold_settle_epochs:
+        if self.threshold_cycles or self.threshold_settle_rounds:
             raise ValueError(f"{ramp} raises the thresholds inside the run, --threshold-cycles "
-                             f"and --threshold-settle-epochs after it: give one")
-        if not 1 <= first <= last <= self.epochs:
+                             f"and --threshold-settle-rounds after it: give one")
+        if not 1 <= first <= last <= self.rounds:
             raise ValueError(f"{ramp} must be two rounds FIRST <= LAST within the run's "
-                             f"{self.epochs} (--epochs)")
+                             f"{self.rounds} (--rounds)")
         if first == 1 and self.init_from is None:
             raise ValueError(f"{ramp}: a fresh network has no activations to set thresholds "
                              f"by before round 1; start at round 2 or give --init-from")

@@ -234,7 +234,7 @@ def new_network(config: ImageTextConfig, dataset: DatasetRef,
 
 
 class ImageTextRound(RoundPlan):
-    """Round `epoch` (0-based, counted over all `rounds` of the run) of `repeats` passes:
+    """Round `round` (0-based, counted over all `rounds` of the run) of `repeats` passes:
     phase `align`, the contrastive sub-loss alone; phase `joint`, both sub-losses
     (`training.image_text.losses.ImageTextStep`), its first round starting the classifier from
     the class descriptions' text features (or from random directions of the same norm,
@@ -249,17 +249,17 @@ class ImageTextRound(RoundPlan):
     dataset: DatasetRef
     described: Descriptions
     phase: str
-    epoch: int
+    round: int
     rounds: int
     repeats: int
     start: ArtifactRef | None = None
 
     @property
     def number(self) -> int:
-        return self.epoch
+        return self.round
 
     def task_name(self) -> str:
-        return f"{self.phase}-{self.epoch + 1}"
+        return f"{self.phase}-{self.round + 1}"
 
     def open(self, previous: ArtifactRef | None, device: torch.device) -> Opened:
         config, dataset, store = self.config, self.dataset, ArtifactStore()
@@ -278,7 +278,7 @@ class ImageTextRound(RoundPlan):
         optimizer_to(optimizer, device)
         if self.phase == "joint" and before.get("phase") != "joint":
             start_classifier(model, side, config.text_init, config.run.seed, device)
-        passes = range(self.epoch * self.repeats, (self.epoch + 1) * self.repeats)
+        passes = range(self.round * self.repeats, (self.round + 1) * self.repeats)
         step = ImageTextStep(side.bank, side.labelled, config.contrastive_weight,
                              config.ce_weight if self.phase == "joint" else 0.0,
                              config.optim.label_smoothing, config.agreement_temperature())
@@ -286,7 +286,7 @@ class ImageTextRound(RoundPlan):
             config, None, step,
             image_batches(config, dataset, data, side.train, config.optim.batch_size, passes,
                           seeds=[config.run.seed * 1000 + n for n in passes]),
-            passes, (0, self.rounds * self.repeats), config.optim.warmup_epochs * self.repeats)
+            passes, (0, self.rounds * self.repeats), config.optim.warmup_rounds * self.repeats)
         return Opened(Trainee(model, optimizer), round_, {"data": data, "side": side})
 
     def close(self, opened: Opened, device: torch.device, metrics: dict[str, float],
@@ -301,14 +301,14 @@ class ImageTextRound(RoundPlan):
             "logit_scale": float(model.logit_scale.detach().exp()), "train_seconds": seconds}
         payload = {"model": model.state_dict(),
                    "optimizer": opened.trainee.optimizer.state_dict(),
-                   "phase": self.phase, "epoch": self.epoch,
+                   "phase": self.phase, "round": self.round,
                    "metrics": {k: v for k, v in metrics.items() if k != "train_seconds"}}
         return Closed(metrics, payload)
 
     def relpath(self) -> str:
         start = "" if self.start is None else f"from-{self.start.md5[:12]}/"
         return (f"checkpoints/image_text/{run_key(self.config, self.dataset)}/{start}"
-                f"{self.phase}-{self.epoch + 1:03d}.pt")
+                f"{self.phase}-{self.round + 1:03d}.pt")
 
 
 class AsClassifier(BaseModel):

@@ -126,13 +126,13 @@ def stage_round(role: Any, dataset: Any, data: LoadedDataset, ids: Tensor,
     augmented batches of the stage's images (`views`: recorded views in place of their
     images' draws), on the cosine schedule spanning all stages
     (`training.distill.stages.stage_passes`)."""
-    passes, schedule = stage_passes(stage, role.epochs, role.repeats)
+    passes, schedule = stage_passes(stage, role.rounds, role.repeats)
     return configured_round(
         role, network, step, image_batches(role, dataset, data, ids, role.optim.batch_size, passes,
                                            stream_seed=role.run.seed * 1000 + stage,
                                            views=views),
-        passes, schedule, role.optim.warmup_epochs * role.repeats,
-        progress=f"{role.role} stage {stage}/{role.epochs}" if role.run.progress else None)
+        passes, schedule, role.optim.warmup_rounds * role.repeats,
+        progress=f"{role.role} stage {stage}/{role.rounds}" if role.run.progress else None)
 
 
 def student_mixup_seed(student: Any, stage: int) -> int:

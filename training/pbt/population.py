@@ -8,7 +8,7 @@ Prefect tasks to a Dask cluster; a waiter that raises is a member that failed, a
 retries). The checkpoints are opaque here: whatever the trainer returns and takes back.
 
 Burn-in: every member at the burn-in values, one cosine over the whole run, no weight
-average, until `burn_in_epochs` or no better best score for `burn_in_patience` epochs.
+average, until `burn_in_rounds` or no better best score for `burn_in_patience` rounds.
 Stages: each member at its own values on a new cosine (the `cycle`) decaying to zero at the
 last stage; after each, the scheduler (`training.pbt.scheduler.PBTScheduler`) picks the best
 (ties within its margin to the incumbent), every member starts the next stage from the
@@ -44,7 +44,7 @@ class PopulationRound:
     (peak at `cycle[0]`, zero at `cycle[1]`), with a weight average of `average_decay`."""
 
     phase: str  # "burn-in" or "stage"
-    index: int  # the burn-in epoch or the stage, from 1
+    index: int  # the burn-in round or the stage, from 1
     first: int
     passes: int
     cycle: tuple[int, int]
@@ -64,14 +64,14 @@ class MemberStart:
 
 @dataclass(frozen=True)
 class PopulationSettings:
-    """What the loop needs of a `pbt` config (epochs counted in the config's epochs, each
-    `repeats` passes over the training images)."""
+    """What the loop needs of a `pbt` config (counted in rounds, each `repeats` passes over the
+    training images)."""
 
     members: int
-    burn_in_epochs: int
+    burn_in_rounds: int
     burn_in_patience: int | None
     stages: int
-    round_epochs: int
+    stage_rounds: int
     repeats: int
     average_decay: float | None
     target_accuracy: float | None
@@ -110,7 +110,7 @@ def run_population(settings: PopulationSettings, scheduler: Callable[[], PBTSche
     lineage so far;
     `log` takes the loop's messages (the flow's run logger)."""
     members, repeats = settings.members, settings.repeats
-    total = (settings.burn_in_epochs + settings.stages * settings.round_epochs) * repeats
+    total = (settings.burn_in_rounds + settings.stages * settings.stage_rounds) * repeats
     hyperparameters = [burn_in_values] * members
     checkpoints: list[Any] = [start] * members
     weights = [last_weights] * members  # the entry of `checkpoints[m]` member m starts from
@@ -148,20 +148,20 @@ def run_population(settings: PopulationSettings, scheduler: Callable[[], PBTSche
         return results
 
     # burn-in: one cosine over the whole run at the burn-in values, no weight average
-    best_val, stale, epoch = -1.0, 0, 0
-    for epoch in range(1, settings.burn_in_epochs + 1):
-        results = run_round(PopulationRound("burn-in", epoch, (epoch - 1) * repeats, repeats,
+    best_val, stale, burned = -1.0, 0, 0
+    for burned in range(1, settings.burn_in_rounds + 1):
+        results = run_round(PopulationRound("burn-in", burned, (burned - 1) * repeats, repeats,
                                             (0, total), None))
         checkpoints = [r.checkpoint if r else c for r, c in zip(results, checkpoints,
                                                                  strict=True)]
         val = max(r.metrics["val_accuracy"] for r in results if r)
         best_val, stale = (val, 0) if val > best_val else (best_val, stale + 1)
         if settings.burn_in_patience is not None and stale >= settings.burn_in_patience:
-            log.info("burn-in stops after epoch %d: no better validation accuracy", epoch)
+            log.info("burn-in stops after round %d: no better validation accuracy", burned)
             break
     # stages: a new cosine at each member's own rate, decaying to zero at the last stage
-    stages_from = epoch * repeats
-    passes = settings.round_epochs * repeats
+    stages_from = burned * repeats
+    passes = settings.stage_rounds * repeats
     cycle = (stages_from, stages_from + settings.stages * passes)
     deciding = scheduler()
     hyperparameters = deciding.hyperparameters  # every member starts from different values
