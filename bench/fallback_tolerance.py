@@ -31,10 +31,6 @@ from training.cascade.fallback import calibrate_fallback, fallback_table
 TOLERANCES = (0.0, 0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03)
 
 
-def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    return (logits.argmax(1) == labels).float().mean().item()
-
-
 def sweep(run_id: str, tolerances: tuple[float, ...]) -> dict:
     """The run's networks alone per split, and each tolerance's cascade (module docstring)."""
     metrics = tracking.client().get_run(run_id).data.metrics
@@ -43,9 +39,11 @@ def sweep(run_id: str, tolerances: tuple[float, ...]) -> dict:
     d = logits_of(run_id)
     tables = {split: fallback_table(d["sparsify", split], d["teacher", split],
                                     d["labels", split], *costs) for split in ("val", "test")}
-    alone = {split: {"student": accuracy(d["sparsify", split], d["labels", split]),
-                     "teacher": accuracy(d["teacher", split], d["labels", split]),
-                     "images": len(d["labels", split])} for split in ("val", "test")}
+    # exit 0: the student's answer, exit 1: the teacher's (`fallback_table`)
+    alone = {split: {"student": table.correct[:, 0].float().mean().item(),
+                     "teacher": table.full_accuracy(), "images": len(table.correct)}
+             for split, table in tables.items()}
+    losses_only = tables["val"].losses_only()
     rows = []
     for tolerance in tolerances:
         threshold = calibrate_fallback(tables["val"], tolerance)
@@ -53,8 +51,7 @@ def sweep(run_id: str, tolerances: tuple[float, ...]) -> dict:
         val, test = tables["val"].outcome(at), tables["test"].outcome(at)
         rows.append({"tolerance": tolerance, "threshold": threshold,
                      "val_accuracy": val["accuracy"],
-                     "val_losses_only_accuracy": tables["val"].losses_only().outcome(at)[
-                         "accuracy"],
+                     "val_losses_only_accuracy": losses_only.outcome(at)["accuracy"],
                      "val_teacher_share": val["exit_share_1"],
                      "test_accuracy": test["accuracy"], "test_teacher_share": test["exit_share_1"]})
     return {"run": run_id, "alone": alone, "tolerances": rows}
