@@ -222,15 +222,15 @@ def pbt(record: dict) -> str:
     settings = ", ".join(f"{k}={v}" for k, v in record["overrides"].items()) or "the defaults"
     return "\n".join(lines) + (
         f"\n\nPaired: {'; '.join(gains)}. {record['members']} members x "
-        f"{per_member(record)} each ({settings}). {provenance(record)}\n")
+        f"{rounds_of(record, 'rounds_per_member')} each ({settings}). {provenance(record)}\n")
 
 
-def per_member(record: dict) -> str:
-    """A `bench.pbt` record's training per member: its rounds (`epochs_per_member` in records
-    written before rounds had their name)."""
-    if "rounds_per_member" in record:
-        return f"{record['rounds_per_member']} rounds"
-    return f"{record['epochs_per_member']} epochs"
+def rounds_of(record: dict, key: str) -> str:
+    """A record's count of rounds under `key` (a name with `rounds` in it), as "N rounds";
+    records written before rounds had their name hold it under `key`'s `epochs` name."""
+    if key in record:
+        return f"{record[key]} rounds"
+    return f"{record[key.replace('rounds', 'epochs')]} epochs"
 
 
 def newest_per_flow(name: str, results: Path = RESULTS) -> dict:
@@ -524,14 +524,6 @@ def merged_variants_per_set(name: str, results: Path = RESULTS) -> dict:
     return {"results": entries, "sources": sources}
 
 
-def warm_start(base: dict) -> str:
-    """A `bench.distill_targets` record's teacher warm start: its rounds
-    (`teacher_pretrain_epochs` in records written before rounds had their name)."""
-    if "teacher_pretrain_rounds" in base:
-        return f"{base['teacher_pretrain_rounds']} rounds"
-    return f"{base['teacher_pretrain_epochs']} epochs"
-
-
 def distill_targets(picked: dict) -> str:
     """`bench.distill_targets`: per data set, the teacher and each student's accuracy on the
     unread images, the test split and the validation split, the gap closed and the paired
@@ -549,7 +541,7 @@ def distill_targets(picked: dict) -> str:
     setups = " ".join(dict.fromkeys(  # one sentence per distinct setting, sources oldest first
         f"Students train {r['base']['student_patience']}x the fitted budget"
         f"{f' ({others})' if others else ''}; the teacher is warm-started "
-        f"{warm_start(r['base'])}." for r in picked["sources"]))
+        f"{rounds_of(r['base'], 'teacher_pretrain_rounds')}." for r in picked["sources"]))
     setups += " " + " ".join(provenance(r) for r in picked["sources"][::-1])
     return "\n".join(lines) + f"\n\nBest on validation: {chosen}. {setups}\n"
 
