@@ -112,17 +112,27 @@ def subprocess_env() -> dict[str, str]:
     return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
 
 
-def wait_for_new_files(proc: subprocess.Popen, folder: Path, pattern: str, before: set[Path],
-                       timeout: float) -> set[Path]:
-    """The files matching `pattern` under `folder` that are not in `before` (other runs'),
-    as soon as one appears while `proc` runs; empty if it ends or `timeout` passes first."""
+@pytest.fixture
+def own_store(tmp_path, monkeypatch) -> Path:
+    """An artifact store of the test's own (`COMPACTML_ARTIFACTS`, for this process and the
+    `python -m flows` subprocesses it starts), so the test reads only what its own runs wrote;
+    the session's DVC remote stays shared, and a result another test left in Prefect's cache is
+    pulled from it by hash."""
+    store = tmp_path / "artifacts"
+    monkeypatch.setenv("COMPACTML_ARTIFACTS", str(store))
+    return store
+
+
+def wait_for_file(proc: subprocess.Popen, folder: Path, pattern: str, timeout: float
+                  ) -> list[Path]:
+    """The files matching `pattern` under `folder` (the test's own store) as soon as one
+    appears while `proc` runs; empty if it ends or `timeout` passes first."""
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
-        new = set(folder.rglob(pattern)) - before
-        if new:
-            return new
+        if found := sorted(folder.rglob(pattern)):
+            return found
         time.sleep(0.05)
-    return set()
+    return []
 
 
 def kill_when(args: list[str], ready: Callable[[], object], what: str, timeout: float = 180,
@@ -150,12 +160,11 @@ def kill_when(args: list[str], ready: Callable[[], object], what: str, timeout: 
 
 def kill_when_written(args: list[str], folder: Path, pattern: str,
                       timeout: float = 180) -> list[Path]:
-    """Runs `python -m flows *args` and SIGKILLs it (and its children) as soon as a new file
-    matching `pattern` appears under `folder` (`kill_when`). Returns the new files."""
-    before = set(folder.rglob(pattern)) if folder.exists() else set()
-    new = kill_when(args, lambda: set(folder.rglob(pattern)) - before if folder.exists()
-                    else set(), f"no {pattern} appeared under {folder}", timeout)
-    return sorted(new)
+    """Runs `python -m flows *args` and SIGKILLs it (and its children) as soon as a file
+    matching `pattern` appears under `folder`, a folder of the test's own store (`own_store`:
+    no other run writes there) (`kill_when`). Returns the files."""
+    return kill_when(args, lambda: sorted(folder.rglob(pattern)),
+                     f"no {pattern} appeared under {folder}", timeout)
 
 
 def assert_whole_after_kill(folder: Path, pattern: str) -> None:

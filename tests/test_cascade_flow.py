@@ -4,7 +4,6 @@ pyfunc, and its bad input on the command line."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -185,7 +184,7 @@ def test_the_registered_pyfunc_runs_the_real_cascade(run):
     assert run.registration.accuracy == pytest.approx(run.test_accuracy)  # as served
 
 
-def test_killed_run_resumes_from_the_last_finished_round():
+def test_killed_run_resumes_from_the_last_finished_round(own_store):
     from flows.cascade import cascade
 
     args = ["--profile", "smoke", "--rounds", "2", "--train-limit", "768", "--lr", "0.1",
@@ -193,10 +192,10 @@ def test_killed_run_resumes_from_the_last_finished_round():
             "cascade-resume"]
     # (--threads 1 also checks that the latency table is named for the threads the tasks
     # set, not the calling process's: the run had stopped on a device mismatch)
-    checkpoints = Path(os.environ["COMPACTML_ARTIFACTS"]) / "checkpoints" / "cascade"
+    checkpoints = own_store / "checkpoints" / "cascade"
     # module 1's first round written: the sets, the latency table and module 0 are stored
     written = kill_when_written(["cascade", *args], checkpoints, "module-1-round-001.pt.dvc")
-    run_folder = written[0].parent  # this run's folder (the session's other runs have theirs)
+    run_folder = written[0].parent
     assert_whole_after_kill(run_folder, "module-*.pt")
     state = cascade(smoke_cascade(seed=7, threads=1, model_name="cascade-resume"),
                     return_state=True)

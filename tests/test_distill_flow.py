@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
@@ -144,7 +141,7 @@ def test_mixup_without_a_live_teacher_or_with_dkd_is_refused(capsys, args, says)
     assert "student_mixup 1.0" in err and says in err
 
 
-def test_killed_run_resumes_from_the_last_finished_stage():
+def test_killed_run_resumes_from_the_last_finished_stage(own_store):
     # with a warm-started teacher (one round) whose state 0 fills the initial bank
     args = ["--profile", "smoke", "--model-name", "distill-resume", "--stages", "3",
             "--train-limit", "1024", "--seed", "6", "--threads", "1", "--teacher-width", "4",
@@ -153,8 +150,7 @@ def test_killed_run_resumes_from_the_last_finished_stage():
             "--feature-weight", "1", "--ce-weight", "1"]
     # teacher 2 runs before student 1 in-process: student 1's checkpoint appearing means
     # the warm start, teacher 1, bank 1 and teacher 2 have returned and their results are stored
-    kill_when_written(["distill", *args], Path(os.environ["COMPACTML_ARTIFACTS"]),
-                      "student-001.pt.dvc")
+    kill_when_written(["distill", *args], own_store, "student-001.pt.dvc")
     config = distill_smoke(model_name="distill-resume", train_limit=1024, seed=6,
                            teacher_width=4, teacher_pretrain_rounds=1, initial_bank="teacher")
     state = distill(config, return_state=True)

@@ -21,7 +21,7 @@ from tests.conftest import (
     free_port,
     start_mlflow_server,
     subprocess_env,
-    wait_for_new_files,
+    wait_for_file,
 )
 from training.stopping import StopRequested, check_stop, stop_requested
 
@@ -40,13 +40,12 @@ def test_ctrl_c_inside_a_run_marks_it_killed_and_stops_the_loops_until_the_next_
     assert tracking.client().get_run(failed).info.status == "FAILED"
 
 
-def test_sigterm_stops_a_run_its_threads_and_its_temporary_prefect_server():
+def test_sigterm_stops_a_run_its_threads_and_its_temporary_prefect_server(own_store):
     """The command line without PREFECT_API_URL, as a user runs it: the run starts its own
     Prefect server, trains its rounds in a task runner's thread, and gets SIGTERM in its
     second round."""
-    checkpoints = Path(os.environ["COMPACTML_ARTIFACTS"]) / "checkpoints" / "train"
+    checkpoints = own_store / "checkpoints" / "train"
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    before = set(checkpoints.rglob("round-001.pt"))  # other tests' runs
     proc = subprocess.Popen(
         [sys.executable, "-m", "flows", "train", "--profile", "smoke", "--rounds", "3",
          "--train-limit", "1024", "--min-steps", "300", "--seed", "23", "--model-name",
@@ -54,7 +53,7 @@ def test_sigterm_stops_a_run_its_threads_and_its_temporary_prefect_server():
         cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        wait_for_new_files(proc, checkpoints, "round-001.pt", before, 240)
+        wait_for_file(proc, checkpoints, "round-001.pt", 240)
         assert proc.poll() is None, "the run ended before it could be stopped"
         family = [proc, *psutil.Process(proc.pid).children(recursive=True)]
         assert any("uvicorn" in " ".join(p.cmdline()) for p in family[1:]), \
@@ -75,22 +74,21 @@ def test_sigterm_stops_a_run_its_threads_and_its_temporary_prefect_server():
 
 
 def test_the_mlflow_server_going_away_ends_the_run_with_a_clear_error_and_the_rerun_resumes(
-        tmp_path):
+        tmp_path, own_store):
     port = free_port()
     server, uri = start_mlflow_server(tmp_path, port)
-    checkpoints = Path(os.environ["COMPACTML_ARTIFACTS"]) / "checkpoints" / "train"
+    checkpoints = own_store / "checkpoints" / "train"
     args = [sys.executable, "-m", "flows", "train", "--profile", "smoke", "--rounds", "2",
             "--train-limit", "512", "--min-steps", "200", "--seed", "31", "--model-name",
             "server-away"]
     # MLflow's own retries off, so the test need not wait out its backoff (minutes by default)
     env = subprocess_env() | {"MLFLOW_TRACKING_URI": uri, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
                               "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
-    before = set(checkpoints.rglob("round-001.pt")) if checkpoints.exists() else set()
     proc = subprocess.Popen(args, cwd=Path(__file__).resolve().parents[1], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        wait_for_new_files(proc, checkpoints, "round-001.pt", before, 180)
+        wait_for_file(proc, checkpoints, "round-001.pt", 180)
         assert proc.poll() is None, "the run ended before the server went away"
         os.killpg(server.pid, signal.SIGKILL)  # the server goes away mid-run
         server.wait()
@@ -101,7 +99,7 @@ def test_the_mlflow_server_going_away_ends_the_run_with_a_clear_error_and_the_re
     assert proc.returncode == 1
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"error: the MLflow tracking server at {uri} did not answer"), last
-    [first_round] = set(checkpoints.rglob("round-001.pt")) - before
+    [first_round] = checkpoints.rglob("round-001.pt")
     written = first_round.stat().st_mtime_ns
     # the server back on its store: the same command resumes from the finished round
     server, uri = start_mlflow_server(tmp_path, port)

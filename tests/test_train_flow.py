@@ -1,8 +1,6 @@
 """The `train` flow end to end: real Prefect, MLflow store, DVC remote and Fashion-MNIST."""
 
 import io
-import os
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -96,15 +94,15 @@ def test_same_config_again_reuses_every_training_task(first_run):
     assert tracking.alias_version(f"team-a-{NAME}", "champion") == "1"
 
 
-def test_killed_run_resumes_from_the_last_finished_round(session_dir):
+def test_killed_run_resumes_from_the_last_finished_round(own_store):
     config = ["--profile", "smoke", "--model-name", "resume", "--rounds", "4",
               "--train-limit", "3000", "--seed", "5"]
-    checkpoints = Path(os.environ["COMPACTML_ARTIFACTS"]) / "checkpoints" / "train"
+    checkpoints = own_store / "checkpoints" / "train"
     # round 2's checkpoint appearing means round 1's task has returned and its result is stored
     written = kill_when_written(["train", *config], checkpoints, "round-002.pt.dvc",
                                 timeout=300)
     # the kill lands during round 2's `dvc commit`: no checkpoint is half-written
-    run_folder = written[0].parent  # this run's folder (the session has others)
+    run_folder = written[0].parent
     assert_whole_after_kill(run_folder, "round-*.pt")
     (run_folder / tmp_fname()).write_bytes(b"test")  # named and filled as DVC's link test
     config_obj = TrainConfig(profile="smoke", model_name="resume", rounds=4, train_limit=3000,
