@@ -670,7 +670,8 @@ def pbt_peer(record: dict) -> str:
     chosen model's accuracy on the test images and the wall time of a run."""
     tools = record["tools"]
     names = {"ray": "Ray Tune 2.60 `PopulationBasedTraining`", "project": "the project's `pbt`",
-             "project-no-explore": "`pbt --no-explore` (the control)"}
+             "project-no-explore": "`pbt --no-explore` (the control)",
+             "project-10": "the project's `pbt`, 10 epochs a member"}
     lines = ["| tool | test accuracy (official) | per seed | seconds per run | per seed | "
              "time / Ray's, paired |", "| --- " * 6 + "|"]
     ray = {run["seed"]: run["seconds"] for run in tools.get("ray", {}).get("runs", [])}
@@ -685,6 +686,16 @@ def pbt_peer(record: dict) -> str:
         lines.append(f"| {names.get(tool, tool)} | {accuracy} | {accuracies} | "
                      f"{figure['seconds_mean']:.0f} ± {figure['seconds_std']:.0f} | {seconds} | "
                      f"{ratio} |")
+    ray_accuracy = {run["seed"]: run["test_accuracy"]
+                    for run in tools.get("ray", {}).get("runs", [])}
+    for tool, figure in tools.items():
+        ahead = [run["test_accuracy"] - ray_accuracy[run["seed"]] for run in figure["runs"]
+                 if tool != "ray" and run["seed"] in ray_accuracy]
+        if ahead:
+            mean, std = mean_std(ahead)
+            lines.append(f"\n{names.get(tool, tool)} minus Ray, paired by seed (test images): "
+                         f"{mean:+.4f} ± {std:.4f} over {len(ahead)} seed(s), ahead on "
+                         f"{sum(d > 0 for d in ahead)}.")
     work = record["work"]
     wins = [f"seed {run['seed']}: {run['explorer_wins']} of {len(run['stage_winners'])}"
             for run in tools.get("project", {}).get("runs", []) if "explorer_wins" in run]
