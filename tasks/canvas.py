@@ -216,7 +216,7 @@ def canvas_sparsity_report(config: SparsifyConfig, layouts: LayoutsRef, checkpoi
     val = load_layouts(layouts, "val")
     stats = _activations(config, model, val, list(spec.lambdas), device)
     name = SCORE[config.task]
-    return measured_report(stats, spec, name, score(config, model, val, device)[name])
+    return measured_report(stats, spec.lambdas, name, score(config, model, val, device)[name])
 
 
 class CanvasTest(BaseModel):
@@ -241,7 +241,7 @@ def test_canvas(config: SparsifyConfig, layouts: LayoutsRef, checkpoint: Artifac
     return CanvasTest(scores={f"test_{k}": v for k, v in score(config, model, test,
                                                               device).items()},
                      activations=ActivationReport(split="test",
-                                                  layers=measured_layers(stats, spec)))
+                                                  layers=measured_layers(stats, spec.lambdas)))
 
 
 CANVAS_RESAMPLES = 200  # one aggregate is a whole COCO evaluation: a paired bootstrap of 200

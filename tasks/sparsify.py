@@ -72,7 +72,7 @@ def sparsity_report(config: ClassifierConfig, dataset: DatasetRef, checkpoint: A
     val = eval_batches(data, dataset, "val", device)
     accuracy = evaluate(model, val, device)["accuracy"]
     stats = activation_stats(model, list(spec.lambdas), val, device)
-    return measured_report(stats, spec, "accuracy", accuracy)
+    return measured_report(stats, spec.lambdas, "accuracy", accuracy)
 
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="test-activations")
@@ -87,7 +87,7 @@ def test_activations(config: ClassifierConfig, dataset: DatasetRef, checkpoint: 
     model = place_model(trained_model(config, dataset, checkpoint), device)
     test = eval_batches(load_dataset(dataset), dataset, "test", device)
     stats = activation_stats(model, list(spec.lambdas), test, device)
-    return ActivationReport(split="test", layers=measured_layers(stats, spec))
+    return ActivationReport(split="test", layers=measured_layers(stats, spec.lambdas))
 
 
 class Calibrated(BaseModel):

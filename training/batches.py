@@ -10,13 +10,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from training.datasets import LoadedDataset
 from training.device import inference_batch
+from training.settings import DatasetShape
 from training.stopping import check_stop
 
 
@@ -255,7 +255,7 @@ class Batches:
             yield ids, self.normalize(x), self.labels[on_device]
 
 
-def split_batches(data: LoadedDataset, dataset: Any, split: str, batch_size: int,
+def split_batches(data: LoadedDataset, dataset: DatasetShape, split: str, batch_size: int,
                   device: torch.device, shuffle: bool = False, seed: int = 0,
                   augment: float = 0.0, flip: bool = True) -> Batches:
     """Batches over one split of a loaded data set; a shuffled (training) pass drops a short
@@ -265,14 +265,14 @@ def split_batches(data: LoadedDataset, dataset: Any, split: str, batch_size: int
                    augment=augment, drop_last=shuffle, device=device, flip=flip)
 
 
-def eval_batches(data: LoadedDataset, dataset: Any, split: str,
+def eval_batches(data: LoadedDataset, dataset: DatasetShape, split: str,
                  device: torch.device) -> Batches:
     """One split in order, unaugmented, in batches of the device's `inference_batch`: for
     scoring and predicting without gradients."""
     return position_batches(data, dataset, data.splits[split], device)
 
 
-def position_batches(data: LoadedDataset, dataset: Any, positions: torch.Tensor,
+def position_batches(data: LoadedDataset, dataset: DatasetShape, positions: torch.Tensor,
                      device: torch.device) -> Batches:
     """`eval_batches` over the images at `positions` (a part of a split, such as the
     validation images a few-label run's choices read)."""

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+
+from training.settings import DatasetShape, OptimizedSettings, OptimSettings
 
 
 @dataclass(frozen=True)
@@ -114,8 +115,16 @@ def fit_budget(images: int, batch_size: int, rounds: int, min_steps: int | None,
     return Budget(batch, per_round, repeats, rounds)
 
 
-def fit_to_data(config: Any, dataset: Any, rounds: int,
+def fit_optim(optim: OptimSettings, images: int, rounds: int,
+              images_per_round: int | None = None) -> Budget:
+    """The budget of `rounds` rounds on `images` training images with `optim`'s batch and
+    step settings (`fit_budget`)."""
+    return fit_budget(images, optim.batch_size, rounds, optim.min_steps, optim.max_epochs,
+                      images_per_round, optim.min_steps_full_below)
+
+
+def fit_to_data(config: OptimizedSettings, dataset: DatasetShape, rounds: int,
                 images_per_round: int | None = None) -> Budget:
     """The budget of a run of `rounds` rounds (or stages) of `config` on
-    `dataset`'s training split (`training.budget.fit_budget`)."""
-    return config.optim.budget(dataset.sizes["train"], rounds, images_per_round)
+    `dataset`'s training split (`fit_optim`)."""
+    return fit_optim(config.optim, dataset.sizes["train"], rounds, images_per_round)

@@ -7,10 +7,11 @@ import ctypes
 import functools
 import sys
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import nn
+
+from training.settings import RunsSettings
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # the largest glibc accepts on 64-bit systems
@@ -118,7 +119,7 @@ def place_model(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
-def setup_device(config: Any) -> torch.device:
+def setup_device(config: RunsSettings) -> torch.device:
     """Applies the config's thread count and resolves its device (every training task's
     first line)."""
     if config.run.threads:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -21,6 +20,7 @@ from torch.optim.swa_utils import AveragedModel
 from training.device import inference_layout
 from training.loops import Step, cosine_lr, evaluate, train_epoch, weight_average
 from training.scores import standard_error
+from training.settings import OptimizedSettings
 
 Batches = Iterable[tuple[Tensor, Tensor, Tensor]]
 
@@ -191,14 +191,14 @@ class EarlyStopping:
         return self.patience is not None and self.stale >= self.patience
 
 
-def make_optimizer(model: nn.Module, config: Any) -> torch.optim.SGD:
+def make_optimizer(model: nn.Module, config: OptimizedSettings) -> torch.optim.SGD:
     """SGD with the config's momentum and weight decay (`training.recipe.sgd`)."""
     optim = config.optim
     return sgd(model.parameters(), optim.lr, optim.momentum, optim.weight_decay)
 
 
 def restore(model: nn.Module, optimizer: torch.optim.Optimizer | None,
-            checkpoint: dict, config: Any = None) -> None:
+            checkpoint: dict, config: OptimizedSettings | None = None) -> None:
     """Loads weights (and optimizer state) from a checkpoint payload.
 
     With `config`, the optimizer keeps the configured momentum and weight decay, not the

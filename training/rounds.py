@@ -42,6 +42,7 @@ from training.datasets import LoadedDataset
 from training.distributed import Distributed, wrap
 from training.loops import Step, classification_step
 from training.recipe import train_round
+from training.settings import ClassifierSettings, DatasetShape, OptimizedSettings
 
 SINGLE = Distributed()  # this process alone
 _SPEC = "__spec__"  # a record's key naming the dataclass it rebuilds
@@ -302,14 +303,14 @@ class Closed:
     kept: str = "model"
 
 
-def new_model(config: Any, dataset: Any) -> ImageClassifier:
+def new_model(config: ClassifierSettings, dataset: DatasetShape) -> ImageClassifier:
     """The configured network for the data set, initialised from the seed."""
     torch.manual_seed(config.run.seed)
     return build_model(config.network.model, dataset.channels, len(dataset.classes),
                        config.network.width)
 
 
-def image_batches(config: Any, dataset: Any, data: LoadedDataset,
+def image_batches(config: ClassifierSettings, dataset: DatasetShape, data: LoadedDataset,
                   positions: torch.Tensor, batch_size: int, passes: Sequence[int],
                   seeds: Sequence[int] | None = None, stream_seed: int | None = None,
                   views: RecordedViews | None = None) -> ImageBatches:
@@ -323,7 +324,7 @@ def image_batches(config: Any, dataset: Any, data: LoadedDataset,
                         views=views)
 
 
-def configured_round(config: Any, network: NetworkSpec | None, step: StepSpec,
+def configured_round(config: OptimizedSettings, network: NetworkSpec | None, step: StepSpec,
                      batches: Passes, passes: Sequence[int], schedule: tuple[int, int],
                      warmup_epochs: float, **optional: Any) -> Round:
     """A `training.rounds.Round` of `passes` with `config`'s optimizer settings (learning
@@ -335,13 +336,13 @@ def configured_round(config: Any, network: NetworkSpec | None, step: StepSpec,
                  grad_clip=config.optim.grad_clip, **optional)
 
 
-def classifier_network(config: Any, dataset: Any) -> ClassifierNetwork:
+def classifier_network(config: ClassifierSettings, dataset: DatasetShape) -> ClassifierNetwork:
     """The network spec of `config`'s classifier for the data set (`new_model` builds it)."""
     return ClassifierNetwork(config.network.model, dataset.channels, len(dataset.classes),
                              config.network.width)
 
 
-def classifier_round(config: Any, dataset: Any, data: LoadedDataset,
+def classifier_round(config: ClassifierSettings, dataset: DatasetShape, data: LoadedDataset,
                      passes: range, schedule: tuple[int, int], warmup_epochs: float = 0.0,
                      progress: str | None = None, average_decay: float | None = None,
                      sparsity: Any = None) -> Round:

@@ -23,7 +23,7 @@ from pydantic.fields import FieldInfo
 
 import models
 from tasks.environment import NAME, data_dir, default_project
-from training.budget import Budget, fit_budget
+from training.budget import Budget, fit_optim
 from training.datasets import DataError, check_group_pattern, image_folder_listing
 
 Profile = Literal["smoke", "quick", "full"]
@@ -290,9 +290,8 @@ class OptimSection(StrictConfig):
 
     def budget(self, images: int, rounds: int, images_per_round: int | None = None) -> Budget:
         """The budget of `rounds` rounds on `images` training images with these
-        settings (`training.budget.fit_budget`)."""
-        return fit_budget(images, self.batch_size, rounds, self.min_steps, self.max_epochs,
-                          images_per_round, self.min_steps_full_below)
+        settings (`training.budget.fit_optim`)."""
+        return fit_optim(self, images, rounds, images_per_round)
 
     def flips(self) -> bool:
         """Whether the augmentation flips: `flip` as the flow resolved it from the data

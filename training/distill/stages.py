@@ -2,9 +2,9 @@
 scores, the teacher's features for them, the bank before stage 1, the student network, the
 passes of a stage and the order of the stages.
 
-The `distill` flow's tasks call these (a role, bank or data set parameter typed `Any` is the
-task's `RoleConfig`, `StudentConfig`, `BankConfig` or `DatasetRef`, read only); the
-benchmarks run the flow itself.
+The `distill` flow's tasks call these with their `RoleConfig`, `StudentConfig`, `BankConfig`
+and `DatasetRef`, read only through the protocols of `training.settings`; the benchmarks run
+the flow itself.
 """
 
 from __future__ import annotations
@@ -31,6 +31,14 @@ from training.distill.losses import FeatureAdapter, layer_shape
 from training.features import FeatureHooks
 from training.loops import evaluate
 from training.rounds import NetworkSpec, Round, StepSpec, configured_round, image_batches, new_model
+from training.settings import (
+    BankSettings,
+    ClassifierSettings,
+    DatasetShape,
+    RoleSettings,
+    RunsSettings,
+    StudentSettings,
+)
 
 Role = Literal["teacher", "student"]
 
@@ -113,13 +121,13 @@ def run_stages(stages: int, single_bank: bool, teacher_stage: Callable[[int, Any
     finish(running)
 
 
-def stage_ids(role: Any, train_ids: Tensor, stage: int) -> Tensor:
+def stage_ids(role: RoleSettings, train_ids: Tensor, stage: int) -> Tensor:
     """The dataset ids `role` draws at `stage` (1-based): `draw_stage_ids` with its settings."""
     return draw_stage_ids(train_ids, stage, role.role, role.run.seed, role.fraction,
                           role.front_weight, role.back_weight, role.queue)
 
 
-def stage_round(role: Any, dataset: Any, data: LoadedDataset, ids: Tensor,
+def stage_round(role: RoleSettings, dataset: DatasetShape, data: LoadedDataset, ids: Tensor,
                 stage: int, step: StepSpec, network: NetworkSpec,
                 views: RecordedViews | None = None) -> Round:
     """Stage `stage` (1-based) of `role`: `role.repeats` passes over one stream of shuffled,
@@ -135,12 +143,12 @@ def stage_round(role: Any, dataset: Any, data: LoadedDataset, ids: Tensor,
         progress=f"{role.role} stage {stage}/{role.rounds}" if role.run.progress else None)
 
 
-def student_mixup_seed(student: Any, stage: int) -> int:
+def student_mixup_seed(student: RunsSettings, stage: int) -> int:
     """The seed of the student's batch mixes at `stage` (`training.distill.losses.Mixup`)."""
     return student.run.seed * 1000 + stage
 
 
-def stage_scores(round_: Round, model: nn.Module, dataset: Any, data: LoadedDataset,
+def stage_scores(round_: Round, model: nn.Module, dataset: DatasetShape, data: LoadedDataset,
                  device: torch.device) -> dict[str, float]:
     """A stage's validation score and how many images it trained on."""
     scored = evaluate(model, eval_batches(data, dataset, "val", device), device)
@@ -151,7 +159,7 @@ def stage_scores(round_: Round, model: nn.Module, dataset: Any, data: LoadedData
             "images": float(images)}
 
 
-def teacher_features(model: nn.Module, layer: str, dataset: Any, data: LoadedDataset,
+def teacher_features(model: nn.Module, layer: str, dataset: DatasetShape, data: LoadedDataset,
                      ids: Tensor, device: torch.device, views: RecordedViews | None = None,
                      augment: float = 0.0) -> Tensor:
     """Features at `layer` of `ids`' images (eval mode, on the CPU): unaugmented, or each
@@ -162,7 +170,7 @@ def teacher_features(model: nn.Module, layer: str, dataset: Any, data: LoadedDat
         device)
 
 
-def stage_views(teacher: Any, dataset: Any, ids: Tensor, stage: int
+def stage_views(teacher: ClassifierSettings, dataset: DatasetShape, ids: Tensor, stage: int
                 ) -> tuple[Tensor, Tensor]:
     """The augmented views (flips, moves) a consistent bank records for `ids` at `stage`: the
     teacher's augmentation, drawn from the seed and stage (a rerun records the same)."""
@@ -171,7 +179,7 @@ def stage_views(teacher: Any, dataset: Any, ids: Tensor, stage: int
                       teacher.optim.flips())
 
 
-def initial_bank(teacher: Any, bank: Any, dataset: Any,
+def initial_bank(teacher: ClassifierSettings, bank: BankSettings, dataset: DatasetShape,
                  data: LoadedDataset, model: nn.Module, initial_state: dict[str, Tensor],
                  device: torch.device) -> FeatureBank:
     """The bank before stage 1: every entry masked, or filled by the initial teacher (state 0).
@@ -193,7 +201,7 @@ def initial_bank(teacher: Any, bank: Any, dataset: Any,
     return features
 
 
-def student_network(student: Any, dataset: Any, feature_shape: tuple[int, ...],
+def student_network(student: StudentSettings, dataset: DatasetShape, feature_shape: tuple[int, ...],
                     device: torch.device) -> tuple[nn.Module, FeatureAdapter]:
     """The seeded student and its adapter to the bank's feature shape."""
     model = new_model(student, dataset)

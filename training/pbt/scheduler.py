@@ -21,9 +21,10 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from training.scores import standard_error
+from training.settings import PopulationSettings
 
 Scale = Literal["log", "linear"]
 
@@ -225,7 +226,7 @@ def replay(scheduler: PBTScheduler, stage_scores: Sequence[Sequence[float | None
     return [scheduler.decide(scores) for scores in stage_scores]
 
 
-def search_spaces(config: Any) -> list[SearchSpace]:
+def search_spaces(config: PopulationSettings) -> list[SearchSpace]:
     """The searched hyperparameters of a `pbt` config, with their bounds and scales."""
     return [SearchSpace("lr", *config.lr_range, "log"),
             SearchSpace("weight_decay", *config.weight_decay_range, "log"),
@@ -233,7 +234,7 @@ def search_spaces(config: Any) -> list[SearchSpace]:
             SearchSpace("augment", *config.augment_range, "linear")]
 
 
-def population_scheduler(config: Any, members: int, base: dict[str, float],
+def population_scheduler(config: PopulationSettings, members: int, base: dict[str, float],
                          val_images: int) -> PBTScheduler:
     """The `pbt` config's scheduler: its search space and perturbations, member 0 at `base`'s
     values, the incumbent kept within `--tie-margin` (none: one standard error on

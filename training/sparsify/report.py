@@ -5,7 +5,8 @@ plus values, and as CSR (`training.sparsify.term.activation_memory`)."""
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from collections.abc import Iterable
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -85,26 +86,26 @@ class SparsityReport(ActivationReport):
     thresholds: dict[str, float] = {}  # the calibrated activation thresholds, if any
 
 
-def measured_report(stats: ActivationStats, spec: Any, score_name: str,
+def measured_report(stats: ActivationStats, layers: Iterable[str], score_name: str,
                     score: float) -> SparsityReport:
-    """The validation report of `spec`'s layers from their activation statistics
+    """The validation report of `layers` from their activation statistics
     (`measured_layers`) and the score."""
     return SparsityReport(score_name=score_name, val_score=score,
-                          layers=measured_layers(stats, spec))
+                          layers=measured_layers(stats, layers))
 
 
-def measured_layers(stats: ActivationStats, spec: Any) -> dict[str, LayerReport]:
-    """`spec`'s layers (a `SparsitySpec`: the names of its `lambdas`) from their activation
+def measured_layers(stats: ActivationStats, layers: Iterable[str]) -> dict[str, LayerReport]:
+    """`layers` (a `SparsitySpec`'s: the names of its `lambdas`) from their activation
     statistics: zeros, dead channels (all zero on at least `DEAD` of the images) and bytes
     stored three ways (`training.sparsify.term.activation_memory`)."""
-    layers = {}
-    for name in spec.lambdas:
+    reports = {}
+    for name in layers:
         memory = activation_memory(stats.shapes[name], stats.zero_fraction[name])
         dead = stats.dead_channels(name, DEAD).tolist() \
             if name in stats.dead_channel_fraction else []
-        layers[name] = LayerReport(
+        reports[name] = LayerReport(
             shape=stats.shapes[name], zero_fraction=stats.zero_fraction[name],
             near_zero_fraction=stats.near_zero_fraction[name], dead_channels=len(dead),
             dead_channel_ids=dead,
             bytes_dense=memory["dense"], bytes_bitmap=memory["bitmap"], bytes_csr=memory["csr"])
-    return layers
+    return reports
