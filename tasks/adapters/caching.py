@@ -41,9 +41,17 @@ def module_file(name: str, root: Path = PROJECT_ROOT) -> Path | None:
     return None
 
 
-def imported_names(path: Path) -> set[str]:
+def imported_names(path: Path) -> frozenset[str]:
     """Every module name the file's `import` statements may load: `import a.b` gives `a` and
-    `a.b`; `from a.b import c` gives `a`, `a.b` and `a.b.c` (c may be a module)."""
+    `a.b`; `from a.b import c` gives `a`, `a.b` and `a.b.c` (c may be a module). Each file is
+    parsed once a process while it stays unchanged (the closures of many modules share most
+    files)."""
+    stat = path.stat()
+    return _imported_names(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.cache
+def _imported_names(path: Path, _mtime_ns: int, _size: int) -> frozenset[str]:
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -55,7 +63,7 @@ def imported_names(path: Path) -> set[str]:
         for name in dotted:
             parts = name.split(".")
             names.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
-    return names
+    return frozenset(names)
 
 
 @functools.cache
