@@ -471,15 +471,37 @@ def distill_bank(record: dict) -> str:
 DISTILL_TARGETS_ORDER = ["teacher", "alone x1", "alone", "kd", "states-T1", "states-T4", "bank",
                          "bank-T1", "bank views-T1", "bank mean-T1", "bank pool cosine",
                          "alone mix", "states mix-T1", "fm-T1", "fm final-T1", "alone x6",
-                         "fm-T1 x6"]
+                         "fm-T1 x6", "kd x6", "states-T1 x6"]
+BENCH_PATIENCE = 3  # bench.distill_targets' default --patience
+
+
+def budget_label(record: dict, variant: str) -> str:
+    """A variant's row: its name, with ` xN` where its record trained the students at
+    `--patience N` other than the default and the variant sets no budget of its own (`kd` of a
+    `--patience 6` record is `kd x6`)."""
+    patience = record.get("base", {}).get("student_patience", BENCH_PATIENCE)
+    own = "student_patience" in record.get("variants", {}).get(variant, {})
+    return variant if variant == "teacher" or own or patience == BENCH_PATIENCE \
+        else f"{variant} x{patience}"
+
+
+def reference(variant: str, other: str, variants: dict) -> str:
+    """The row `variant` is paired with for `other` (`alone`, `kd`): the one at the same
+    budget where there is one (`alone x6` for `kd x6`), else `other`."""
+    budget = variant.rpartition(" ")[2]
+    same = f"{other} {budget}"
+    return same if budget.startswith("x") and budget[1:].isdigit() and same in variants \
+        else other
 
 
 def merged_variants_per_set(name: str, results: Path = RESULTS) -> dict:
     """Per data set (`bench.two_sets.SETS` order), each variant's runs merged by seed, each
     seed's from the newest record that ran that variant on that set with that seed (sets,
     variants and seeds run apart, e.g. one seed a session, shown together):
-    `{"results": [entry, ...], "sources": [record, ...]}`. The gap closed and the paired
-    differences to `alone` and `kd` are taken over the merged runs, pairing them by seed: an
+    `{"results": [entry, ...], "sources": [record, ...]}`; a record run at another
+    `--patience` names its rows by their budget (`budget_label`). The gap closed and the paired
+    differences to `alone` and `kd` (at the row's budget where they ran at it: `reference`)
+    are taken over the merged runs, pairing them by seed: an
     older run whose teacher's figures differ from the newest run's of that seed (the code
     changed in between) is left out, so every row of a seed learned from one teacher."""
     newest_first = records(name, results)[::-1]
@@ -494,8 +516,9 @@ def merged_variants_per_set(name: str, results: Path = RESULTS) -> dict:
                 if teacher is not None and teacher != run["accuracy"]["teacher"]:
                     continue  # another teacher (the code changed since): not paired with it
                 for variant, splits in run["accuracy"].items():
-                    if run["seed"] not in by_seed.setdefault(variant, {}):
-                        by_seed[variant][run["seed"]] = splits
+                    label = budget_label(record, variant)
+                    if run["seed"] not in by_seed.setdefault(label, {}):
+                        by_seed[label][run["seed"]] = splits
                         fresh = True
             if fresh and record not in sources:
                 sources.append(record)
@@ -506,18 +529,20 @@ def merged_variants_per_set(name: str, results: Path = RESULTS) -> dict:
                   for variant, runs in by_seed.items()}
         if not variants:
             continue
-        alone = variants.get("alone", {}).get("unread", (None,))[0]
         teacher = variants["teacher"]["unread"][0]
         for variant, figures in variants.items():
             if variant == "teacher":
                 continue
+            alone = variants.get(reference(variant, "alone", variants), {}).get(
+                "unread", (None,))[0]
             if alone is not None and teacher > alone:
                 figures["gap_closed_unread"] = (figures["unread"][0] - alone) / (teacher - alone)
             for other in ("alone", "kd"):
-                seeds = sorted(set(unread[variant]) & set(unread.get(other, {})))
-                if other != variant and seeds:
+                paired_with = reference(variant, other, variants)
+                seeds = sorted(set(unread[variant]) & set(unread.get(paired_with, {})))
+                if paired_with != variant and seeds:
                     figures[f"minus_{other}_unread"] = mean_std(
-                        [unread[variant][s] - unread[other][s] for s in seeds])
+                        [unread[variant][s] - unread[paired_with][s] for s in seeds])
         students = [v for v in variants if v != "teacher"]
         entries.append({"set": data_set, "variants": variants,
                         "chosen_on_val": max(students, key=lambda v: variants[v]["val"][0])})
