@@ -227,10 +227,9 @@ def pbt(record: dict) -> str:
 
 def rounds_of(record: dict, key: str) -> str:
     """A record's count of rounds under `key` (a name with `rounds` in it), as "N rounds";
-    records written before rounds had their name hold it under `key`'s `epochs` name."""
-    if key in record:
-        return f"{record[key]} rounds"
-    return f"{record[key.replace('rounds', 'epochs')]} epochs"
+    records written before rounds had their name hold it under `key`'s `epochs` name (the same
+    count: what the flow repeats)."""
+    return f"{record.get(key, record.get(key.replace('rounds', 'epochs')))} rounds"
 
 
 def newest_per_flow(name: str, results: Path = RESULTS) -> dict:
@@ -564,7 +563,7 @@ def distill_targets(picked: dict) -> str:
            for v, config in r["variants"].items() if v in shown and "student_patience" in config}
     others = ", ".join(f"`{v}`: {patience}x" for v, patience in sorted(own.items()))
     setups = " ".join(dict.fromkeys(  # one sentence per distinct setting, sources oldest first
-        f"Students train {r['base']['student_patience']}x the fitted budget"
+        f"Students train {BENCH_PATIENCE}x the fitted budget, a row named `xN` N times"
         f"{f' ({others})' if others else ''}; the teacher is warm-started "
         f"{rounds_of(r['base'], 'teacher_pretrain_rounds')}." for r in picked["sources"]))
     setups += " " + " ".join(provenance(r) for r in picked["sources"][::-1])
