@@ -820,13 +820,17 @@ def summary_table(picked: dict) -> str:
                  f"{methods['c']['report_mean']:.4f}: {gain:+.4f} (paired)",
                  "pbt-against-the-default-and-random-search"))
     peer = picked.get("pbt_peer")
-    if peer is not None and {"ray", "project"} <= set(peer["tools"]):
-        mine, ray = peer["tools"]["project"], peer["tools"]["ray"]
+    for tool, result in (("project", "`pbt` against Ray Tune's PBT, the same work on 2 cores "
+                          "(test images)"),
+                         ("project-10", "`pbt` at 10 epochs a member against Ray's 8 (test "
+                          "images)")):
+        if peer is None or not {"ray", tool} <= set(peer["tools"]):
+            continue
+        mine, ray = peer["tools"][tool], peer["tools"]["ray"]
         seeds = [run["seed"] for run in mine["runs"]]
         short = f" (seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))} only)" \
             if len(seeds) < 3 else ""
-        rows.append(("`pbt` against Ray Tune's PBT, the same work on 2 cores (test images)",
-                     f"{mine['test_mean']:.4f} against {ray['test_mean']:.4f}; "
+        rows.append((result, f"{mine['test_mean']:.4f} against {ray['test_mean']:.4f}; "
                      f"{mine['seconds_mean']:.0f} s against {ray['seconds_mean']:.0f} s a run"
                      + short, "pbt-against-ray-tune"))
     flows = [r for r in picked["small_data"]["results"] if "flow" in r]
