@@ -698,23 +698,21 @@ def pbt_peer(record: dict) -> str:
              "project-10": "the project's `pbt`, 10 epochs a member"}
     lines = ["| tool | test accuracy (official) | per seed | seconds per run | per seed | "
              "time / Ray's, paired |", "| --- " * 6 + "|"]
-    ray = {run["seed"]: run["seconds"] for run in tools.get("ray", {}).get("runs", [])}
+    ray = {run["seed"]: run for run in tools.get("ray", {}).get("runs", [])}  # Ray's runs
     for tool, figure in tools.items():
         accuracies = " / ".join(f"{run['test_accuracy']:.4f}" for run in figure["runs"])
         seconds = " / ".join(f"{run['seconds']:.0f}" for run in figure["runs"])
         accuracy = spread(figure["test_mean"], figure["test_std"])
-        ratios = [run["seconds"] / ray[run["seed"]] for run in figure["runs"]
+        ratios = [run["seconds"] / ray[run["seed"]]["seconds"] for run in figure["runs"]
                   if run["seed"] in ray]
         mean, std = mean_std(ratios) if ratios and tool != "ray" else (None, None)
         ratio = "" if mean is None else f"{mean:.2f}x ± {std:.2f}"
         lines.append(f"| {names.get(tool, tool)} | {accuracy} | {accuracies} | "
                      f"{figure['seconds_mean']:.0f} ± {figure['seconds_std']:.0f} | {seconds} | "
                      f"{ratio} |")
-    ray_accuracy = {run["seed"]: run["test_accuracy"]
-                    for run in tools.get("ray", {}).get("runs", [])}
     for tool, figure in tools.items():
-        ahead = [run["test_accuracy"] - ray_accuracy[run["seed"]] for run in figure["runs"]
-                 if tool != "ray" and run["seed"] in ray_accuracy]
+        ahead = [run["test_accuracy"] - ray[run["seed"]]["test_accuracy"]
+                 for run in figure["runs"] if tool != "ray" and run["seed"] in ray]
         if ahead:
             mean, std = mean_std(ahead)
             lines.append(f"\n{names.get(tool, tool)} minus Ray, paired by seed (test images): "

@@ -91,18 +91,12 @@ class OptimizedSettings(Protocol):
     def optim(self) -> OptimSettings: ...
 
 
-class ClassifierSettings(Protocol):
+class ClassifierSettings(RunsSettings, OptimizedSettings, Protocol):
     """A classifier's network, optimizer and run (`tasks.configs.sections.ClassifierConfig`,
     and every flow config that trains one)."""
 
     @property
     def network(self) -> NetworkSettings: ...
-
-    @property
-    def optim(self) -> OptimSettings: ...
-
-    @property
-    def run(self) -> RunSettings: ...
 
 
 class RoleSettings(ClassifierSettings, Protocol):
@@ -157,7 +151,7 @@ class BankSettings(Protocol):
     def average(self) -> str: ...
 
 
-class PopulationSettings(Protocol):
+class PopulationSettings(RunsSettings, Protocol):
     """The search space and exploration of a population (`tasks.configs.pbt.PBTConfig`)."""
 
     @property
@@ -183,9 +177,6 @@ class PopulationSettings(Protocol):
 
     @property
     def explore(self) -> bool: ...
-
-    @property
-    def run(self) -> RunSettings: ...
 
 
 class DatasetShape(Protocol):

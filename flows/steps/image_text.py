@@ -10,7 +10,7 @@ from tasks.adapters.versioning import ArtifactRef
 from tasks.configs.image_text import ImageTextConfig
 from tasks.image_text.tasks import Descriptions, ImageTextRound, describe_images
 from tasks.rounds import RoundResult
-from training.budget import Budget
+from training.budget import Budget, fit_optim
 
 # What the `image_text` flow, the `pipeline` and the benchmarks may import
 # (tests/test_layering.py): the rounds from given weights (`train_image_text`).
@@ -46,7 +46,7 @@ def train_image_text(config: ImageTextConfig, prepared: Prepared, run_id: str,
                                       "captioner_bleu": captioned.bleu,
                                       "captioner_constant_bleu": captioned.constant_bleu})
     rounds = config.align_rounds + config.rounds
-    budget = config.optim.budget(described.train_images, rounds)
+    budget = fit_optim(config.optim, described.train_images, rounds)
     log_budget(run_id, budget)
     config = config.replace(batch_size=budget.batch_size)
 

@@ -25,7 +25,7 @@ from tasks.data import DatasetRef, load_dataset
 from tasks.rounds import RoundPlan, RoundResult
 from tasks.training import run_key
 from training.batches import Batches, Normalize, eval_batches
-from training.budget import Budget
+from training.budget import Budget, fit_optim
 from training.cascade.learning import (
     CascadeNetwork,
     ModuleStep,
@@ -134,8 +134,8 @@ def read_table(ref: ArtifactRef) -> dict:
 
 
 def module_budget(config: CascadeConfig, images: int) -> Budget:
-    """Module training's budget on its set of `images` (`training.budget.fit_budget`)."""
-    return config.optim.budget(images, config.rounds)
+    """Module training's budget on its set of `images` (`training.budget.fit_optim`)."""
+    return fit_optim(config.optim, images, config.rounds)
 
 
 class ModuleRound(RoundPlan):

@@ -23,7 +23,6 @@ from pydantic.fields import FieldInfo
 
 import models
 from tasks.environment import NAME, data_dir, default_project
-from training.budget import Budget, fit_optim
 from training.datasets import DataError, check_group_pattern, image_folder_listing
 
 Profile = Literal["smoke", "quick", "full"]
@@ -287,11 +286,6 @@ class OptimSection(StrictConfig):
                                              "none: in full whatever the size")
     max_epochs: int = Field(400, ge=1, le=100_000, description="never more passes over the "
                             "training images than this, however small the data set")
-
-    def budget(self, images: int, rounds: int, images_per_round: int | None = None) -> Budget:
-        """The budget of `rounds` rounds on `images` training images with these
-        settings (`training.budget.fit_optim`)."""
-        return fit_optim(self, images, rounds, images_per_round)
 
     def flips(self) -> bool:
         """Whether the augmentation flips: `flip` as the flow resolved it from the data
