@@ -22,6 +22,8 @@ Each tool's chosen model (the best final validation accuracy) is scored on the t
 - **`project-10`**: the project's `pbt` at 10 epochs a member (2 burn-in, then 4 stages of 2)
   instead of 8: the flow's 8 epochs took 0.72x of Ray's time (commit 89bb7fc), so 10 fit in
   Ray's wall time; issue 54 asks for more accuracy than Ray at equal wall time.
+- **`project-11`**: 11 epochs a member (3 burn-in, then 4 stages of 2): the flow's 10 took
+  0.91x of Ray's time in fresh processes (commit 12ea056), 11 about Ray's own.
 
 Wall time is a run end to end as its user waits for it: from the call to a tested model (Ray:
 `ray.init`, `Tuner.fit`, the test pass; the project: the flow call, its data preparation and
@@ -33,6 +35,7 @@ other within a seed, alternating which goes first, each in a fresh process (`run
     python -m bench.pbt_peer --tools ray --seeds 0
     python -m bench.pbt_peer --tools project project-no-explore   # does exploration pay?
     python -m bench.pbt_peer --tools ray project-10   # more accurate at Ray's wall time?
+    python -m bench.pbt_peer --tools project-11       # the same, at about Ray's time
     python -m bench.pbt_peer --smoke             # 2 members x 3 epochs on 2,000 images
 """
 
@@ -58,9 +61,9 @@ from tasks.configs.pbt import PBTConfig  # noqa: E402
 from tasks.data import load_dataset, prepare_dataset, source_version  # noqa: E402
 from training.batches import Normalize  # noqa: E402
 
-TOOLS = ("ray", "project", "project-no-explore", "project-10")
-# the epochs a member of a project tool trains, where not the work's (`project-10`)
-EPOCHS = {"project-10": 10}
+TOOLS = ("ray", "project", "project-no-explore", "project-10", "project-11")
+# the epochs a member of a project tool trains, where not the work's
+EPOCHS = {"project-10": 10, "project-11": 11}
 WORK = {"model": "lenet", "width": 64, "members": 4, "epochs": 8, "batch_size": 128,
         "train_limit": 20_000, "val_fraction": 1 / 6, "val_limit": 10_000}
 # the smoke work trains exactly its epochs (the flow's budget would repeat them on 2,000 images
@@ -70,8 +73,8 @@ SMOKE = {"members": 2, "epochs": 3, "train_limit": 2_000, "val_limit": 1_000, "m
 
 def project_config(work: dict, seed: int, explore: bool = True) -> PBTConfig:
     """The `pbt` flow's config for the work: its defaults, the work's data, network, population
-    and epochs (burn-in 2 then stages of 2), members on 2 Dask workers of one thread;
-    `explore=False`: the control (`--no-explore`)."""
+    and epochs (stages of 2 after a burn-in of 2, or 3 for an odd count), members on 2 Dask
+    workers of one thread; `explore=False`: the control (`--no-explore`)."""
     stages = max(1, (work["epochs"] - 2) // 2)
     return PBTConfig(seed=seed, model=work["model"], width=work["width"],
                      members=work["members"], burn_in_rounds=work["epochs"] - 2 * stages,

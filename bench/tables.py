@@ -695,7 +695,8 @@ def pbt_peer(record: dict) -> str:
     tools = record["tools"]
     names = {"ray": "Ray Tune 2.60 `PopulationBasedTraining`", "project": "the project's `pbt`",
              "project-no-explore": "`pbt --no-explore` (the control)",
-             "project-10": "the project's `pbt`, 10 epochs a member"}
+             "project-10": "the project's `pbt`, 10 epochs a member",
+             "project-11": "the project's `pbt`, 11 epochs a member"}
     lines = ["| tool | test accuracy (official) | per seed | seconds per run | per seed | "
              "time / Ray's, paired |", "| --- " * 6 + "|"]
     ray = {run["seed"]: run for run in tools.get("ray", {}).get("runs", [])}  # Ray's runs
