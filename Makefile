@@ -21,7 +21,7 @@ run: setup data  ## the retraining pipeline on Fashion-MNIST: train, test, regis
 # contends), a test file's tests on one worker (its module fixtures run once).
 TEST_WORKERS ?= 2
 test: setup data browser  ## the fast test suite
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 setup: $(STAMP)
 

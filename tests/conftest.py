@@ -45,6 +45,23 @@ os.environ["COMPACTML_REGISTRY_SETTLE_SECONDS"] = "0.05"
 (_SESSION_DIR / "mlruns").mkdir()
 
 
+# The test files that take longest (servers, subprocesses, deployments), longest first. `make
+# test` hands whole files to its workers in collection order (`--dist loadfile
+# --no-loadscope-reorder`); these go first, so no long file starts last while the other worker
+# has run out of work. Measured with `--durations=0` (docs/architecture.md#tests).
+LONGEST_FIRST = (
+    "test_deployments.py", "test_distributed.py", "test_interruption.py", "test_distill_flow.py",
+    "test_sparsify_flow.py", "test_registry_lock.py", "test_pbt_flow.py", "test_train_flow.py",
+    "test_cascade_flow.py", "test_image_text_flow.py", "test_distill_tasks.py", "test_serve.py",
+    "test_pipeline_flow.py", "test_config_cli.py", "test_retention.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files of LONGEST_FIRST first, in its order; the others after, as collected."""
+    rank = {name: position for position, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def prefect_harness():
     """One temporary Prefect server and database for the whole session."""
