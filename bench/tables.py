@@ -822,6 +822,8 @@ def summary_table(picked: dict) -> str:
     for tool, result in (("project", "`pbt` against Ray Tune's PBT, the same work on 2 cores "
                           "(test images)"),
                          ("project-10", "`pbt` at 10 epochs a member against Ray's 8 (test "
+                          "images)"),
+                         ("project-11", "`pbt` at 11 epochs a member against Ray's 8 (test "
                           "images)")):
         if peer is None or not {"ray", tool} <= set(peer["tools"]):
             continue
