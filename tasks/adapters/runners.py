@@ -4,7 +4,8 @@ Tasks that run on Dask workers report to the Prefect API. Without a configured s
 worker process would start a temporary server of its own (about 20 s each, and the flow's UI
 would not see their task runs), so before a local cluster starts, the API the flow itself uses
 (a configured server, or the flow's own temporary one) is put in the environment the workers
-inherit. Where GPUs exist, the local cluster has one worker per GPU (`local_gpus`).
+inherit. Where GPUs exist, the local cluster has one worker per GPU (`local_gpus`). Local
+workers load `tasks.adapters.stalls`: one whose event loop stops dumps its threads' stacks.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import dask
 from prefect.settings import PREFECT_API_URL
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
+from tasks.adapters import stalls
 from tasks.configs.sections import RunnerSection
 
 
@@ -43,6 +45,7 @@ def task_runner(config: RunnerSection, device: str = "auto") -> TaskRunner:
         return DaskTaskRunner(address=config.dask_address)
     os.environ["PREFECT_API_URL"] = shared_api_url()  # the workers inherit it
     use_this_process_threads_on_workers()
+    dump_stacks_of_stalled_workers()
     devices = local_gpus(device)
     if devices:
         return DaskTaskRunner(cluster_class=one_gpu_per_worker_cluster,
@@ -92,6 +95,15 @@ def use_this_process_threads_on_workers() -> None:
         **dask.config.get("distributed.nanny.pre-spawn-environ", {}),
         "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
         "OPENBLAS_NUM_THREADS": threads}})
+
+
+def dump_stacks_of_stalled_workers() -> None:
+    """Local Dask workers load `tasks.adapters.stalls` (its `COMPACTML_STALL_SECONDS` checked
+    here, before any worker starts)."""
+    stalls.stall_seconds()
+    preload = list(dask.config.get("distributed.worker.preload", []))
+    if stalls.MODULE not in preload:
+        dask.config.set({"distributed.worker.preload": [*preload, stalls.MODULE]})
 
 
 def worker_threads(config: RunnerSection, threads: int | None) -> int | None:
