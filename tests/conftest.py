@@ -48,12 +48,14 @@ os.environ["COMPACTML_REGISTRY_SETTLE_SECONDS"] = "0.05"
 # The test files that take longest (servers, subprocesses, deployments), longest first. `make
 # test` hands whole files to its workers in collection order (`--dist loadfile
 # --no-loadscope-reorder`); these go first, so no long file starts last while the other worker
-# has run out of work. Measured with `--durations=0` (docs/architecture.md#tests).
+# has run out of work. Ordered by `pytest --durations=0` at commit 075dc3f.
 LONGEST_FIRST = (
     "test_deployments.py", "test_distributed.py", "test_interruption.py", "test_distill_flow.py",
     "test_sparsify_flow.py", "test_registry_lock.py", "test_pbt_flow.py", "test_train_flow.py",
     "test_cascade_flow.py", "test_image_text_flow.py", "test_distill_tasks.py", "test_serve.py",
     "test_pipeline_flow.py", "test_config_cli.py", "test_retention.py")
+_renamed = [name for name in LONGEST_FIRST if not (Path(__file__).parent / name).is_file()]
+assert not _renamed, f"LONGEST_FIRST names test files that are gone: {_renamed}"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
