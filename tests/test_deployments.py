@@ -5,8 +5,10 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -103,15 +105,16 @@ def mlflow_ui(tmp_path_factory):
 
 
 def _page(url: str) -> str:
-    """The page at `url` as a person's browser renders it (headless Chromium, its scripts run
-    for up to 20 s of virtual time), as HTML."""
+    """The page at `url` as a person's browser renders it (headless Chromium with a profile of
+    its own, its scripts run for up to 20 s of virtual time), as HTML."""
     import shutil
 
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     assert browser, "headless Chromium is missing: `make test` installs Debian's chromium"
-    done = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
-                           "--virtual-time-budget=20000", "--dump-dom", url],
-                          capture_output=True, text=True, timeout=120)
+    with tempfile.TemporaryDirectory() as profile:  # a profile each: browsers run at once
+        done = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
+                               f"--user-data-dir={profile}", "--virtual-time-budget=20000",
+                               "--dump-dom", url], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
@@ -251,11 +254,13 @@ def test_the_nightly_pipeline_runs_from_a_worker_elsewhere_and_retrains_on_new_d
         path = ArtifactStore().path_of(ref["path"])
         assert md5_of(path) == ref["md5"] and path.with_name(path.name + ".dvc").exists()
 
-    prefect_page = _page(f"{url.removesuffix('/api')}/runs/flow-run/{flow_runs[-1]['id']}")
-    assert flow_runs[-1]["name"] in prefect_page and "Completed" in prefect_page
-    models_page = _page(f"{mlflow_ui}/#/models/nightly")
-    assert "Version 2" in models_page and "Version 1" in models_page
     experiment = second.info.experiment_id
-    run_page = _page(f"{mlflow_ui}/#/experiments/{experiment}/runs/{second.info.run_id}")
+    with ThreadPoolExecutor(3) as browsers:  # three headless Chromiums at once
+        prefect_page, models_page, run_page = browsers.map(_page, [
+            f"{url.removesuffix('/api')}/runs/flow-run/{flow_runs[-1]['id']}",
+            f"{mlflow_ui}/#/models/nightly",
+            f"{mlflow_ui}/#/experiments/{experiment}/runs/{second.info.run_id}"])
+    assert flow_runs[-1]["name"] in prefect_page and "Completed" in prefect_page
+    assert "Version 2" in models_page and "Version 1" in models_page
     assert second.info.run_name in run_page and "step_sparsify_test_accuracy" in run_page
     assert "Logged models (1)" in run_page  # its model, linked to the run
