@@ -18,7 +18,8 @@ run: setup data  ## the retraining pipeline on Fashion-MNIST: train, test, regis
 	$(PY) -m flows pipeline --profile $(PROFILE)
 
 # Two pytest workers, one thread each (the tests' models are tiny: a second thread per worker only
-# contends), a test file's tests on one worker (its module fixtures run once).
+# contends), a test file's tests on one worker (its module fixtures run once), the longest files
+# first (tests/conftest.py, LONGEST_FIRST).
 TEST_WORKERS ?= 2
 test: setup data browser  ## the fast test suite
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
