@@ -689,14 +689,22 @@ def merged_pbt_peer(name: str, results: Path = RESULTS) -> dict:
             "sources": [f"`{command}` (commit {commit})" for command, commit in sources]}
 
 
+def longer_project_tools(tools: dict) -> list[tuple[str, int]]:
+    """`bench.pbt_peer`'s tools that run the flow at more epochs a member than the work's
+    (`project-N`) among `tools`, with N, fewest epochs first."""
+    longer = [(tool, int(tool.removeprefix("project-"))) for tool in tools
+              if tool.removeprefix("project-").isdigit()]
+    return sorted(longer, key=lambda pair: pair[1])
+
+
 def pbt_peer(record: dict) -> str:
     """`bench.pbt_peer`: Ray Tune's PBT and the project's `pbt` on one work, per seed: the
     chosen model's accuracy on the test images and the wall time of a run."""
     tools = record["tools"]
     names = {"ray": "Ray Tune 2.60 `PopulationBasedTraining`", "project": "the project's `pbt`",
-             "project-no-explore": "`pbt --no-explore` (the control)",
-             "project-10": "the project's `pbt`, 10 epochs a member",
-             "project-11": "the project's `pbt`, 11 epochs a member"}
+             "project-no-explore": "`pbt --no-explore` (the control)"} | {
+        tool: f"the project's `pbt`, {epochs} epochs a member"
+        for tool, epochs in longer_project_tools(tools)}
     lines = ["| tool | test accuracy (official) | per seed | seconds per run | per seed | "
              "time / Ray's, paired |", "| --- " * 6 + "|"]
     ray = {run["seed"]: run for run in tools.get("ray", {}).get("runs", [])}  # Ray's runs
@@ -819,12 +827,11 @@ def summary_table(picked: dict) -> str:
                  f"{methods['c']['report_mean']:.4f}: {gain:+.4f} (paired)",
                  "pbt-against-the-default-and-random-search"))
     peer = picked.get("pbt_peer")
+    longer = [] if peer is None else longer_project_tools(peer["tools"])
     for tool, result in (("project", "`pbt` against Ray Tune's PBT, the same work on 2 cores "
-                          "(test images)"),
-                         ("project-10", "`pbt` at 10 epochs a member against Ray's 8 (test "
-                          "images)"),
-                         ("project-11", "`pbt` at 11 epochs a member against Ray's 8 (test "
-                          "images)")):
+                          "(test images)"), *((tool, f"`pbt` at {epochs} epochs a member against "
+                                               "Ray's 8 (test images)")
+                                              for tool, epochs in longer)):
         if peer is None or not {"ray", tool} <= set(peer["tools"]):
             continue
         mine, ray = peer["tools"][tool], peer["tools"]["ray"]
