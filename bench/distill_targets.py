@@ -20,7 +20,10 @@ same teacher states, stage images, batches and schedule). Only the student's tar
   `fm final` (the same from the last teacher state, Beyer et al.'s fixed teacher), `states mix`
   (CE on both labels and KD, 0.5 each), and `alone mix` (CE on the mixed batch, no
   teacher term: what mixing alone gives the student); `fm x6` and `alone x6` at 6 times the
-  fitted budget, whatever `--patience` says.
+  fitted budget, whatever `--patience` says;
+- `auto`: the flow's default (`--targets auto`): one student per candidate (labels, KD from
+  the final state at T=4, the states at T=1) on the same teacher, the one best on validation
+  kept; each candidate is scored too, as the row it equals (`alone`, `kd`, `states-T1`).
 
 Every student but `alone x1` trains `--patience` times the fitted budget (`--student-patience`).
 The teacher is warm-started (`--teacher-pretrain-rounds`) as a strong teacher would be. Scored
@@ -89,7 +92,13 @@ VARIANTS: dict[str, dict] = {
     "fm-T1 x6": {"targets": "states", **LOGITS, "temperature": 1.0, "ce_weight": 0.0,
                  "feature_weight": 1.0, "student_mixup": 1.0, "student_patience": 6},
     "alone x6": {**ALONE, "student_patience": 6},
+    # the flow's default: one student per candidate on the same teacher, the best on validation
+    # kept; each candidate is scored as the variant it is (`CANDIDATE_ROWS`)
+    "auto": {"targets": "auto", **LOGITS, "temperature": 1.0},
 }
+# `--targets auto`'s candidates as the variants above they equal (the `auto` variant's loss
+# fields and T=1; `final` is KD at T=4; `labels` is CE alone, like `alone`)
+CANDIDATE_ROWS = {"labels": "alone", "final": "kd", "states": "states-T1"}
 
 
 SPLITS = ("val", "test", "unread")
@@ -151,6 +160,7 @@ def run_seed(name: str, seed: int, variants: list[str], base: dict,
     started = time.perf_counter()
     accuracy: dict[str, dict[str, float]] = {}
     seconds: dict[str, float] = {}
+    chosen: dict[str, str] = {}
     unread = None
     for n, variant in enumerate(variants):
         config = DistillConfig(**{**base, **small_data_fields(name, seed), "seed": seed,
@@ -169,9 +179,14 @@ def run_seed(name: str, seed: int, variants: list[str], base: dict,
                                           last.teacher.checkpoint, unread)
         accuracy[variant] = figures(classifier_config(plan.student), dataset,
                                     last.student.checkpoint, unread)
+        for candidate, result in last.candidates.items():  # auto: each candidate its own row
+            accuracy.setdefault(CANDIDATE_ROWS[candidate], figures(
+                classifier_config(plan.student), dataset, result.checkpoint, unread))
+        if summary.targets_chosen is not None:
+            chosen[variant] = summary.targets_chosen
         print(f"{name} seed {seed} {variant}: {accuracy[variant]} "
               f"({seconds[variant]:.0f} s; teacher {accuracy['teacher']})", flush=True)
-    return {"seed": seed, "accuracy": accuracy, "seconds": seconds,
+    return {"seed": seed, "accuracy": accuracy, "seconds": seconds, "chosen": chosen,
             "total_seconds": time.perf_counter() - started}
 
 
@@ -208,7 +223,9 @@ def main() -> None:
     for name in args.sets:
         runs = [run_seed(name, seed, args.variants, base, args.cached_teacher)
                 for seed in args.seeds]
-        entry = {"set": name, "runs": runs, **summarize(runs, args.variants)}
+        scored_rows = list(dict.fromkeys(v for run in runs for v in run["accuracy"]
+                                         if v != "teacher"))
+        entry = {"set": name, "runs": runs, **summarize(runs, scored_rows)}
         results.append(entry)
         for variant, row in entry["variants"].items():
             gap = row.get("gap_closed_unread")

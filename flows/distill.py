@@ -1,9 +1,11 @@
 """The `distill` flow: stage-wise distillation from a multi-state teacher.
 
 Stage s = 1..S: the teacher trains on N queued images (state s -> s+1); the student trains on
-P queued images with CE plus a loss against its targets: by default teacher state s itself,
-run on the student's own augmented batch (`--targets states`); or bank s, the features the
-states wrote for the images they trained on (`bank`); or the last state (`final`, plain KD).
+P queued images with CE plus a loss against its targets: teacher state s itself, run on the
+student's own augmented batch (`--targets states`); or bank s, the features the states wrote
+for the images they trained on (`bank`); or the last state (`final`, plain KD); or none
+(`labels`). By default (`auto`) the student trains once with each of `labels`, `final` and
+`states` on the same teacher stages, and the one best on validation is kept.
 The teacher's stage s+1 needs only its own state, so it runs while the student runs stage s:
 on two Dask workers they overlap, in-process they run in turn, and the results are the same
 either way (every task is a function of its inputs and the seed). The stages are the step
@@ -45,6 +47,7 @@ class DistillSummary(BaseModel):
     teacher_test_accuracy: float
     test_accuracy: float
     registration: Registration
+    targets_chosen: str | None = None  # --targets auto: the candidate kept
 
 
 @flow(name=FLOW_NAME, description="Distil a deeper teacher, trained in stages, into a patient "
@@ -64,6 +67,10 @@ def distill(config: DistillConfig) -> DistillSummary:
             runner = task_runner(config.cluster, config.run.device)
             stages = distill_stages.with_options(task_runner=runner)(
                 config, plan, dataset, run_id, teacher_run_id, student_run_id)
+            chosen = stages[-1].chosen
+            if chosen is not None:
+                tracking.set_tags(student_run_id, {"targets_chosen": chosen})
+                tracking.set_tags(run_id, {"targets_chosen": chosen})
             teacher_test = test_and_export(classifier_config(plan.teacher), dataset,
                                            stages[-1].teacher.checkpoint)
             tracking.log_metrics(teacher_run_id, teacher_test.metrics)
@@ -76,7 +83,7 @@ def distill(config: DistillConfig) -> DistillSummary:
         summary = DistillSummary(run_id=run_id, dataset=dataset, stages=stages,
                                  teacher_test_accuracy=teacher_test.metrics["test_accuracy"],
                                  test_accuracy=finished.test_accuracy,
-                                 registration=finished.registration)
+                                 registration=finished.registration, targets_chosen=chosen)
     publish("distill-summary", f"distill: {config.teacher_model} -> {config.student_model} on "
             f"{config.dataset.data}", run_id, finished, {
                 "teacher test accuracy": f"{summary.teacher_test_accuracy:.4f}",
@@ -87,6 +94,10 @@ def distill(config: DistillConfig) -> DistillSummary:
                            f"{config.bank_average} state, filled "
                            f"{stages[-1].bank.fill_fraction:.3f})"
                            if stages[-1].bank is not None else
+                           f"auto: {chosen} kept, validation " + ", ".join(
+                               f"{name} {result.metrics['val_accuracy']:.4f}"
+                               for name, result in stages[-1].candidates.items())
+                           if chosen is not None else
                            f"teacher {config.targets}, layer {config.teacher_layer}, "
                            f"{config.feature_loss} (T={config.temperature}), patience "
                            f"{config.student_patience}",

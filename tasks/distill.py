@@ -21,7 +21,7 @@ from torch import nn
 from tasks.adapters.caching import computation_key
 from tasks.adapters.checkpoints import load_checkpoint, torch_save
 from tasks.adapters.versioning import ArtifactRef, ArtifactStore
-from tasks.configs.distill import DistillConfig
+from tasks.configs.distill import AUTO_CANDIDATES, DistillConfig
 from tasks.configs.sections import ClassifierConfig, ModelSection, StrictConfig, classifier_config
 from tasks.data import DatasetRef, load_dataset
 from tasks.rounds import RoundPlan
@@ -30,7 +30,13 @@ from training.batches import RecordedViews
 from training.budget import Budget
 from training.device import place_model, setup_device
 from training.distill.feature_bank import FeatureBank
-from training.distill.losses import DistillStep, FeatureLossKind, TeacherStep, layer_shape
+from training.distill.losses import (
+    DistillStep,
+    FeatureLossKind,
+    LabelsStep,
+    TeacherStep,
+    layer_shape,
+)
 from training.distill.stages import (
     initial_bank,
     stage_ids,
@@ -67,7 +73,7 @@ class StudentConfig(RoleConfig):
     state run on the student's batch: `targets`) through an adapter."""
 
     layer: str
-    targets: Literal["bank", "states", "final"] = "bank"
+    targets: Literal["bank", "states", "final", "labels"] = "bank"
     teacher_layer: str = "pool"
     feature_loss: FeatureLossKind
     feature_weight: float
@@ -91,13 +97,17 @@ class BankConfig(StrictConfig):
 
 class DistillPlan(BaseModel):
     """A `distill` config split into what each task needs (so a task's cache key holds only
-    what its result depends on: a changed student loss does not re-train the teacher)."""
+    what its result depends on: a changed student loss does not re-train the teacher).
+
+    With `--targets auto`, `candidates` holds one student per `AUTO_CANDIDATES` entry (all of
+    one network; `student` is the first, for what they share)."""
 
     model_config = ConfigDict(frozen=True)
 
     teacher: RoleConfig
     bank: BankConfig
     student: StudentConfig
+    candidates: dict[str, StudentConfig] = {}
 
     @classmethod
     def of(cls, config: DistillConfig, teacher_budget: Budget | None = None,
@@ -121,16 +131,23 @@ class DistillPlan(BaseModel):
             **shared(config.student_model, config.student_width, student_budget,
                      config.student_patience),
             role="student", fraction=config.student_fraction, queue=config.student_queue,
-            layer=config.student_layer, targets=config.targets,
+            layer=config.student_layer,
+            targets="labels" if config.targets == "auto" else config.targets,
             teacher_layer=config.teacher_layer, feature_loss=config.feature_loss,
             feature_weight=config.feature_weight, ce_weight=config.ce_weight,
             temperature=config.temperature, bank_memmap=config.bank_memmap,
             mixup=config.student_mixup)
+        candidates = {name: student.replace(**fields)
+                      for name, fields in AUTO_CANDIDATES.items()} \
+            if config.targets == "auto" else {}
+        if config.targets == "labels":  # CE at weight 1, as the `labels` candidate
+            student = student.replace(**AUTO_CANDIDATES["labels"])
         bank = BankConfig(layer=config.teacher_layer, mode=config.bank_mode,
                           dtype=config.bank_dtype, memmap=config.bank_memmap,
                           initial=config.initial_bank, views=config.bank_views,
                           average=config.bank_average)
-        return cls(teacher=teacher, bank=bank, student=student)
+        return cls(teacher=teacher, bank=bank, student=candidates.get("labels", student),
+                   candidates=candidates)
 
 
 class BankSnapshot(BaseModel):
@@ -257,7 +274,8 @@ class StudentRound(RoundPlan):
     """The student at state `stage` learns from its P queued images with CE plus the feature
     loss against its targets: the feature bank `bank` (`training.distill.losses.DistillStep`),
     or the teacher state `teacher` (a checkpoint of the `teacher_config` network) run on the
-    student's own augmented batch (`TeacherStep`): state `stage + 1`."""
+    student's own augmented batch (`TeacherStep`), or none (`labels`: `LabelsStep`, CE only):
+    state `stage + 1`."""
 
     config: StudentConfig
     dataset: DatasetRef
@@ -274,10 +292,12 @@ class StudentRound(RoundPlan):
         return f"student-{self.stage}"
 
     def targets(self, store: ArtifactStore, device: torch.device
-                ) -> tuple[FeatureBank | None, nn.Module | None, tuple[int, ...]]:
+                ) -> tuple[FeatureBank | None, nn.Module | None, tuple[int, ...] | None]:
         """The bank, or the teacher state's network (evaluated, frozen), and the shape of one
-        image's target."""
+        image's target (all None for `labels`: no targets)."""
         student = self.config
+        if student.targets == "labels":
+            return None, None, None
         if student.targets == "bank":
             if self.bank is None:
                 raise ValueError(f"student stage {self.stage}: targets 'bank' needs a bank")
@@ -309,9 +329,10 @@ class StudentRound(RoundPlan):
         loss = (student.layer, (adapter.student_shape, adapter.teacher_shape),
                 student.feature_loss, student.temperature, student.ce_weight,
                 student.feature_weight, student.optim.label_smoothing)
-        step = DistillStep(*loss, bank=features) if teacher is None else \
-            TeacherStep(*loss, student.mixup, student_mixup_seed(student, self.stage),
-                        teacher=teacher, teacher_layer=student.teacher_layer)
+        mixup = (student.mixup, student_mixup_seed(student, self.stage))
+        step = LabelsStep(*loss, *mixup) if student.targets == "labels" else \
+            DistillStep(*loss, bank=features) if teacher is None else \
+            TeacherStep(*loss, *mixup, teacher=teacher, teacher_layer=student.teacher_layer)
         round_ = stage_round(student, self.dataset, data, ids, self.stage, step,
                              classifier_network(student, self.dataset),
                              None if features is None else features.recorded_views())

@@ -98,7 +98,7 @@ def test_students_learn_from_each_teacher_state_or_the_last_on_their_own_batches
         summary = distill(distill_smoke(targets=targets, teacher_layer="fc", student_layer="fc",
                                         feature_loss="kl") if targets == "final" else
                           DistillConfig(profile="smoke", model_name=NAME, stages=3,
-                                        train_limit=1024, threads=1))  # the flow's default
+                                        train_limit=1024, threads=1, targets="states"))
         # the same teacher (its stages come from the cache), no bank, and student stage s
         # trained against the teacher state it names: s, or the last one
         assert [r.teacher.checkpoint.md5 for r in summary.stages] == teachers
@@ -106,6 +106,42 @@ def test_students_learn_from_each_teacher_state_or_the_last_on_their_own_batches
         assert [r.student.checkpoint.path.split("/")[2].rsplit("-", 1)[1]
                 for r in summary.stages] == [md5[:16] for md5 in read]
         assert all(r.student.metrics["loss_feat"] > 0 for r in summary.stages)
+
+
+def test_auto_trains_every_candidate_on_the_same_teacher_and_keeps_the_best_on_validation(
+        first_distill):
+    teachers = [r.teacher.checkpoint.md5 for r in first_distill.stages]
+    smoke = {"profile": "smoke", "model_name": NAME, "stages": 3, "train_limit": 1024,
+             "threads": 1}
+    summary = distill(DistillConfig(**smoke, targets="auto"))  # the flow's default
+    assert DistillConfig().targets == "auto"
+    assert [r.teacher.checkpoint.md5 for r in summary.stages] == teachers
+    assert all(set(r.candidates) == {"labels", "final", "states"} for r in summary.stages)
+    # each candidate read its own targets: none, the last state, state s
+    read = {name: [r.candidates[name].checkpoint.path.split("/")[2].rsplit("-", 1)[1]
+                   for r in summary.stages] for name in ("labels", "final", "states")}
+    assert read == {"labels": ["none"] * 3, "final": [teachers[-1][:16]] * 3,
+                    "states": [md5[:16] for md5 in teachers]}
+    assert all(r.candidates["labels"].metrics["loss_feat"] == 0 for r in summary.stages)
+    assert all(r.candidates["final"].metrics["loss_feat"] > 0 for r in summary.stages)
+    # a candidate is the student a run with its targets alone trains, to the bit
+    alone = distill(DistillConfig(**smoke, targets="labels"))
+    assert [r.student.checkpoint.md5 for r in alone.stages] == \
+        [r.candidates["labels"].checkpoint.md5 for r in summary.stages]
+    # the student kept: the candidate best on validation after the last stage
+    last = {name: result.metrics["val_accuracy"]
+            for name, result in summary.stages[-1].candidates.items()}
+    assert summary.targets_chosen == max(last, key=last.get)
+    assert all(r.student == r.candidates[summary.targets_chosen] for r in summary.stages)
+    client = MlflowClient()
+    run = client.get_run(summary.run_id)
+    assert run.data.tags["targets_chosen"] == summary.targets_chosen
+    children = client.search_runs([run.info.experiment_id],
+                                  f"tags.mlflow.parentRunId = '{summary.run_id}'")
+    student = next(c for c in children if c.info.run_name == "student")
+    history = client.get_metric_history(student.info.run_id, "val_accuracy_states")
+    assert [m.value for m in history] == [r.candidates["states"].metrics["val_accuracy"]
+                                          for r in summary.stages]
 
 
 def test_a_live_teacher_under_ddp_is_refused(capsys):

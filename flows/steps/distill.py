@@ -16,6 +16,7 @@ from tasks.data import DatasetRef
 from tasks.distill import (
     BankSnapshot,
     DistillPlan,
+    StudentConfig,
     StudentRound,
     TeacherRound,
     bank_snapshot,
@@ -34,13 +35,44 @@ __all__ = ["StageRecord", "distill_stages", "fitted_plan", "role_budgets"]
 
 class StageRecord(BaseModel):
     """One stage's results: the teacher's, the bank's (none where the student learns from the
-    teacher states themselves) and the student's."""
+    teacher states themselves) and the student's. With `--targets auto`, every candidate's
+    student at this stage (`candidates`) and which of them is `student` (`chosen`)."""
 
     model_config = ConfigDict(frozen=True)
 
     teacher: RoundResult
     bank: BankSnapshot | None
     student: RoundResult
+    candidates: dict[str, RoundResult] = {}
+    chosen: str | None = None
+
+
+class _Stages:
+    """Submits one stage's tasks to the config's runner; each call gives back a `wait()`
+    for the task's result."""
+
+    def __init__(self, config: DistillConfig, plan: DistillPlan, dataset: DatasetRef,
+                 pretrained: ArtifactRef | None) -> None:
+        self.submit, self.plan, self.dataset = submitter(config.cluster), plan, dataset
+        self.pretrained = pretrained
+
+    def teacher(self, stage: int, previous: RoundResult | None):
+        return self.submit(round_task, TeacherRound(config=self.plan.teacher,
+                                                    dataset=self.dataset, stage=stage),
+                           previous.checkpoint if previous else self.pretrained).result
+
+    def snapshot(self, stage: int, teacher: RoundResult, previous: BankSnapshot | None):
+        return self.submit(bank_snapshot, self.plan.teacher, self.plan.bank, self.dataset,
+                           stage, teacher.checkpoint, previous.bank if previous else None,
+                           self.pretrained).result
+
+    def student(self, config: StudentConfig, stage: int, previous: RoundResult | None,
+                bank: BankSnapshot | None = None, teacher: ArtifactRef | None = None):
+        return self.submit(round_task, StudentRound(
+            config=config, dataset=self.dataset, stage=stage,
+            bank=bank.bank if bank is not None else None, teacher=teacher,
+            teacher_config=None if teacher is None else self.plan.teacher),
+            previous.checkpoint if previous else None).result
 
 
 def _stage_loop(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef,
@@ -49,29 +81,18 @@ def _stage_loop(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef,
     beside the student's stage s), each a task submitted to the config's runner. With
     `--targets states` the student's stage s reads teacher state s instead of bank s (no bank
     is written); with `--targets final` every student stage waits for the last teacher
-    state."""
-    submit = submitter(config.cluster)
+    state; with `labels` it reads no teacher. `--targets auto`: `_candidate_loop`."""
+    if plan.candidates:
+        records = _candidate_loop(config, plan, _Stages(config, plan, dataset, pretrained))
+        for record in records:
+            on_stage(record)
+        return records
+    stages = _Stages(config, plan, dataset, pretrained)
     records: list[StageRecord] = []
     targets = plan.student.targets
 
-    def teacher_stage(stage: int, previous: RoundResult | None):
-        return submit(round_task, TeacherRound(config=plan.teacher, dataset=dataset,
-                                                stage=stage),
-                      previous.checkpoint if previous else pretrained).result
-
     def snapshot(stage: int, teacher: RoundResult, previous: BankSnapshot | None):
-        if targets != "bank":
-            return None
-        return submit(bank_snapshot, plan.teacher, plan.bank, dataset, stage, teacher.checkpoint,
-                      previous.bank if previous else None, pretrained).result()
-
-    def student_stage(stage: int, previous: RoundResult | None, bank: BankSnapshot | None,
-                      teacher: ArtifactRef | None = None):
-        return submit(round_task, StudentRound(
-            config=plan.student, dataset=dataset, stage=stage,
-            bank=bank.bank if bank is not None else None, teacher=teacher,
-            teacher_config=None if teacher is None else plan.teacher),
-            previous.checkpoint if previous else None).result
+        return stages.snapshot(stage, teacher, previous)() if targets == "bank" else None
 
     def recorded(teacher: RoundResult, bank: BankSnapshot | None, student: RoundResult) -> None:
         records.append(StageRecord(teacher=teacher, bank=bank, student=student))
@@ -80,16 +101,17 @@ def _stage_loop(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef,
     if targets == "final":
         teachers: list[RoundResult] = []
         for stage in range(1, config.stages + 1):
-            teachers.append(teacher_stage(stage, teachers[-1] if teachers else None)())
+            teachers.append(stages.teacher(stage, teachers[-1] if teachers else None)())
         student = None
         for stage, teacher in enumerate(teachers, 1):
-            student = student_stage(stage, student, None, teachers[-1].checkpoint)()
+            student = stages.student(plan.student, stage, student, None,
+                                     teachers[-1].checkpoint)()
             recorded(teacher, None, student)
         return records
     teachers_by_stage: dict[int, RoundResult] = {}
 
     def teacher_then_keep(stage: int, previous: RoundResult | None):
-        wait = teacher_stage(stage, previous)
+        wait = stages.teacher(stage, previous)
 
         def kept() -> RoundResult:
             teachers_by_stage[stage] = wait()
@@ -98,10 +120,44 @@ def _stage_loop(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef,
 
     run_stages(config.stages, targets == "bank" and plan.bank.mode == "single",
                teacher_then_keep, snapshot,
-               lambda stage, previous, bank: student_stage(
-                   stage, previous, bank, None if targets == "bank"
+               lambda stage, previous, bank: stages.student(
+                   plan.student, stage, previous, bank, None if targets != "states"
                    else teachers_by_stage[stage].checkpoint), recorded)
     return records
+
+
+def _candidate_loop(config: DistillConfig, plan: DistillPlan, stages: _Stages
+                    ) -> list[StageRecord]:
+    """`--targets auto`: one student per candidate (`plan.candidates`), all on the same
+    teacher stages. The teacher's stage s+1 runs beside stage s of every candidate that does
+    not wait for the last state (`labels`, `states`); the `final` candidates' stages follow
+    the last teacher stage. The student kept is the candidate best on validation after the
+    last stage (the first of them on a tie, in `AUTO_CANDIDATES`' order)."""
+    now = {name: c for name, c in plan.candidates.items() if c.targets != "final"}
+    chains: dict[str, list[RoundResult]] = {name: [] for name in plan.candidates}
+    teachers: list[RoundResult] = []
+    teacher = stages.teacher(1, None)()
+    for stage in range(1, config.stages + 1):
+        following = stages.teacher(stage + 1, teacher) if stage < config.stages else None
+        waits = {name: stages.student(candidate, stage, chains[name][-1] if chains[name]
+                                      else None, None, teacher.checkpoint
+                                      if candidate.targets == "states" else None)
+                 for name, candidate in now.items()}
+        for name, wait in waits.items():
+            chains[name].append(wait())
+        teachers.append(teacher)
+        if following is not None:
+            teacher = following()
+    for name, candidate in plan.candidates.items():
+        for stage in range(1, config.stages + 1) if name not in now else ():
+            chains[name].append(stages.student(
+                candidate, stage, chains[name][-1] if chains[name] else None, None,
+                teachers[-1].checkpoint)())
+    chosen = max(plan.candidates, key=lambda name: chains[name][-1].metrics["val_accuracy"])
+    return [StageRecord(teacher=teacher, bank=None, student=chains[chosen][index],
+                        candidates={name: chain[index] for name, chain in chains.items()},
+                        chosen=chosen)
+            for index, teacher in enumerate(teachers)]
 
 
 @flow(name="distill-stages", description="The teacher, bank and student stages of `distill`.")
@@ -114,6 +170,9 @@ def distill_stages(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef
         stage = record.teacher.round
         tracking.log_metrics(teacher_run_id, record.teacher.metrics, step=stage)
         tracking.log_metrics(student_run_id, record.student.metrics, step=stage)
+        tracking.log_metrics(student_run_id, {
+            f"val_accuracy_{name}": result.metrics["val_accuracy"]
+            for name, result in record.candidates.items()}, step=stage)
         bank = record.bank
         if bank is not None:
             tracking.log_metrics(run_id, {"bank_fill_fraction": bank.fill_fraction,
@@ -133,7 +192,10 @@ def distill_stages(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef
                     "(loss_ce %.4f, loss_feat %.4f)", stage, config.stages,
                     record.teacher.metrics["val_accuracy"],
                     f"bank filled {bank.fill_fraction:.3f}" if bank is not None
-                    else f"targets: teacher {config.targets}",
+                    else f"targets: {record.chosen} of " + ", ".join(
+                        f"{name} {result.metrics['val_accuracy']:.4f}"
+                        for name, result in record.candidates.items())
+                    if record.candidates else f"targets: {config.targets}",
                     record.student.metrics["val_accuracy"], record.student.metrics["loss_ce"],
                     record.student.metrics["loss_feat"])
 

@@ -16,6 +16,15 @@ def _layers_of(model: str) -> tuple[tuple[str, ...], int]:
     return (*network.feature_layers, "fc"), network.depth
 
 
+# `--targets auto`: each candidate's student fields over the config's own (the order breaks a
+# tie on validation); `final` is plain KD, at Hinton's temperature whatever --temperature says
+AUTO_CANDIDATES: dict[str, dict[str, Any]] = {
+    "labels": {"targets": "labels", "feature_weight": 0.0, "ce_weight": 1.0},
+    "final": {"targets": "final", "temperature": 4.0},
+    "states": {"targets": "states"},
+}
+
+
 class DistillConfig(ProfiledConfig):
     """The `distill` flow: a deeper teacher trained in stages; a shallower, patient student
     learns stage by stage from the labels and the teacher's states (by default each state run
@@ -26,7 +35,7 @@ class DistillConfig(ProfiledConfig):
         "smoke": {"teacher_model": "resnet8", "student_model": "cnn2", "stages": 2,
                   "train_limit": 512, "test_limit": 256, "val_limit": 1000, "batch_size": 64,
                   "lr": 0.1, "student_patience": 1, "teacher_pretrain_rounds": 0,
-                  "progress": False, "min_steps": None,
+                  "targets": "states", "progress": False, "min_steps": None,
                   "baseline_gate": False, "registry": False},
         "quick": {},
         "full": {"train_limit": None, "stages": 60, "teacher_width": 32, "batch_size": 256,
@@ -91,12 +100,15 @@ class DistillConfig(ProfiledConfig):
     bank_average: Literal["latest", "mean"] = Field(
         "latest", description="latest: each entry holds the last teacher state that wrote it; "
         "mean: the running mean of every state's features for the image (clean views only)")
-    targets: Literal["bank", "states", "final"] = Field(
-        "states", description="what the student's stage s learns from: bank: the feature bank "
-        "s (each image's features as a teacher state recorded them, on the view it saw then); "
+    targets: Literal["auto", "states", "final", "labels", "bank"] = Field(
+        "auto", description="what the student's stage s learns from: auto: the student is "
+        "trained once per candidate (labels; final, plain KD at T=4; states, at "
+        "--temperature) on the same teacher stages, and the one best on validation is kept; "
         "states: teacher state s itself, run on the student's own augmented batch (the route "
         "of states, consistent with what the student sees); final: the last teacher state, "
-        "on the student's batch, at every stage (plain KD when the layers are fc)")
+        "on the student's batch, at every stage (plain KD when the layers are fc); labels: the "
+        "labels alone (CE at weight 1, no teacher term); bank: the feature bank s (each image's features "
+        "as a teacher state recorded them, on the view it saw then)")
     student_patience: int = Field(3, ge=1, le=100, description="the student's passes per "
                                   "stage as a multiple of its fitted budget (the teacher's "
                                   "stays): a patient student trains longer on the same "
@@ -126,7 +138,7 @@ class DistillConfig(ProfiledConfig):
         if self.student_layer not in student_layers:
             raise ValueError(f"student_layer {self.student_layer!r} is not a layer of "
                              f"{self.student_model}: {', '.join(student_layers)}")
-        if self.targets != "bank" and self.run.ddp_procs > 1:
+        if self.targets not in ("bank", "labels") and self.run.ddp_procs > 1:
             raise ValueError(f"targets {self.targets!r} runs a live teacher beside the student, "
                              "in one process: use --targets bank with --ddp-procs")
         if self.student_mixup > 0 and self.targets == "bank":

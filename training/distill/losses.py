@@ -296,3 +296,19 @@ class TeacherStep(FeatureStep):
         if place.world_size > 1:
             raise ValueError("a live teacher's targets are for one process")
         return teacher_targets(self.teacher.to(device), self.teacher_layer)
+
+
+@dataclass(frozen=True)
+class LabelsStep(FeatureStep):
+    """A student on its labels alone (`--targets labels`): no target is filled, so the feature
+    term adds nothing and the loss is CE (on both labels of a mixed image, with mixup). Runs
+    in any number of processes."""
+
+    def targets(self, device: torch.device, place: Distributed) -> Targets:
+        shape = self.adapter_shapes[1]
+
+        def unfilled(_ids: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+            return (torch.zeros(len(x), *shape, device=x.device),
+                    torch.zeros(len(x), dtype=torch.bool, device=x.device))
+
+        return unfilled

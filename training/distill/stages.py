@@ -201,10 +201,13 @@ def initial_bank(teacher: ClassifierSettings, bank: BankSettings, dataset: Datas
     return features
 
 
-def student_network(student: StudentSettings, dataset: DatasetShape, feature_shape: tuple[int, ...],
-                    device: torch.device) -> tuple[nn.Module, FeatureAdapter]:
-    """The seeded student and its adapter to the bank's feature shape."""
+def student_network(student: StudentSettings, dataset: DatasetShape,
+                    feature_shape: tuple[int, ...] | None, device: torch.device
+                    ) -> tuple[nn.Module, FeatureAdapter]:
+    """The seeded student and its adapter to the targets' feature shape (None: no targets,
+    an identity adapter)."""
     model = new_model(student, dataset)
     example = torch.zeros(1, dataset.channels, dataset.image_size, dataset.image_size)
-    adapter = FeatureAdapter(layer_shape(model, student.layer, example), feature_shape)
+    own = layer_shape(model, student.layer, example)
+    adapter = FeatureAdapter(own, own if feature_shape is None else feature_shape)
     return place_model(model, device), adapter.to(device)
