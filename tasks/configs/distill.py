@@ -107,8 +107,8 @@ class DistillConfig(ProfiledConfig):
         "states: teacher state s itself, run on the student's own augmented batch (the route "
         "of states, consistent with what the student sees); final: the last teacher state, "
         "on the student's batch, at every stage (plain KD when the layers are fc); labels: the "
-        "labels alone (CE at weight 1, no teacher term); bank: the feature bank s (each image's features "
-        "as a teacher state recorded them, on the view it saw then)")
+        "labels alone (CE at weight 1, no teacher term); bank: the feature bank s (each "
+        "image's features as a teacher state recorded them, on the view it saw then)")
     student_patience: int = Field(3, ge=1, le=100, description="the student's passes per "
                                   "stage as a multiple of its fitted budget (the teacher's "
                                   "stays): a patient student trains longer on the same "
