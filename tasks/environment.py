@@ -64,3 +64,18 @@ def data_dir() -> Path:
 def artifacts_dir() -> Path:
     """The artifact store (`COMPACTML_ARTIFACTS`, default `<root>/artifacts`)."""
     return Path(os.environ.get("COMPACTML_ARTIFACTS", PROJECT_ROOT / "artifacts"))
+
+
+def seconds_setting(name: str, default: float) -> float:
+    """The positive number of seconds the environment variable `name` holds (`default` where
+    it is unset); a ValueError names the variable and its value where it is not one."""
+    value = os.environ.get(name)
+    if value is None:
+        return float(default)
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return seconds

@@ -52,11 +52,15 @@ def test_a_worker_whose_event_loop_stops_dumps_every_threads_stack(capfd, monkey
     assert "distributed/worker.py" in err and " in run\n" in err  # where the loop was stuck
 
 
-def test_a_stall_limit_that_is_not_a_positive_number_is_named(monkeypatch):
+def test_a_stall_or_lease_limit_that_is_not_a_positive_number_is_named(monkeypatch):
     from tasks.adapters.stalls import stall_seconds
-    from training.datasets import DataError
-
-    for value in ("soon", "0", "-5"):
+    from tasks.environment import seconds_setting
+    monkeypatch.delenv("COMPACTML_STALL_SECONDS", raising=False)
+    assert stall_seconds() == 60
+    for value in ("soon", "0", "-5", "inf"):
         monkeypatch.setenv("COMPACTML_STALL_SECONDS", value)
-        with pytest.raises(DataError, match=f"COMPACTML_STALL_SECONDS .*'{value}'"):
+        with pytest.raises(ValueError, match=f"COMPACTML_STALL_SECONDS .*'{value}'"):
             stall_seconds()
+        monkeypatch.setenv("COMPACTML_REGISTRY_LEASE_SECONDS", value)  # what locks.py reads
+        with pytest.raises(ValueError, match=f"COMPACTML_REGISTRY_LEASE_SECONDS .*'{value}'"):
+            seconds_setting("COMPACTML_REGISTRY_LEASE_SECONDS", 60)

@@ -48,14 +48,15 @@ from dataclasses import asdict, dataclass
 from mlflow.exceptions import MlflowException
 
 from tasks.adapters import tracking
+from tasks.environment import seconds_setting
 
 LOCK_TAG = "registry.lock"
 RUN_TAG = "registry.run"
 WAIT_SECONDS = 3600.0  # a promotion scores models on the test split: minutes at most
 # a run waits this long for another run of the same model (a pipeline run takes hours at most)
-RUN_WAIT_SECONDS = float(os.environ.get("COMPACTML_RUN_SLOT_WAIT_SECONDS", 24 * 3600))
-LEASE_SECONDS = float(os.environ.get("COMPACTML_REGISTRY_LEASE_SECONDS", 60))
-SETTLE_SECONDS = float(os.environ.get("COMPACTML_REGISTRY_SETTLE_SECONDS", 1.0))
+RUN_WAIT_SECONDS = seconds_setting("COMPACTML_RUN_SLOT_WAIT_SECONDS", 24 * 3600)
+LEASE_SECONDS = seconds_setting("COMPACTML_REGISTRY_LEASE_SECONDS", 60)
+SETTLE_SECONDS = seconds_setting("COMPACTML_REGISTRY_SETTLE_SECONDS", 1.0)
 POLL_SECONDS = 0.5
 
 

@@ -15,29 +15,20 @@ deadlock too. Nothing is stopped or killed.
 from __future__ import annotations
 
 import faulthandler
-import os
 import sys
 
 from tornado.ioloop import PeriodicCallback
 
-from training.datasets import DataError
+from tasks.environment import seconds_setting
 
 MODULE = __name__  # what `distributed.worker.preload` names
 _rearming: list[PeriodicCallback] = []  # this worker process's callback
 
 
 def stall_seconds() -> float:
-    """How long a worker's loop may stop before its stacks are dumped; DataError names a
-    value that is not a positive number."""
-    value = os.environ.get("COMPACTML_STALL_SECONDS", "60")
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = 0.0
-    if seconds <= 0:
-        raise DataError(f"COMPACTML_STALL_SECONDS must be a positive number of seconds, got "
-                         f"{value!r}")
-    return seconds
+    """How long a worker's loop may stop before its stacks are dumped (a ValueError names a
+    value that is not a positive number)."""
+    return seconds_setting("COMPACTML_STALL_SECONDS", 60)
 
 
 def dask_setup(worker: object) -> None:
