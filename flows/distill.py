@@ -62,13 +62,15 @@ def distill(config: DistillConfig) -> DistillSummary:
         plan = fitted_plan(config, dataset, run_id)
         with tracking.tracked_run(FLOW_NAME, "teacher", plan.teacher, parent_run_id=run_id) \
                 as teacher_run_id, \
-                tracking.tracked_run(FLOW_NAME, "student", plan.student, parent_run_id=run_id) \
-                as student_run_id:
+                tracking.tracked_run(FLOW_NAME, "student", None if plan.candidates
+                                     else plan.student, parent_run_id=run_id) \
+                as student_run_id:  # (auto: the params of the candidate kept, below)
             runner = task_runner(config.cluster, config.run.device)
             stages = distill_stages.with_options(task_runner=runner)(
                 config, plan, dataset, run_id, teacher_run_id, student_run_id)
             chosen = stages[-1].chosen
             if chosen is not None:
+                tracking.log_config(student_run_id, plan.candidates[chosen])
                 tracking.set_tags(student_run_id, {"targets_chosen": chosen})
                 tracking.set_tags(run_id, {"targets_chosen": chosen})
             teacher_test = test_and_export(classifier_config(plan.teacher), dataset,

@@ -139,6 +139,7 @@ def test_auto_trains_every_candidate_on_the_same_teacher_and_keeps_the_best_on_v
     children = client.search_runs([run.info.experiment_id],
                                   f"tags.mlflow.parentRunId = '{summary.run_id}'")
     student = next(c for c in children if c.info.run_name == "student")
+    assert student.data.params["targets"] == summary.targets_chosen  # the kept one's params
     history = client.get_metric_history(student.info.run_id, "val_accuracy_states")
     assert [m.value for m in history] == [r.candidates["states"].metrics["val_accuracy"]
                                           for r in summary.stages]

@@ -112,9 +112,19 @@ def start_run(
         experiment_key = experiment_id(experiment)
     run = client().create_run(experiment_key, tags=all_tags, run_name=run_name)
     if params:
-        client().log_batch(run.info.run_id,
-                           params=[Param(k, v[:6000]) for k, v in flatten(params).items()])
+        log_params(run.info.run_id, params)
     return run.info.run_id
+
+
+def log_params(run_id: str, params: Mapping[str, Any]) -> None:
+    """Logs `params` (nested mappings flattened) on the run; a param is logged once."""
+    client().log_batch(run_id, params=[Param(k, v[:6000]) for k, v in flatten(params).items()])
+
+
+def log_config(run_id: str, config: BaseModel) -> None:
+    """Logs a config's fields as the run's params, as `tracked_run` does."""
+    log_params(run_id, to_jsonable_python(
+        config.flat() if hasattr(config, "flat") else config.model_dump()))
 
 
 def end_run(run_id: str, status: str = "FINISHED") -> None:
@@ -157,11 +167,11 @@ def tracked_run(
     """A run for the block: params are the whole config, by the fields' command-line names;
     KILLED if the block was interrupted (SIGTERM, Ctrl-C: the training loops of the process are
     then asked to stop, `training.stopping`), FAILED if it raised anything else."""
-    params = None if config is None else to_jsonable_python(
-        config.flat() if hasattr(config, "flat") else config.model_dump())
     if parent_run_id is None:  # a new top-level run: an earlier interruption is over
         clear_stop()
-    run_id = start_run(experiment, run_name, params, tags, parent_run_id)
+    run_id = start_run(experiment, run_name, None, tags, parent_run_id)
+    if config is not None:
+        log_config(run_id, config)
     try:
         yield run_id
     except BaseException as error:
