@@ -441,9 +441,9 @@ def distill_rows(results: list[dict], order: list[str], paired: tuple[str, ...])
             figures = variants[variant]
             gap = figures.get("gap_closed_unread")
             seeds = figures.get("seeds", [0, 1, 2])  # (merged rows say which seeds they hold)
-            label = variant if len(seeds) >= 3 else (
+            label = variant if seeds == [0, 1, 2] else (
                 f"{variant} (seed{'s' if len(seeds) > 1 else ''} "
-                f"{', '.join(map(str, seeds))} only)")
+                f"{', '.join(map(str, seeds))}{' only' if len(seeds) < 3 else ''})")
             lines.append(f"| {entry['set'] if entry['set'] != shown else ''} | {label} | "
                          f"{spread(*figures['unread'])} | {spread(*figures['test'])} | "
                          f"{spread(*figures['val'])} | "
@@ -467,11 +467,13 @@ def distill_bank(record: dict) -> str:
     return "\n".join(lines) + f"\n\nChosen on validation: {best}. {provenance(record)}\n"
 
 
-DISTILL_TARGETS_ORDER = ["teacher", "alone x1", "alone", "kd", "states-T1", "states-T4", "bank",
+DISTILL_TARGETS_ORDER = ["teacher", "alone x1", "alone", "kd", "states-T1", "states-T4", "auto",
+                         "bank",
                          "bank-T1", "bank views-T1", "bank mean-T1", "bank pool cosine",
                          "alone mix", "states mix-T1", "fm-T1", "fm final-T1", "alone x6",
                          "fm-T1 x6", "kd x6", "states-T1 x6"]
 BENCH_PATIENCE = 3  # bench.distill_targets' default --patience
+DISTILL_DEFAULT = "auto"  # the bench.distill_targets variant that is the flow's default
 
 
 def budget_label(record: dict, variant: str) -> str:
@@ -500,7 +502,8 @@ def merged_variants_per_set(name: str, results: Path = RESULTS) -> dict:
     `{"results": [entry, ...], "sources": [record, ...]}`; a record run at another
     `--patience` names its rows by their budget (`budget_label`). The gap closed and the paired
     differences to `alone` and `kd` (at the row's budget where they ran at it: `reference`)
-    are taken over the merged runs, pairing them by seed: an
+    are taken over the merged runs, pairing them by seed (the gap on the seeds the row, `alone`
+    and the teacher share): an
     older run whose teacher's figures differ from the newest run's of that seed (the code
     changed in between) is left out, so every row of a seed learned from one teacher."""
     newest_first = records(name, results)[::-1]
@@ -528,14 +531,16 @@ def merged_variants_per_set(name: str, results: Path = RESULTS) -> dict:
                   for variant, runs in by_seed.items()}
         if not variants:
             continue
-        teacher = variants["teacher"]["unread"][0]
         for variant, figures in variants.items():
             if variant == "teacher":
                 continue
-            alone = variants.get(reference(variant, "alone", variants), {}).get(
-                "unread", (None,))[0]
-            if alone is not None and teacher > alone:
-                figures["gap_closed_unread"] = (figures["unread"][0] - alone) / (teacher - alone)
+            alone = unread.get(reference(variant, "alone", variants), {})
+            seeds = sorted(set(unread[variant]) & set(alone) & set(unread["teacher"]))
+            if seeds:  # on the seeds all three ran
+                means = [mean_std([runs[s] for s in seeds])[0]
+                         for runs in (unread[variant], alone, unread["teacher"])]
+                if means[2] > means[1]:
+                    figures["gap_closed_unread"] = (means[0] - means[1]) / (means[2] - means[1])
             for other in ("alone", "kd"):
                 paired_with = reference(variant, other, variants)
                 seeds = sorted(set(unread[variant]) & set(unread.get(paired_with, {})))
@@ -814,9 +819,12 @@ def summary_table(picked: dict) -> str:
                          f"{paired[1]:.4f} (paired)", "defaults-on-data-no-default-was-tuned-on"))
     for entry in picked["distill"]["results"]:
         variants = entry["variants"]
-        if "states-T1" in variants and "kd" in variants:
-            default = variants["states-T1"]
-            rows.append((f"`distill`'s default, {entry['set']}",
+        if DISTILL_DEFAULT in variants and "kd" in variants:
+            default = variants[DISTILL_DEFAULT]
+            seeds = default.get("seeds", [0, 1, 2])
+            rows.append((f"`distill`'s default (`--targets auto`), {entry['set']}"
+                         + ("" if seeds == [0, 1, 2] else
+                            f", seeds {', '.join(map(str, seeds))}"),
                          f"{default['unread'][0]:.4f}: {default['minus_alone_unread'][0]:+.4f} "
                          f"against the student alone, {default['minus_kd_unread'][0]:+.4f} "
                          "against KD (paired)", "distillation-what-the-student-learns-from"))

@@ -120,6 +120,17 @@ def test_the_distillation_table_merges_seeds_run_apart_and_pairs_them_by_seed(tm
     (tmp_path / "distill_targets.jsonl").write_text(json.dumps(records[0]) + "\n")
     one = merged_variants_per_set("distill_targets", tmp_path)["results"]
     assert "| kd (seed 0 only) |" in "\n".join(distill_rows(one, ["alone", "kd"], ()))
+    # a row run on other seeds than `alone`'s others: its gap closed on the seeds they share
+    fresh = record(3, 0.60, 0.70, teacher=0.80)
+    fresh["results"][0]["runs"][0]["accuracy"]["auto"] = {"val": 0.7, "test": 0.7,
+                                                          "unread": 0.70}
+    (tmp_path / "distill_targets.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in [*records, fresh]))
+    [entry] = merged_variants_per_set("distill_targets", tmp_path)["results"]
+    assert entry["variants"]["auto"]["gap_closed_unread"] == pytest.approx(0.5)
+    assert entry["variants"]["alone"]["seeds"] == [0, 1, 2, 3]
+    rows = "\n".join(distill_rows([entry], ["alone", "kd", "auto"], ()))
+    assert "| alone (seeds 0, 1, 2, 3) |" in rows and "| auto (seed 3 only) |" in rows
 
 
 def test_the_pbt_peer_table_merges_seeds_run_apart_and_leaves_smoke_runs_out(tmp_path):

@@ -149,7 +149,9 @@ def _candidate_loop(config: DistillConfig, plan: DistillPlan, stages: _Stages
         if following is not None:
             teacher = following()
     for name, candidate in plan.candidates.items():
-        for stage in range(1, config.stages + 1) if name not in now else ():
+        if name in now:
+            continue
+        for stage in range(1, config.stages + 1):  # on the last teacher state
             chains[name].append(stages.student(
                 candidate, stage, chains[name][-1] if chains[name] else None, None,
                 teachers[-1].checkpoint)())
