@@ -27,8 +27,9 @@ AUTO_CANDIDATES: dict[str, dict[str, Any]] = {
 
 class DistillConfig(ProfiledConfig):
     """The `distill` flow: a deeper teacher trained in stages; a shallower, patient student
-    learns stage by stage from the labels and the teacher's states (by default each state run
-    on the student's own batches; or the feature bank the states fill, or the last state)."""
+    learns stage by stage from the labels and the teacher's states (each state run on the
+    student's own batches; or the feature bank the states fill, or the last state, or the
+    labels alone; by default once with each of three, the best on validation kept)."""
 
     RENAMED: ClassVar[dict[str, str]] = {"teacher_pretrain_epochs": "teacher_pretrain_rounds"}
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
