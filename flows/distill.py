@@ -100,6 +100,8 @@ def distill(config: DistillConfig) -> DistillSummary:
                                f"{name} {result.metrics['val_accuracy']:.4f}"
                                for name, result in stages[-1].candidates.items())
                            if chosen is not None else
+                           f"labels alone (CE), patience {config.student_patience}"
+                           if config.targets == "labels" else
                            f"teacher {config.targets}, layer {config.teacher_layer}, "
                            f"{config.feature_loss} (T={config.temperature}), patience "
                            f"{config.student_patience}",
