@@ -51,9 +51,10 @@ class DistillSummary(BaseModel):
 
 
 @flow(name=FLOW_NAME, description="Distil a deeper teacher, trained in stages, into a patient "
-      "student through the teacher's states (each run on the student's batches, or the "
-      "multi-state feature bank they fill); register the student and promote it if it beats "
-      "the champion and the raw-pixel baselines.")
+      "student: by default trained three ways on it (labels alone, KD from the last state, "
+      "each state on the student's batches; or the multi-state feature bank they fill), the "
+      "best on validation kept; register the student and promote it if it beats the champion "
+      "and the raw-pixel baselines.")
 def distill(config: DistillConfig) -> DistillSummary:
     """Runs the stages, then tests, registers and promotes the student."""
     run_name = f"{FLOW_NAME}-{config.teacher_model}-to-{config.student_model}-seed{config.run.seed}"
