@@ -180,8 +180,10 @@ def run_seed(name: str, seed: int, variants: list[str], base: dict,
         accuracy[variant] = figures(classifier_config(plan.student), dataset,
                                     last.student.checkpoint, unread)
         for candidate, result in last.candidates.items():  # auto: each candidate its own row
-            accuracy.setdefault(CANDIDATE_ROWS[candidate], figures(
-                classifier_config(plan.student), dataset, result.checkpoint, unread))
+            row = CANDIDATE_ROWS[candidate]
+            if row not in accuracy:  # (the kept one is scored above already)
+                accuracy[row] = accuracy[variant] if result == last.student else figures(
+                    classifier_config(plan.student), dataset, result.checkpoint, unread)
         if summary.targets_chosen is not None:
             chosen[variant] = summary.targets_chosen
         print(f"{name} seed {seed} {variant}: {accuracy[variant]} "

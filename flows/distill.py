@@ -97,9 +97,8 @@ def distill(config: DistillConfig) -> DistillSummary:
                            f"{config.bank_average} state, filled "
                            f"{stages[-1].bank.fill_fraction:.3f})"
                            if stages[-1].bank is not None else
-                           f"auto: {chosen} kept, validation " + ", ".join(
-                               f"{name} {result.metrics['val_accuracy']:.4f}"
-                               for name, result in stages[-1].candidates.items())
+                           f"auto: {chosen} kept, validation "
+                           f"{stages[-1].candidate_scores()}"
                            if chosen is not None else
                            f"labels alone (CE), patience {config.student_patience}"
                            if config.targets == "labels" else

@@ -46,6 +46,11 @@ class StageRecord(BaseModel):
     candidates: dict[str, RoundResult] = {}
     chosen: str | None = None
 
+    def candidate_scores(self) -> str:
+        """Each candidate's validation accuracy at this stage: `labels 0.9, final ...`."""
+        return ", ".join(f"{name} {result.metrics['val_accuracy']:.4f}"
+                         for name, result in self.candidates.items())
+
 
 class _Stages:
     """Submits one stage's tasks to the config's runner; each call gives back a `wait()`
@@ -82,12 +87,12 @@ def _stage_loop(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef,
     `--targets states` the student's stage s reads teacher state s instead of bank s (no bank
     is written); with `--targets final` every student stage waits for the last teacher
     state; with `labels` it reads no teacher. `--targets auto`: `_candidate_loop`."""
+    stages = _Stages(config, plan, dataset, pretrained)
     if plan.candidates:
-        records = _candidate_loop(config, plan, _Stages(config, plan, dataset, pretrained))
+        records = _candidate_loop(config, plan, stages)
         for record in records:
             on_stage(record)
         return records
-    stages = _Stages(config, plan, dataset, pretrained)
     records: list[StageRecord] = []
     targets = plan.student.targets
 
@@ -194,9 +199,7 @@ def distill_stages(config: DistillConfig, plan: DistillPlan, dataset: DatasetRef
                     "(loss_ce %.4f, loss_feat %.4f)", stage, config.stages,
                     record.teacher.metrics["val_accuracy"],
                     f"bank filled {bank.fill_fraction:.3f}" if bank is not None
-                    else f"targets: {record.chosen} of " + ", ".join(
-                        f"{name} {result.metrics['val_accuracy']:.4f}"
-                        for name, result in record.candidates.items())
+                    else f"targets: {record.chosen} of {record.candidate_scores()}"
                     if record.candidates else f"targets: {config.targets}",
                     record.student.metrics["val_accuracy"], record.student.metrics["loss_ce"],
                     record.student.metrics["loss_feat"])
