@@ -41,6 +41,12 @@ def newest(name: str, results: Path = RESULTS) -> dict:
     return records(name, results)[-1]
 
 
+def newest_of_defaults(name: str, results: Path = RESULTS) -> dict:
+    """The last record of benchmark `name` run with the flow's defaults: a run with `--set`
+    overrides tries a variant (its figures are in the docs that discuss it)."""
+    return [record for record in records(name, results) if not record.get("overrides")][-1]
+
+
 def differences(new: list[float], old: list[float]) -> list[float]:
     """Seed by seed, `new` minus `old` (runs of the same seeds, in the same order)."""
     return [n - o for n, o in zip(new, old, strict=True)]
@@ -235,11 +241,14 @@ def rounds_of(record: dict, key: str) -> str:
 def newest_per_flow(name: str, results: Path = RESULTS) -> dict:
     """`bench.small_data`'s newest row of each set and flow (a later run may add a flow on
     the same sets, seeds and splits), the newest holdout baselines of each set, and the
-    records they came from (`sources`)."""
+    records they came from (`sources`). Records of runs with `--set` overrides are
+    experiments on a flow's fields, not its defaults: left out."""
     rows: dict[tuple[str, str], dict] = {}
     held: dict[str, dict] = {}
     sources: list[dict] = []
     for record in records(name, results)[::-1]:
+        if record.get("overrides"):
+            continue
         used = False
         for row in record["results"]:
             if "flow" in row and (row["set"], row["flow"]) not in rows:
@@ -782,7 +791,7 @@ def faults(record: dict) -> str:
 
 def summary(results: Path) -> dict:
     """The README's summary: the picked records of the benchmarks it quotes."""
-    return {"pipeline": newest("pipeline", results),
+    return {"pipeline": newest_of_defaults("pipeline", results),
             "distill": merged_variants_per_set("distill_targets", results),
             "pbt": newest("pbt", results), "small_data": newest_per_flow("small_data", results),
             "faults": newest("faults", results) if (results / "faults.jsonl").exists() else None,
@@ -888,7 +897,8 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"image_text": image_text, "cascad
                                                "summary": summary_table}
 
 
-PICKERS: dict[str, Callable[[str, Path], dict]] = {"sparsify": newest_per_task,
+PICKERS: dict[str, Callable[[str, Path], dict]] = {"pipeline": newest_of_defaults,
+                                                   "sparsify": newest_per_task,
                                                    "distill_targets": merged_variants_per_set,
                                                    "pbt_peer": merged_pbt_peer,
                                                    "cascade": newest_per_set,

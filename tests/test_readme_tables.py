@@ -68,6 +68,29 @@ def test_the_sparsify_table_takes_each_tasks_newest_run(tmp_path):
     assert [s["command"] for s in picked["sources"]] == [second["command"], first["command"]]
 
 
+def test_tables_of_the_defaults_leave_runs_with_overrides_out(tmp_path):
+    """A run with `--set` fields tries a variant of a flow: the defaults' tables (small data
+    sets, the pipeline, the README's summary) keep the newest run of the defaults, and name
+    only the records they took rows from."""
+    from bench.tables import newest_of_defaults, newest_per_flow
+
+    runs = [{"commit": "a", "overrides": {}}, {"commit": "b", "overrides": {"x": "1"}}]
+    (tmp_path / "pipeline.jsonl").write_text("".join(f"{json.dumps(r)}\n" for r in runs))
+    assert newest_of_defaults("pipeline", tmp_path)["commit"] == "a"
+
+    def record(commit: str, score: float, overrides: dict) -> dict:
+        return {"command": f"python -m bench.small_data {commit}", "commit": commit,
+                "overrides": overrides, "results": [
+                    {"set": "2500x16", "flow": "pipeline", "holdout_accuracy_mean": score},
+                    {"set": "2500x16", "holdout_baselines": []}]}
+
+    lines = [record("a", 0.1, {}), record("b", 0.2, {"targets": "final"})]
+    (tmp_path / "small_data.jsonl").write_text("".join(f"{json.dumps(r)}\n" for r in lines))
+    picked = newest_per_flow("small_data", tmp_path)
+    assert [r.get("holdout_accuracy_mean") for r in picked["results"]] == [0.1, None]
+    assert [s["commit"] for s in picked["sources"]] == ["a"]
+
+
 def test_the_descriptions_table_merges_variants_run_apart_and_pairs_them_with_one(tmp_path):
     """`agreement` run after `several` and `one`: each set shows all three, and the paired
     difference to `one` is taken seed by seed across the two records."""
