@@ -41,10 +41,15 @@ def newest(name: str, results: Path = RESULTS) -> dict:
     return records(name, results)[-1]
 
 
-def newest_of_defaults(name: str, results: Path = RESULTS) -> dict:
-    """The last record of benchmark `name` run with the flow's defaults: a run with `--set`
+def records_of_defaults(name: str, results: Path = RESULTS) -> list[dict]:
+    """`records` of the runs made with the flow's defaults, oldest first: a run with `--set`
     overrides tries a variant (its figures are in the docs that discuss it)."""
-    return [record for record in records(name, results) if not record.get("overrides")][-1]
+    return [record for record in records(name, results) if not record.get("overrides")]
+
+
+def newest_of_defaults(name: str, results: Path = RESULTS) -> dict:
+    """The last record of benchmark `name` run with the flow's defaults."""
+    return records_of_defaults(name, results)[-1]
 
 
 def differences(new: list[float], old: list[float]) -> list[float]:
@@ -241,14 +246,12 @@ def rounds_of(record: dict, key: str) -> str:
 def newest_per_flow(name: str, results: Path = RESULTS) -> dict:
     """`bench.small_data`'s newest row of each set and flow (a later run may add a flow on
     the same sets, seeds and splits), the newest holdout baselines of each set, and the
-    records they came from (`sources`). Records of runs with `--set` overrides are
-    experiments on a flow's fields, not its defaults: left out."""
+    records they came from (`sources`); runs with `--set` overrides left out
+    (`records_of_defaults`)."""
     rows: dict[tuple[str, str], dict] = {}
     held: dict[str, dict] = {}
     sources: list[dict] = []
-    for record in records(name, results)[::-1]:
-        if record.get("overrides"):
-            continue
+    for record in records_of_defaults(name, results)[::-1]:
         used = False
         for row in record["results"]:
             if "flow" in row and (row["set"], row["flow"]) not in rows:
