@@ -112,7 +112,8 @@ def run(seed: int, overrides: dict[str, str], report: ReportSet) -> dict:
             | {"cascade": metrics["steps_ms_per_image_b1"]},
             "routing": {key: value for key, value in metrics.items()
                         if key.startswith(("fixed_", "fitted_", "val_fixed", "val_fitted"))
-                        or key == "predictors_kept"},
+                        or key in ("predictors_kept", "student_alone_stands",
+                                   "val_student_accuracy", "val_teacher_accuracy")},
             "pipeline": {"accuracy": summary.test_accuracy, "ms": ms["pipeline"],
                          "ms_b64": ms64["pipeline"],
                          "report_accuracy": report.served_accuracy(

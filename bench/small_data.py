@@ -144,9 +144,12 @@ def run_flow(flow: str, folder: Path, size: int, seed: int, split_seed: int = 0,
         summary = pbt(PBTConfig(**common))
         baselines = None
     seconds = time.perf_counter() - started
+    shares = {} if flow != "pipeline" else {
+        "student_share": summary.fallback.metrics["test_student_share"],
+        "student_alone_stands": summary.fallback.metrics.get("student_alone_stands")}
     return {"test_accuracy": summary.test_accuracy, "baselines": baselines, "seconds": seconds,
             "alias": summary.registration.alias, "holdout_accuracy": None if holdout is None
-            else holdout.model_accuracy(summary.registration.model_uri)}
+            else holdout.model_accuracy(summary.registration.model_uri)} | shares
 
 
 def spread(pair: tuple[float, float] | None) -> str:

@@ -15,12 +15,14 @@
    stages with evaluation, weight copy and hyperparameter exploration, then the greedy soup.
 4. `sparsify`'s rounds on PBT's best: fine-tuning with the activation-sparsity term, then the
    activation thresholds (`--zero-threshold-tolerance`).
-5. The fallback cascade (`training.cascade.fallback`): the sparse student answers the images it is
-   confident about, the teacher the rest. Which images it passes on is the exit rule (its
-   confidence) or a predictor fitted on half the validation split, whichever is cheaper for the
-   same accuracy on the other half (`training.cascade.routing`), the threshold fitted on
-   validation with the measured time of each network as the cost; then every step's network
-   and the cascade are timed side by side (`time-steps`).
+5. The fallback cascade (`training.cascade.fallback`): where the student alone keeps the
+   teacher's validation accuracy within `--fallback-tolerance`, it answers every image;
+   elsewhere it answers the images it is confident about, the teacher the rest. Which images
+   it passes on is the exit rule (its confidence) or a predictor fitted on half the validation
+   split, whichever is cheaper for the same accuracy on the other half
+   (`training.cascade.routing`), the threshold fitted on validation with the measured time of
+   each network as the cost; then every step's network and the cascade are timed side by side
+   (`time-steps`).
 6. Registration and promotion of the cascade as one pyfunc, as in every flow.
 
 One MLflow run holds it all: each step's metrics on a nested run (`teacher`, `student`,
@@ -165,6 +167,10 @@ def fallback_row(fallback: Fallback) -> str:
 def routing_row(fallback: Fallback) -> str:
     """The summary's line on which routing validation kept."""
     metrics = fallback.metrics
+    if metrics.get("student_alone_stands"):
+        return (f"none: the student alone ({metrics['val_student_accuracy']:.4f}) is within "
+                f"the tolerance of the teacher alone ({metrics['val_teacher_accuracy']:.4f}) "
+                "on validation")
     if "predictors_kept" not in metrics:
         return "the confidence rule (`--fallback-predictor fixed`)"
     compared = (f"on {metrics['val_images_compared']:.0f} validation images the predictor "

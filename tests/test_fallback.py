@@ -9,7 +9,12 @@ import math
 import pytest
 import torch
 
-from training.cascade.fallback import calibrate_fallback, fallback_infer, fallback_table
+from training.cascade.fallback import (
+    calibrate_fallback,
+    fallback_infer,
+    fallback_table,
+    student_alone_stands,
+)
 from training.cascade.learning import split_disjoint
 from training.cascade.routing import Router, choose_routing, fit_router, stands
 
@@ -73,12 +78,27 @@ def test_the_teacher_is_consulted_only_where_it_buys_accuracy():
     threshold = calibrate_fallback(table, 0.0)
     assert threshold == 0.0
     assert table.outcome(torch.tensor([threshold]))["exit_share_0"] == 1.0
-    # a teacher no more accurate than the student (0.5 each) but right where the student is
-    # unsure: the cascade (1.0) is worth it
-    complement = logits_for([[0.2, 0.8], [0.2, 0.8], [0.3, 0.7], [0.3, 0.7]])
+    # a teacher wrong where the student is sure (image 0) and right where it is unsure: the
+    # cascade (1.0) beats both networks alone (0.5, 0.75), so it is worth the teacher's time
+    complement = logits_for([[0.2, 0.8], [0.8, 0.2], [0.3, 0.7], [0.3, 0.7]])
     table = fallback_table(STUDENT, complement, LABELS, 0.5, 2.0)
     threshold = calibrate_fallback(table, 0.0)
     assert table.outcome(torch.tensor([threshold]))["accuracy"] == 1.0
+
+
+def test_a_student_within_the_tolerance_of_the_teacher_answers_every_image():
+    # the student alone (0.5) is as accurate as a teacher (0.5) that is right only where the
+    # student is unsure: a cascade would reach 1.0, but the small model keeps the big one's
+    # accuracy on its own, so the teacher answers nothing
+    level = logits_for([[0.2, 0.8], [0.2, 0.8], [0.3, 0.7], [0.3, 0.7]])
+    table = fallback_table(STUDENT, level, LABELS, 0.5, 2.0)
+    assert student_alone_stands(table, 0.0)
+    assert calibrate_fallback(table, 0.0) == 0.0
+    # one image in four behind the teacher (0.5 against 0.75): alone at a tolerance of 0.25,
+    # a cascade below it
+    table = fallback_table(STUDENT, TEACHER, LABELS, 0.5, 2.0)
+    assert student_alone_stands(table, 0.25) and calibrate_fallback(table, 0.25) == 0.0
+    assert not student_alone_stands(table, 0.24) and calibrate_fallback(table, 0.24) > 0.55
 
 
 # --- the routing (`training.cascade.routing`): the confidence rule or a fitted predictor

@@ -3,7 +3,8 @@ PyTorch: given the student's and the teacher's logits on the validation and test
 both networks at batch 1 (interleaved: the latency table), choose the routing on validation
 (`training.cascade.routing`: a predictor fitted on one half competes with the exit rule on the
 other, kept only where it is cheaper at the goal; the exit rule, when it stays, calibrated on
-the whole split, `training.cascade.fallback`), then measure the real cascade of each routing on
+the whole split, `training.cascade.fallback`; no predictor where the student alone stands),
+then measure the real cascade of each routing on
 the test split: accuracy, the share the student answers, milliseconds per image at batch 1
 beside each network's alone.
 """
@@ -16,7 +17,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from training.cascade.fallback import calibrate_fallback, fallback_infer, fallback_table
+from training.cascade.fallback import (
+    calibrate_fallback,
+    fallback_infer,
+    fallback_table,
+    student_alone_stands,
+)
 from training.cascade.learning import split_disjoint
 from training.cascade.routing import Router, choose_routing, fit_router, stands
 from training.latency import interleaved_ms_per_image
@@ -65,7 +71,9 @@ def choose_fallback(small: nn.Module, large: nn.Module, val: Scored, test: Score
     """The module docstring: `sample` is the batch the timings run on; `predictor` "fitted"
     fits and offers a predictor, "fixed" keeps the exit rule."""
     router, choice = None, None
-    if predictor == "fitted":
+    on_its_own = student_alone_stands(
+        fallback_table(val.student, val.teacher, val.labels, 0.0, 0.0), tolerance)
+    if predictor == "fitted" and not on_its_own:
         fit_rows, rows = split_disjoint(len(val.labels), 0.5, seed)
         router = fit_router(val.student[fit_rows], stands(
             val.student[fit_rows], val.teacher[fit_rows], val.labels[fit_rows]), seed)
@@ -83,7 +91,7 @@ def choose_fallback(small: nn.Module, large: nn.Module, val: Scored, test: Score
 
         full = table(val, False)
         thresholds = {"fixed": calibrate_fallback(full, tolerance)}
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = {"student_alone_stands": float(on_its_own)}
         if router is not None:
             compared = table(val, True, rows)
             choice = choose_routing(table(val, False, rows), compared, tolerance)
