@@ -154,6 +154,18 @@ PIPELINE_STEPS = {"teacher": "teacher", "distill": "distilled student", "pbt": "
                   "sparsify": "sparse", "cascade": "the fallback cascade"}
 
 
+def registered_parameters(runs: list[dict]) -> str:
+    """The pipeline's registered parameters: the student's, plus the teacher's where it was
+    registered with it (on how many seeds, where the record says)."""
+    student, teacher = (f"{runs[0]['pipeline'][key]:,}" for key in ("student_parameters",
+                                                                     "teacher_parameters"))
+    if "student_alone" not in runs[0]["pipeline"]:
+        return f"{student} + {teacher}"
+    cascades = sum(not run["pipeline"]["student_alone"] for run in runs)
+    return student if not cascades else (
+        f"{student} + {teacher} (the teacher on {cascades} of {len(runs)} seeds)")
+
+
 def pipeline(record: dict) -> str:
     """`bench.pipeline`'s two rows (accuracy on the unread report images and on the official
     test images, served ms per image at batch 1, parameters, exact zeros) and each step's
@@ -183,8 +195,7 @@ def pipeline(record: dict) -> str:
              f"| `pipeline` | {spread(*pair('pipeline', 'report_accuracy'))} | "
              f"{spread(*pair('pipeline', 'accuracy'))} | {pipe_ms:.2f} ({ratios[0]:.2f} ± "
              f"{ratios[1]:.2f} of `train`'s) |{b64('pipeline')} "
-             f"{runs[0]['pipeline']['student_parameters']:,} + "
-             f"{runs[0]['pipeline']['teacher_parameters']:,} | "
+             f"{registered_parameters(runs)} | "
              f"{pair('pipeline', 'zeros')[0]:.2f} (student) |"]
     steps, previous = [], None
     for name, label in PIPELINE_STEPS.items():
@@ -244,48 +255,61 @@ def rounds_of(record: dict, key: str) -> str:
 
 
 def newest_per_flow(name: str, results: Path = RESULTS) -> dict:
-    """`bench.small_data`'s newest row of each set and flow (a later run may add a flow on
-    the same sets, seeds and splits), the newest holdout baselines of each set, and the
+    """`bench.small_data`'s newest row of each set, seeds and flow (a later run may add a flow
+    on the same sets, seeds and splits; a run on other seeds makes its own rows, never mixed
+    with the first seeds' flows), the newest holdout baselines of each set and seeds, and the
     records they came from (`sources`); runs with `--set` overrides left out
-    (`records_of_defaults`)."""
-    rows: dict[tuple[str, str], dict] = {}
-    held: dict[str, dict] = {}
+    (`records_of_defaults`). Each row carries its record's `seeds`."""
+    rows: dict[tuple[str, tuple[int, ...], str], dict] = {}
+    held: dict[tuple[str, tuple[int, ...]], dict] = {}
     sources: list[dict] = []
     for record in records_of_defaults(name, results)[::-1]:
-        used = False
+        used, seeds = False, tuple(record.get("seeds", (0, 1, 2)))
         for row in record["results"]:
-            if "flow" in row and (row["set"], row["flow"]) not in rows:
-                rows[row["set"], row["flow"]], used = row, True
-            elif "holdout_baselines" in row and row["set"] not in held:
-                held[row["set"]] = row
+            if "flow" in row and (row["set"], seeds, row["flow"]) not in rows:
+                rows[row["set"], seeds, row["flow"]] = row | {
+                    "seeds": list(seeds), "finished": record.get("finished", "")}
+                used = True
+            elif "holdout_baselines" in row and (row["set"], seeds) not in held:
+                held[row["set"], seeds] = row | {"seeds": list(seeds)}
         if used:
             sources.append(record)
     order = {flow: n for n, flow in enumerate(("train", "distill", "pbt", "pipeline"))}
-    ordered = sorted(rows.values(), key=lambda row: order.get(row["flow"], len(order)))
+    ordered = sorted(rows.values(), key=lambda row: (row["seeds"],
+                                                     order.get(row["flow"], len(order))))
     newest = sources[0]
     return newest | {"results": ordered + list(held.values()), "sources": sources[::-1]}
 
 
+def set_label(row: dict) -> str:
+    """A small-data row's set as the tables name it: `2500 x 16 px`, with its seeds where they
+    are not the default 0, 1, 2."""
+    seeds = row.get("seeds", [0, 1, 2])
+    return f"{row['set'].replace('x', ' x ')} px" + (
+        "" if seeds == [0, 1, 2] else f", seeds {', '.join(map(str, seeds))}")
+
+
 def small_data(record: dict) -> str:
     """`bench.small_data`'s sets: each flow's accuracy on the holdout and on the set's own
-    test split, beside the raw-pixel baselines (mean ± std over the seeds)."""
+    test split, beside the raw-pixel baselines (mean ± std over the seeds); one line per set
+    and seeds."""
     rows = [r for r in record["results"] if "flow" in r]
-    held = {r["set"]: r["holdout_baselines"] for r in record["results"]
+    held = {set_label(r): r["holdout_baselines"] for r in record["results"]
             if "holdout_baselines" in r}
     flows = list(dict.fromkeys(r["flow"] for r in rows if not r["flow"].startswith("long")))
     lines = ["| set | " + " | ".join(f"`{flow}`" for flow in flows)
              + " | k-NN pixels | linear pixels |", "| --- " * (len(flows) + 3) + "|"]
-    for name in dict.fromkeys(r["set"] for r in rows):
+    for name in dict.fromkeys(set_label(r) for r in rows):
         cells = []
         for flow in flows:
-            row = next((r for r in rows if r["set"] == name and r["flow"] == flow), None)
+            row = next((r for r in rows if set_label(r) == name and r["flow"] == flow), None)
             cells.append("-" if row is None else
                          f"{spread(row['holdout_accuracy_mean'], row['holdout_accuracy_std'])}"
                          f" / {row['test_accuracy_mean']:.3f}")
         for kind in ("knn", "linear"):
             values = [b[kind] for b in held.get(name) or []]
             cells.append(spread(*mean_std(values)) if values else "-")
-        lines.append(f"| {name.replace('x', ' x ')} px | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + (
         f"\n\nEach cell: accuracy on the {record['holdout']} holdout (10,000 images) / on "
         f"the set's own test split (20%); baselines on the holdout. Tuning sets, not reported "
@@ -814,18 +838,26 @@ def summary_table(picked: dict) -> str:
         return mean_std([run["pipeline"][key] / run["train"][key] for run in runs])[0]
 
     share = runs[0]["pipeline"]["student_parameters"] / runs[0]["train"]["parameters"]
-    rows = [("the pipeline (`make run`) against `train`, Fashion-MNIST",
+    seeds = picked["pipeline"]["seeds"]
+    alone = sum(run["pipeline"].get("student_alone", False) for run in runs)
+    rows = [("the pipeline (`make run`) against `train`, Fashion-MNIST"
+             + ("" if seeds == [0, 1, 2] else f", seeds {', '.join(map(str, seeds))}"),
              f"{mean_of('pipeline', 'report_accuracy'):.4f} against "
              f"{mean_of('train', 'report_accuracy'):.4f}; served {ratio('ms'):.2f}x of "
              f"`train`'s time per image at batch 1, {ratio('ms_b64'):.2f}x at batch 64; common "
-             f"path {share:.0%} of its parameters", "the-pipeline")]
-    small = {(r["set"], r["flow"]): r for r in picked["small_data"]["results"] if "flow" in r}
+             f"path {share:.0%} of its parameters"
+             + (f", the student registered alone on {alone} of {len(runs)} seeds" if alone
+                else ""), "the-pipeline")]
+    small = {(set_label(r), r["flow"]): r for r in picked["small_data"]["results"]
+             if "flow" in r}
     for data_set in ("2500x16", "1000x28"):
-        if (data_set, "pipeline") in small and (data_set, "train") in small:
-            mine, base = small[data_set, "pipeline"], small[data_set, "train"]
+        paired_runs = [(small[label, "pipeline"], small[label, "train"])
+                       for label, flow in small if flow == "pipeline"
+                       and small[label, flow]["set"] == data_set and (label, "train") in small]
+        if paired_runs:  # the newest pipeline run with its `train` on the same seeds
+            mine, base = max(paired_runs, key=lambda pair: pair[0]["finished"])
             paired = mean_std(differences(mine["holdout_accuracy"], base["holdout_accuracy"]))
-            rows.append((f"the pipeline against `train`, {data_set.replace('x', ' x ')} px "
-                         "(never tuned on)",
+            rows.append((f"the pipeline against `train`, {set_label(mine)} (never tuned on)",
                          f"{mine['holdout_accuracy_mean']:.4f} against "
                          f"{base['holdout_accuracy_mean']:.4f}: {paired[0]:+.4f} ± "
                          f"{paired[1]:.4f} (paired)", "defaults-on-data-no-default-was-tuned-on"))
@@ -862,11 +894,11 @@ def summary_table(picked: dict) -> str:
                      f"{mine['seconds_mean']:.0f} s against {ray['seconds_mean']:.0f} s a run"
                      + short, "pbt-against-ray-tune"))
     flows = [r for r in picked["small_data"]["results"] if "flow" in r]
-    held = {r["set"]: r["holdout_baselines"] for r in picked["small_data"]["results"]
+    held = {set_label(r): r["holdout_baselines"] for r in picked["small_data"]["results"]
             if "holdout_baselines" in r}
-    margin = min(r["holdout_accuracy_mean"] - max(mean_std([b[k] for b in held[r["set"]]])[0]
+    margin = min(r["holdout_accuracy_mean"] - max(mean_std([b[k] for b in held[set_label(r)]])[0]
                                                   for k in ("knn", "linear"))
-                 for r in flows if r["set"] in held)
+                 for r in flows if set_label(r) in held)
     rows.append(("every flow's defaults on two sets no default was tuned on",
                  f"above both raw-pixel baselines by at least {margin:.4f}",
                  "defaults-on-data-no-default-was-tuned-on"))

@@ -195,3 +195,45 @@ def test_the_pbt_peer_table_merges_seeds_run_apart_and_leaves_smoke_runs_out(tmp
     assert "minus `pbt --no-explore`, paired by seed (test images): +0.0000 ± 0.0141 over 2 " \
            "seed(s), ahead on 1" in table
     assert "| 0.90x ± 0.00 |" in table
+
+
+def test_small_data_runs_on_other_seeds_make_their_own_rows(tmp_path):
+    """A run of `train` and `pipeline` on seeds 3-5 never fills the seeds 0-2 line of a set
+    (its splits and models differ): it gets its own line, and the summary pairs the newest
+    pipeline with the `train` of its own seeds."""
+    from bench.tables import newest_per_flow, small_data
+
+    def row(flow: str, scores: list[float]) -> dict:
+        return {"set": "2500x16", "flow": flow, "holdout_accuracy": scores,
+                "holdout_accuracy_mean": scores[0],
+                "holdout_accuracy_std": 0.0, "test_accuracy_mean": 0.5}
+
+    def record(seeds: list[int], finished: str, *rows: dict) -> dict:
+        return {"command": "python -m bench.small_data", "commit": finished, "seeds": seeds,
+                "finished": finished, "holdout": "unread", "tuning_sets": ["500x28"],
+                "overrides": {}, "results": [*rows, {"set": "2500x16", "holdout_baselines": [
+                    {"knn": 0.1, "linear": 0.2}]}]}
+
+    lines = [record([0, 1, 2], "a", row("train", [0.8] * 3), row("distill", [0.7] * 3)),
+             record([3, 4, 5], "b", row("train", [0.6] * 3), row("pipeline", [0.9] * 3))]
+    (tmp_path / "small_data.jsonl").write_text("".join(f"{json.dumps(r)}\n" for r in lines))
+    picked = newest_per_flow("small_data", tmp_path)
+    by_line = {(r["seeds"][0], r["flow"]): r["holdout_accuracy_mean"]
+               for r in picked["results"] if "flow" in r}
+    assert by_line == {(0, "train"): 0.8, (0, "distill"): 0.7, (3, "train"): 0.6,
+                       (3, "pipeline"): 0.9}
+    table = small_data(picked)
+    assert "| 2500 x 16 px | 0.8000" in table and "| 2500 x 16 px, seeds 3, 4, 5 | 0.6000" in table
+
+
+def test_the_pipeline_table_counts_the_teacher_only_where_it_was_registered():
+    from bench.tables import registered_parameters
+
+    def run(alone: bool | None) -> dict:
+        pipeline = {"student_parameters": 20490, "teacher_parameters": 176258}
+        return {"pipeline": pipeline | ({} if alone is None else {"student_alone": alone})}
+
+    assert registered_parameters([run(True)] * 3) == "20,490"
+    assert registered_parameters([run(True), run(False), run(True)]) == (
+        "20,490 + 176,258 (the teacher on 1 of 3 seeds)")
+    assert registered_parameters([run(None)]) == "20,490 + 176,258"  # older records
