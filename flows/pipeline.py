@@ -316,12 +316,6 @@ def kept_over(step: StepResult, before: StepResult) -> tuple[StepResult, str]:
         f"{before.name}'s {before.val_accuracy:.4f}")
 
 
-def student_alone(fallback: Fallback) -> bool:
-    """Whether the student answers every validation image at the calibrated threshold: then
-    the teacher adds nothing there and the student is registered alone."""
-    return fallback.metrics["val_student_share"] >= 1.0
-
-
 @flow(name=FLOW_NAME, description="The retraining pipeline: data check, distillation from a "
       "multi-state teacher feature bank, PBT on the student, sparsity fine-tuning, a fallback "
       "cascade of the sparse student and the teacher; registered and promoted only if it beats "
@@ -389,7 +383,7 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
         logger.info("PBT step %s; sparse step %s; the cascade's student: %s", pbt_decision,
                     sparse_decision, front.name)
         fallback, steps = run_cascade(config, dataset, run_id, steps, front.name)  # 5.
-        alone = student_alone(fallback)
+        alone = fallback.student_alone
         test_accuracy = fallback.metrics["test_student_accuracy" if alone else "test_accuracy"]
         tracking.log_metrics(run_id, {f"fallback_{k}": v for k, v in fallback.metrics.items()}
                              | {"test_accuracy": test_accuracy,

@@ -65,6 +65,12 @@ class Fallback(BaseModel):
     def routing(self) -> str:
         return "fixed" if self.router is None else "fitted"
 
+    @property
+    def student_alone(self) -> bool:
+        """Whether the student answers every validation image at the calibrated threshold:
+        then the teacher adds nothing there and the student is registered alone."""
+        return self.metrics["val_student_share"] >= 1.0
+
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="fit-fallback")
 def fit_fallback(student: ClassifierConfig, teacher: ClassifierConfig, dataset: DatasetRef,
@@ -115,7 +121,8 @@ def time_steps(steps: list[TimedStep], dataset: DatasetRef, fallback: Fallback,
     """Every step's network and the cascade (`student` in front of `teacher`, with
     `fallback`'s routing) timed side by side at batch 1 on test images (passes interleaved,
     so they compare on one machine at one moment): `ms_per_image_b1` and `parameters` per
-    name, the cascade's parameters both networks'. Not cached: times belong to the machine
+    name, the cascade's parameters what it registers (the teacher's only where it is not the
+    student alone). Not cached: times belong to the machine
     the run is on."""
     device = setup_device(steps[0].classifier)
     models = {step.name: place_model(trained_model(step.classifier, dataset, step.checkpoint,
@@ -130,7 +137,7 @@ def time_steps(steps: list[TimedStep], dataset: DatasetRef, fallback: Fallback,
     with torch.no_grad():
         timed = interleaved_ms_per_image(calls, sample, 1)
     sizes = {name: float(parameter_count(model)) for name, model in models.items()}
-    sizes["cascade"] = sizes[student] + sizes[teacher]
+    sizes["cascade"] = sizes[student] + (0.0 if fallback.student_alone else sizes[teacher])
     return {name: {"ms_per_image_b1": timed[name], "parameters": sizes[name]} for name in calls}
 
 

@@ -140,6 +140,8 @@ def test_a_student_answering_every_validation_image_is_registered_without_the_te
     assert int(tracking.version_tags(NAME, alone.registration.version)["parameters"]) == \
         served_size < steps["teacher"].parameters
     assert sum(p.numel() for p in served.program.parameters()) == steps[alone.front].parameters
+    # the summary's cascade row counts what is registered: the student's parameters only
+    assert alone.fallback.metrics["steps_parameters"] == steps[alone.front].parameters
     assert alone.test_accuracy == alone.fallback.metrics["test_student_accuracy"]
 
 
