@@ -151,7 +151,7 @@ def provenance(record: dict) -> str:
 
 
 PIPELINE_STEPS = {"teacher": "teacher", "distill": "distilled student", "pbt": "after PBT",
-                  "sparsify": "sparse", "cascade": "the fallback cascade"}
+                  "sparsify": "sparse", "cascade": "the registered model"}
 
 
 def registered_parameters(runs: list[dict]) -> str:
@@ -212,8 +212,12 @@ def pipeline(record: dict) -> str:
     routing = ""
     if "routing" in runs[0]:
         kept = sum(run["routing"].get("predictors_kept", 0) for run in runs)
+        alone = sum(run["routing"].get("student_alone_stands", 0) for run in runs)
         routing = (f" The cascade's fitted predictor was kept on {kept:.0f} of {len(runs)} "
-                   "seeds (chosen on validation).")
+                   "seeds (chosen on validation)." if not alone else
+                   f" The student alone was within the tolerance of the teacher alone on "
+                   f"validation, and registered without it, on {alone:.0f} of {len(runs)} "
+                   f"seeds; the fitted predictor was kept on {kept:.0f}.")
     return "\n".join(lines) + (
         f"\n\nEach step's model on the report images (and its time per image at batch 1, in "
         f"the process, all timed side by side): {'; '.join(steps)}; the student "

@@ -15,9 +15,10 @@
    stages with evaluation, weight copy and hyperparameter exploration, then the greedy soup.
 4. `sparsify`'s rounds on PBT's best: fine-tuning with the activation-sparsity term, then the
    activation thresholds (`--zero-threshold-tolerance`).
-5. The fallback cascade (`training.cascade.fallback`): where the student alone keeps the
-   teacher's validation accuracy within `--fallback-tolerance`, it answers every image;
-   elsewhere it answers the images it is confident about, the teacher the rest. Which images
+5. The fallback cascade (`training.cascade.fallback`): the sparse student answers the images it
+   is confident about, the teacher the rest; where the cascade buys at most
+   `--fallback-tolerance` of validation accuracy over the student alone, the student answers
+   every image and is registered alone. Which images
    it passes on is the exit rule (its confidence) or a predictor fitted on half the validation
    split, whichever is cheaper for the same accuracy on the other half
    (`training.cascade.routing`), the threshold fitted on validation with the measured time of
@@ -168,9 +169,9 @@ def routing_row(fallback: Fallback) -> str:
     """The summary's line on which routing validation kept."""
     metrics = fallback.metrics
     if metrics.get("student_alone_stands"):
-        return (f"none: the student alone ({metrics['val_student_accuracy']:.4f}) is within "
-                f"the tolerance of the teacher alone ({metrics['val_teacher_accuracy']:.4f}) "
-                "on validation")
+        return (f"none: the cascade buys at most the tolerance on validation over the "
+                f"student alone ({metrics['val_student_accuracy']:.4f}; the teacher alone "
+                f"{metrics['val_teacher_accuracy']:.4f})")
     if "predictors_kept" not in metrics:
         return "the confidence rule (`--fallback-predictor fixed`)"
     compared = (f"on {metrics['val_images_compared']:.0f} validation images the predictor "

@@ -68,13 +68,12 @@ class FallbackStep(StrictConfig):
 
     # 0.01: the most of `python -m bench.fallback_tolerance`'s sweep at which the cascade's net
     # validation accuracy stays above the teacher's alone (docs/pipeline.md)
-    tolerance: float = Field(0.01, ge=0.0, le=1.0, description="the student answers every "
-                             "image where, on validation, it alone is at most this much (a "
-                             "fraction of the images) less accurate than the teacher alone; "
-                             "elsewhere an image whose confidence is above a threshold, "
-                             "calibrated on validation as the cheapest that loses at most this "
-                             "fraction of the images the teacher gets right; 1: the student "
-                             "alone")
+    tolerance: float = Field(0.01, ge=0.0, le=1.0, description="the student answers an image "
+                             "when its confidence is above a threshold, calibrated on "
+                             "validation as the cheapest that loses at most this fraction of "
+                             "the images the teacher gets right; every image (registered "
+                             "alone) where that cascade is at most this much more accurate on "
+                             "validation than the student alone; 1: the student alone")
     predictor: Literal["fitted", "fixed"] = Field(
         "fitted", description="which images the student passes on: fitted, a predictor on "
         "the student's outputs fitted on half the validation split competes with the "

@@ -2,15 +2,14 @@
 one takes the rest (the `pipeline` flow's last step: the distilled, tuned, sparse student in
 front of its teacher).
 
-The student answers every image where, on the validation split, it alone is at most
-`tolerance` less accurate than the teacher alone: the pipeline's promise is the small model,
-and the teacher's time is spent only where the student cannot keep the big one's accuracy on
-its own. Elsewhere the exit rule and its calibration are the `cascade` flow's
-(`training.cascade.learning`): the student's confidence (max softmax) against one threshold,
-chosen on validation as the cheapest that loses at most `tolerance` of the images the teacher
-gets right (`ExitTable.losses_only`), with the measured time of each network as the cost; where
-that cascade is no more accurate on validation than the student alone, the student keeps every
-image. Inference is real: only the images the student passes on run through the teacher.
+The exit rule and its calibration are the `cascade` flow's (`training.cascade.learning`): the
+student's confidence (max softmax) against one threshold, chosen on the validation split as
+the cheapest that loses at most `tolerance` of the images the teacher gets right
+(`ExitTable.losses_only`), with the measured time of each network as the cost. Where that
+cascade is at most `tolerance` more accurate on validation than the student alone, the student
+answers every image and is registered alone: the pipeline's promise is the small model, and
+the teacher's time is spent only where it buys more than the accuracy the pipeline may trade
+for it. Inference is real: only the images the student passes on run through the teacher.
 """
 
 from __future__ import annotations
@@ -43,29 +42,23 @@ def fallback_table(student_logits: Tensor, teacher_logits: Tensor, labels: Tenso
                      cost.clone())
 
 
-def student_alone_stands(table: ExitTable, tolerance: float) -> bool:
-    """Whether the student answers every image: its accuracy on `table` is at least the
-    teacher's alone minus `tolerance` (a fraction of the images). One comparison of two fixed
-    networks, so the net accuracy is counted (no threshold is searched that could spend the
-    split's chance gains)."""
-    student = table.correct[:, 0].float().mean().item()
-    return student >= table.full_accuracy() - tolerance - 1e-9
-
-
 def calibrate_fallback(table: ExitTable, tolerance: float) -> float:
-    """0 (no image passes on: the student alone) where the student alone loses at most
-    `tolerance` against the teacher alone (`student_alone_stands`); else the cheapest threshold
-    on `table` that loses at most `tolerance` of what the teacher alone gets right, or 0 where
-    that cascade is no more accurate on `table` than the student alone: the teacher's time
-    must buy accuracy the student cannot keep on its own."""
-    if student_alone_stands(table, tolerance):
-        return 0.0
+    """The cheapest threshold on `table` that loses at most `tolerance` (a fraction of the
+    images) of what the teacher alone gets right; 0 (no image passes on: the student alone)
+    where that cascade is at most `tolerance` more accurate (net) on `table` than the student
+    alone: the teacher's time must buy more accuracy than the pipeline may trade for the small
+    model (at 0: any accuracy; at 1: the student alone always)."""
     threshold = float(threshold_grid(table.losses_only()).cheapest(table.full_accuracy()
                                                                    - tolerance)[0])
     student_alone = table.correct[:, 0].float().mean().item()
-    if table.outcome(torch.tensor([threshold]))["accuracy"] <= student_alone:
-        return 0.0
-    return threshold
+    cascade = table.outcome(torch.tensor([threshold]))["accuracy"]
+    return 0.0 if cascade <= student_alone + tolerance + 1e-9 else threshold
+
+
+def student_alone_stands(table: ExitTable, tolerance: float) -> bool:
+    """Whether the student answers every image of `table`'s split (`calibrate_fallback`: the
+    calibrated threshold is 0 only there; a calibrated cascade's is above 0)."""
+    return calibrate_fallback(table, tolerance) == 0.0
 
 
 @dataclass

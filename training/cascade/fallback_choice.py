@@ -71,8 +71,8 @@ def choose_fallback(small: nn.Module, large: nn.Module, val: Scored, test: Score
     """The module docstring: `sample` is the batch the timings run on; `predictor` "fitted"
     fits and offers a predictor, "fixed" keeps the exit rule."""
     router, choice = None, None
-    on_its_own = student_alone_stands(
-        fallback_table(val.student, val.teacher, val.labels, 0.0, 0.0), tolerance)
+    on_its_own = student_alone_stands(  # costs in any unit: the cheapest sends fewest on
+        fallback_table(val.student, val.teacher, val.labels, 1.0, 1.0), tolerance)
     if predictor == "fitted" and not on_its_own:
         fit_rows, rows = split_disjoint(len(val.labels), 0.5, seed)
         router = fit_router(val.student[fit_rows], stands(
