@@ -222,6 +222,9 @@ def main() -> None:
             long_runs = runs.get(f"long {NETWORKS.get(flow)}")
             row = {"set": spec, "flow": flow, "seconds": mean_std(
                 [r["seconds"] for r in flow_runs])[0], "aliases": [r["alias"] for r in flow_runs]}
+            row |= {key: [r[key] for r in flow_runs] for key in ("student_share",
+                                                                 "student_alone_stands")
+                    if key in flow_runs[0]}  # the pipeline's, seed by seed
             cells = []
             for score in ("test_accuracy", "holdout_accuracy"):
                 accuracies = [r[score] for r in flow_runs]
