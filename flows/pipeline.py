@@ -18,12 +18,11 @@
 5. The fallback cascade (`training.cascade.fallback`): the sparse student answers the images it
    is confident about, the teacher the rest; where the cascade buys at most
    `--fallback-tolerance` of validation accuracy over the student alone, the student answers
-   every image and is registered alone. Which images
-   it passes on is the exit rule (its confidence) or a predictor fitted on half the validation
-   split, whichever is cheaper for the same accuracy on the other half
-   (`training.cascade.routing`), the threshold fitted on validation with the measured time of
-   each network as the cost; then every step's network and the cascade are timed side by side
-   (`time-steps`).
+   every image and is registered alone. Which images it passes on is the exit rule (its
+   confidence) or a predictor fitted on half the validation split, whichever is cheaper for
+   the same accuracy on the other half (`training.cascade.routing`), the threshold fitted on
+   validation with the measured time of each network as the cost; then every step's network
+   and the cascade are timed side by side (`time-steps`).
 6. Registration and promotion of the cascade as one pyfunc, as in every flow.
 
 One MLflow run holds it all: each step's metrics on a nested run (`teacher`, `student`,
@@ -168,7 +167,7 @@ def fallback_row(fallback: Fallback) -> str:
 def routing_row(fallback: Fallback) -> str:
     """The summary's line on which routing validation kept."""
     metrics = fallback.metrics
-    if metrics.get("student_alone_stands"):
+    if fallback.student_alone:
         return (f"none: the cascade buys at most the tolerance on validation over the "
                 f"student alone ({metrics['val_student_accuracy']:.4f}; the teacher alone "
                 f"{metrics['val_teacher_accuracy']:.4f})")

@@ -13,7 +13,6 @@ from training.cascade.fallback import (
     calibrate_fallback,
     fallback_infer,
     fallback_table,
-    student_alone_stands,
 )
 from training.cascade.learning import split_disjoint
 from training.cascade.routing import Router, choose_routing, fit_router, stands
@@ -91,11 +90,11 @@ def test_the_student_answers_alone_where_the_cascade_buys_at_most_the_tolerance(
     # image 3 on (losses only: 0.5, the teacher's 0.75 minus 0.25) and is right on 0.75 of
     # the images: 0.25 above the student alone, within the tolerance, so the student stands
     table = fallback_table(STUDENT, TEACHER, LABELS, 0.5, 2.0)
-    assert student_alone_stands(table, 0.25) and calibrate_fallback(table, 0.25) == 0.0
+    assert calibrate_fallback(table, 0.25) == 0.0
     # at 0.24 the cascade must send images 2 and 3 on and buys 0.5: the teacher stays
-    assert not student_alone_stands(table, 0.24) and calibrate_fallback(table, 0.24) >= 0.6
+    assert calibrate_fallback(table, 0.24) >= 0.6
     assert table.outcome(torch.tensor([calibrate_fallback(table, 0.24)]))["accuracy"] == 1.0
-    assert student_alone_stands(table, 1.0)  # `--fallback-tolerance 1`: always alone
+    assert calibrate_fallback(table, 1.0) == 0.0  # `--fallback-tolerance 1`: always alone
 
 
 # --- the routing (`training.cascade.routing`): the confidence rule or a fitted predictor
@@ -170,3 +169,14 @@ def test_inference_with_a_router_passes_on_what_it_scores_low_and_it_travels_as_
     assert (out.labels == labels).all()
     # its confidence column is the answer's probability, not the router's score
     assert torch.allclose(out.confidence, torch.where(predicted == 0, 0.7, 0.8))
+
+
+def test_the_calibrated_threshold_does_not_depend_on_what_each_network_costs():
+    # `choose_fallback` calibrates once on unit costs: the cheapest cascade is the one that
+    # sends the fewest images on, whatever the student and the teacher cost
+    complement = logits_for([[0.2, 0.8], [0.2, 0.8], [0.3, 0.7], [0.3, 0.7]])
+    for teacher, tolerance in ((TEACHER, 0.0), (TEACHER, 0.24), (complement, 0.0)):
+        unit = calibrate_fallback(fallback_table(STUDENT, teacher, LABELS, 1.0, 1.0), tolerance)
+        for costs in ((0.5, 2.0), (0.01, 10.0), (3.0, 0.2)):
+            assert calibrate_fallback(fallback_table(STUDENT, teacher, LABELS, *costs),
+                                      tolerance) == unit

@@ -55,12 +55,6 @@ def calibrate_fallback(table: ExitTable, tolerance: float) -> float:
     return 0.0 if cascade <= student_alone + tolerance + 1e-9 else threshold
 
 
-def student_alone_stands(table: ExitTable, tolerance: float) -> bool:
-    """Whether the student answers every image of `table`'s split (`calibrate_fallback`: the
-    calibrated threshold is 0 only there; a calibrated cascade's is above 0)."""
-    return calibrate_fallback(table, tolerance) == 0.0
-
-
 @dataclass
 class FallbackOutput:
     """Per image: the predicted class, its confidence, and the exit taken (0: the student,

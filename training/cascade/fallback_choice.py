@@ -21,7 +21,6 @@ from training.cascade.fallback import (
     calibrate_fallback,
     fallback_infer,
     fallback_table,
-    student_alone_stands,
 )
 from training.cascade.learning import split_disjoint
 from training.cascade.routing import Router, choose_routing, fit_router, stands
@@ -71,8 +70,11 @@ def choose_fallback(small: nn.Module, large: nn.Module, val: Scored, test: Score
     """The module docstring: `sample` is the batch the timings run on; `predictor` "fitted"
     fits and offers a predictor, "fixed" keeps the exit rule."""
     router, choice = None, None
-    on_its_own = student_alone_stands(  # costs in any unit: the cheapest sends fewest on
-        fallback_table(val.student, val.teacher, val.labels, 1.0, 1.0), tolerance)
+    # the exit rule's threshold, calibrated once: the cheapest cascade sends the fewest images
+    # on whatever each network costs, so unit costs give the timed table's threshold
+    fixed = calibrate_fallback(fallback_table(val.student, val.teacher, val.labels, 1.0, 1.0),
+                               tolerance)
+    on_its_own = fixed == 0.0  # the student alone stands: no predictor is fitted
     if predictor == "fitted" and not on_its_own:
         fit_rows, rows = split_disjoint(len(val.labels), 0.5, seed)
         router = fit_router(val.student[fit_rows], stands(
@@ -90,7 +92,7 @@ def choose_fallback(small: nn.Module, large: nn.Module, val: Scored, test: Score
                 router(student.to(device)).cpu() if routed else None)
 
         full = table(val, False)
-        thresholds = {"fixed": calibrate_fallback(full, tolerance)}
+        thresholds = {"fixed": fixed}
         metrics: dict[str, float] = {"student_alone_stands": float(on_its_own)}
         if router is not None:
             compared = table(val, True, rows)
