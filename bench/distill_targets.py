@@ -21,9 +21,13 @@ same teacher states, stage images, batches and schedule). Only the student's tar
   (CE on both labels and KD, 0.5 each), and `alone mix` (CE on the mixed batch, no
   teacher term: what mixing alone gives the student); `fm x6` and `alone x6` at 6 times the
   fitted budget, whatever `--patience` says;
+- `kd-ls`: KD from the final state on standardized logits (`--feature-loss
+  kl-standardized`, Sun et al. CVPR 2024, their recipe: T=2, CE 0.1, KD 9);
 - `auto`: the flow's default (`--targets auto`): one student per candidate (labels, KD from
-  the final state at T=4, the states at T=1) on the same teacher, the one best on validation
-  kept; each candidate is scored too, as the row it equals (`alone`, `kd`, `states-T1`).
+  the final state at T=4, the states at T=1, KD on standardized logits) on the same teacher,
+  the one best on validation kept; each candidate is scored too, as the row it equals
+  (`alone`, `kd`, `states-T1`, `kd-ls`). The record names the candidates
+  (`auto_candidates`): the default had three before `standardized`.
 
 Every student but `alone x1` trains `--patience` times the fitted budget (`--student-patience`).
 The teacher is warm-started (`--teacher-pretrain-rounds`) as a strong teacher would be. Scored
@@ -51,7 +55,7 @@ from bench.sets import set_positions
 from bench.small_data import Holdout
 from bench.two_sets import SETS, small_data_fields
 from flows.distill import distill
-from tasks.configs.distill import DistillConfig
+from tasks.configs.distill import AUTO_CANDIDATES, DistillConfig
 from tasks.configs.sections import DataSection, classifier_config
 from tasks.data import load_dataset
 from tasks.distill import DistillPlan
@@ -95,10 +99,13 @@ VARIANTS: dict[str, dict] = {
     # the flow's default: one student per candidate on the same teacher, the best on validation
     # kept; each candidate is scored as the variant it is (`CANDIDATE_ROWS`)
     "auto": {"targets": "auto", **LOGITS, "temperature": 1.0},
+    # KD from the final state on standardized logits, the recipe of Sun et al. (CVPR 2024)
+    "kd-ls": {"targets": "final", **LOGITS, **AUTO_CANDIDATES["standardized"]},
 }
 # `--targets auto`'s candidates as the variants above they equal (the `auto` variant's loss
 # fields and T=1; `final` is KD at T=4; `labels` is CE alone, like `alone`)
-CANDIDATE_ROWS = {"labels": "alone", "final": "kd", "states": "states-T1"}
+CANDIDATE_ROWS = {"labels": "alone", "final": "kd", "states": "states-T1",
+                  "standardized": "kd-ls"}
 
 
 SPLITS = ("val", "test", "unread")
@@ -235,7 +242,8 @@ def main() -> None:
                          "-" if gap is None else f"{gap:+.2f}"])
     print_table(["set", "variant", "validation", "test", "unread", "gap closed (unread)"], rows)
     print_json({"benchmark": "distill_targets", "seeds": args.seeds, "base": base,
-                "variants": {v: VARIANTS[v] for v in args.variants}, "results": results})
+                "variants": {v: VARIANTS[v] for v in args.variants},
+                "auto_candidates": list(AUTO_CANDIDATES), "results": results})
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.common import ROOT, mean_std
+from tasks.configs.distill import AUTO_CANDIDATES
 
 RESULTS = ROOT / "bench" / "results"
 README = ROOT / "README.md"
@@ -285,12 +286,15 @@ def newest_per_flow(name: str, results: Path = RESULTS) -> dict:
     return newest | {"results": ordered + list(held.values()), "sources": sources[::-1]}
 
 
+def seeds_suffix(seeds: list[int]) -> str:
+    """`, seeds 3, 4, 5` after a result's name, nothing for the default seeds 0, 1, 2."""
+    return "" if list(seeds) == [0, 1, 2] else f", seeds {', '.join(map(str, seeds))}"
+
+
 def set_label(row: dict) -> str:
     """A small-data row's set as the tables name it: `2500 x 16 px`, with its seeds where they
     are not the default 0, 1, 2."""
-    seeds = row.get("seeds", [0, 1, 2])
-    return f"{row['set'].replace('x', ' x ')} px" + (
-        "" if seeds == [0, 1, 2] else f", seeds {', '.join(map(str, seeds))}")
+    return f"{row['set'].replace('x', ' x ')} px" + seeds_suffix(row.get("seeds", [0, 1, 2]))
 
 
 def small_data(record: dict) -> str:
@@ -507,8 +511,8 @@ def distill_bank(record: dict) -> str:
     return "\n".join(lines) + f"\n\nChosen on validation: {best}. {provenance(record)}\n"
 
 
-DISTILL_TARGETS_ORDER = ["teacher", "alone x1", "alone", "kd", "states-T1", "states-T4", "auto",
-                         "bank",
+DISTILL_TARGETS_ORDER = ["teacher", "alone x1", "alone", "kd", "states-T1", "states-T4",
+                         "kd-ls", "auto", "auto of 3", "bank",
                          "bank-T1", "bank views-T1", "bank mean-T1", "bank pool cosine",
                          "alone mix", "states mix-T1", "fm-T1", "fm final-T1", "alone x6",
                          "fm-T1 x6", "kd x6", "states-T1 x6"]
@@ -516,10 +520,17 @@ BENCH_PATIENCE = 3  # bench.distill_targets' default --patience
 DISTILL_DEFAULT = "auto"  # the bench.distill_targets variant that is the flow's default
 
 
+EARLIER_AUTO = ["labels", "final", "states"]  # `--targets auto`'s candidates before `standardized`
+
+
 def budget_label(record: dict, variant: str) -> str:
     """A variant's row: its name, with ` xN` where its record trained the students at
     `--patience N` other than the default and the variant sets no budget of its own (`kd` of a
-    `--patience 6` record is `kd x6`)."""
+    `--patience 6` record is `kd x6`); `auto` of a record whose default chose among other
+    candidates than the flow's now is `auto of N` (never merged with today's default)."""
+    if variant == "auto" and record.get("auto_candidates", EARLIER_AUTO) != list(
+            AUTO_CANDIDATES):
+        return f"auto of {len(record.get('auto_candidates', EARLIER_AUTO))}"
     patience = record.get("base", {}).get("student_patience", BENCH_PATIENCE)
     own = "student_patience" in record.get("variants", {}).get(variant, {})
     return variant if variant == "teacher" or own or patience == BENCH_PATIENCE \
@@ -844,8 +855,7 @@ def summary_table(picked: dict) -> str:
     share = runs[0]["pipeline"]["student_parameters"] / runs[0]["train"]["parameters"]
     seeds = picked["pipeline"]["seeds"]
     alone = sum(run["pipeline"].get("student_alone", False) for run in runs)
-    rows = [("the pipeline (`make run`) against `train`, Fashion-MNIST"
-             + ("" if seeds == [0, 1, 2] else f", seeds {', '.join(map(str, seeds))}"),
+    rows = [("the pipeline (`make run`) against `train`, Fashion-MNIST" + seeds_suffix(seeds),
              f"{mean_of('pipeline', 'report_accuracy'):.4f} against "
              f"{mean_of('train', 'report_accuracy'):.4f}; served {ratio('ms'):.2f}x of "
              f"`train`'s time per image at batch 1, {ratio('ms_b64'):.2f}x at batch 64; common "
@@ -867,12 +877,15 @@ def summary_table(picked: dict) -> str:
                          f"{paired[1]:.4f} (paired)", "defaults-on-data-no-default-was-tuned-on"))
     for entry in picked["distill"]["results"]:
         variants = entry["variants"]
-        if DISTILL_DEFAULT in variants and "kd" in variants:
-            default = variants[DISTILL_DEFAULT]
-            seeds = default.get("seeds", [0, 1, 2])
-            rows.append((f"`distill`'s default (`--targets auto`), {entry['set']}"
-                         + ("" if seeds == [0, 1, 2] else
-                            f", seeds {', '.join(map(str, seeds))}"),
+        # today's default, else an earlier one (`auto of 3`), labelled as such
+        shown = next((v for v in (DISTILL_DEFAULT, *sorted(variants)) if v in variants and (
+            v == DISTILL_DEFAULT or v.startswith(f"{DISTILL_DEFAULT} of "))), None)
+        if shown is not None and "kd" in variants:
+            default = variants[shown]
+            what = "default (`--targets auto`)" if shown == DISTILL_DEFAULT else \
+                f"earlier default (`--targets auto` {shown.partition(' ')[2]} candidates)"
+            rows.append((f"`distill`'s {what}, {entry['set']}"
+                         + seeds_suffix(default.get("seeds", [0, 1, 2])),
                          f"{default['unread'][0]:.4f}: {default['minus_alone_unread'][0]:+.4f} "
                          f"against the student alone, {default['minus_kd_unread'][0]:+.4f} "
                          "against KD (paired)", "distillation-what-the-student-learns-from"))

@@ -16,7 +16,7 @@ from flows.cli import main
 from flows.commands import COMMANDS
 from flows.distill import distill
 from tasks.adapters import tracking
-from tasks.configs.distill import DistillConfig
+from tasks.configs.distill import AUTO_CANDIDATES, DistillConfig
 from tests.conftest import kill_when_written
 
 NAME = "distill-smoke"
@@ -116,14 +116,20 @@ def test_auto_trains_every_candidate_on_the_same_teacher_and_keeps_the_best_on_v
     summary = distill(DistillConfig(**smoke, targets="auto"))  # the flow's default
     assert DistillConfig().targets == "auto"
     assert [r.teacher.checkpoint.md5 for r in summary.stages] == teachers
-    assert all(set(r.candidates) == {"labels", "final", "states"} for r in summary.stages)
-    # each candidate read its own targets: none, the last state, state s
+    names = ("labels", "final", "states", "standardized")
+    assert all(set(r.candidates) == set(names) for r in summary.stages)
+    # each candidate read its own targets: none, the last state, state s, the last state
     read = {name: [r.candidates[name].checkpoint.path.split("/")[2].rsplit("-", 1)[1]
-                   for r in summary.stages] for name in ("labels", "final", "states")}
+                   for r in summary.stages] for name in names}
     assert read == {"labels": ["none"] * 3, "final": [teachers[-1][:16]] * 3,
-                    "states": [md5[:16] for md5 in teachers]}
+                    "states": [md5[:16] for md5 in teachers],
+                    "standardized": [teachers[-1][:16]] * 3}
     assert all(r.candidates["labels"].metrics["loss_feat"] == 0 for r in summary.stages)
-    assert all(r.candidates["final"].metrics["loss_feat"] > 0 for r in summary.stages)
+    assert all(r.candidates[name].metrics["loss_feat"] > 0 for r in summary.stages
+               for name in ("final", "standardized"))
+    # the two students of the last state differ in their loss alone, each its own checkpoint
+    assert all(r.candidates["final"].checkpoint.path != r.candidates["standardized"]
+               .checkpoint.path for r in summary.stages)
     # a candidate is the student a run with its targets alone trains, to the bit
     alone = distill(DistillConfig(**smoke, targets="labels"))
     assert [r.student.checkpoint.md5 for r in alone.stages] == \
@@ -139,7 +145,9 @@ def test_auto_trains_every_candidate_on_the_same_teacher_and_keeps_the_best_on_v
     children = client.search_runs([run.info.experiment_id],
                                   f"tags.mlflow.parentRunId = '{summary.run_id}'")
     student = next(c for c in children if c.info.run_name == "student")
-    assert student.data.params["targets"] == summary.targets_chosen  # the kept one's params
+    kept = AUTO_CANDIDATES[summary.targets_chosen]  # the kept one's params
+    assert {key: student.data.params[key] for key in kept} == {
+        key: str(value) for key, value in kept.items()}
     history = client.get_metric_history(student.info.run_id, "val_accuracy_states")
     assert [m.value for m in history] == [r.candidates["states"].metrics["val_accuracy"]
                                           for r in summary.stages]

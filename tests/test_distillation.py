@@ -40,6 +40,21 @@ def test_l2_cosine_and_kl_match_hand_computed_values():
     assert scaled.item() == pytest.approx(16 * expected, rel=1e-5)
 
 
+def test_standardized_kl_asks_for_the_teachers_relations_not_the_scale_of_its_logits():
+    generator = torch.Generator().manual_seed(0)
+    s, t = torch.randn(6, 10, generator=generator), torch.randn(6, 10, generator=generator)
+    # a student whose logits are the teacher's shifted and shrunk (a small network's narrower
+    # range) has nothing left to learn; plain KD still pulls it toward the teacher's scale
+    shrunk = 0.2 * t - 3.0
+    assert feature_loss_per_image(shrunk, t, "kl-standardized", 2.0).abs().max() < 1e-5
+    assert feature_loss_per_image(shrunk, t, "kl", 2.0).min() > 1e-3
+    # it is plain KL on the z-scored logits: per row mean 0 and sample deviation 1
+    z_s = (s - s.mean(1, keepdim=True)) / s.std(1, keepdim=True)
+    z_t = (t - t.mean(1, keepdim=True)) / t.std(1, keepdim=True)
+    assert feature_loss_per_image(s, t, "kl-standardized", 2.0).tolist() == pytest.approx(
+        feature_loss_per_image(z_s, z_t, "kl", 2.0).tolist(), rel=1e-4)
+
+
 def test_dkd_splits_plain_kd_into_its_target_and_non_target_parts():
     # Zhao et al.'s identity: KL = TCKD + (1 - p_t[y]) * NCKD, at any temperature
     generator = torch.Generator().manual_seed(0)

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from bench.tables import BENCHMARKS, DOCUMENTS, README, RESULTS, readme_tables, render
+from tasks.configs.distill import AUTO_CANDIDATES
 
 
 @pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: p.name)
@@ -144,13 +145,19 @@ def test_the_distillation_table_merges_seeds_run_apart_and_pairs_them_by_seed(tm
     one = merged_variants_per_set("distill_targets", tmp_path)["results"]
     assert "| kd (seed 0 only) |" in "\n".join(distill_rows(one, ["alone", "kd"], ()))
     # a row run on other seeds than `alone`'s others: its gap closed on the seeds they share
-    fresh = record(3, 0.60, 0.70, teacher=0.80)
+    fresh = record(3, 0.60, 0.70, teacher=0.80) | {"auto_candidates": list(AUTO_CANDIDATES)}
     fresh["results"][0]["runs"][0]["accuracy"]["auto"] = {"val": 0.7, "test": 0.7,
                                                           "unread": 0.70}
+    # the default of an earlier record chose among three candidates: its own row, not merged
+    earlier = record(2, 0.90, 0.92)
+    earlier["results"][0]["runs"][0]["accuracy"]["auto"] = {"val": 0.9, "test": 0.9,
+                                                            "unread": 0.92}
     (tmp_path / "distill_targets.jsonl").write_text(
-        "".join(json.dumps(r) + "\n" for r in [*records, fresh]))
+        "".join(json.dumps(r) + "\n" for r in [*records, earlier, fresh]))
     [entry] = merged_variants_per_set("distill_targets", tmp_path)["results"]
     assert entry["variants"]["auto"]["gap_closed_unread"] == pytest.approx(0.5)
+    assert entry["variants"]["auto"]["seeds"] == [3]
+    assert entry["variants"]["auto of 3"]["seeds"] == [2]
     assert entry["variants"]["alone"]["seeds"] == [0, 1, 2, 3]
     rows = "\n".join(distill_rows([entry], ["alone", "kd", "auto"], ()))
     assert "| alone (seeds 0, 1, 2, 3) |" in rows and "| auto (seed 3 only) |" in rows

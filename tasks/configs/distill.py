@@ -17,11 +17,15 @@ def _layers_of(model: str) -> tuple[tuple[str, ...], int]:
 
 
 # `--targets auto`: each candidate's student fields over the config's own (the order breaks a
-# tie on validation); `final` is plain KD, at Hinton's temperature whatever --temperature says
+# tie on validation); `final` is plain KD, at Hinton's temperature whatever --temperature says;
+# `standardized` is KD from the last state on standardized logits with the recipe of its paper
+# (Sun et al., CVPR 2024: base temperature 2, CE 0.1 and KD 9), taken as published, not tuned
 AUTO_CANDIDATES: dict[str, dict[str, Any]] = {
     "labels": {"targets": "labels", "feature_weight": 0.0, "ce_weight": 1.0},
     "final": {"targets": "final", "temperature": 4.0},
     "states": {"targets": "states"},
+    "standardized": {"targets": "final", "feature_loss": "kl-standardized", "temperature": 2.0,
+                     "ce_weight": 0.1, "feature_weight": 9.0},
 }
 
 
@@ -29,7 +33,7 @@ class DistillConfig(ProfiledConfig):
     """The `distill` flow: a deeper teacher trained in stages; a shallower, patient student
     learns stage by stage from the labels and the teacher's states (each state run on the
     student's own batches; or the feature bank the states fill, or the last state, or the
-    labels alone; by default once with each of three, the best on validation kept)."""
+    labels alone; by default once with each of four, the best on validation kept)."""
 
     RENAMED: ClassVar[dict[str, str]] = {"teacher_pretrain_epochs": "teacher_pretrain_rounds"}
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
@@ -73,14 +77,15 @@ class DistillConfig(ProfiledConfig):
                                "the bank (`fc`: the logits)")
     student_layer: str = Field("fc", description="the student layer matched to the bank "
                                "through the adapter")
-    feature_loss: Literal["l2", "cosine", "kl", "dkd"] = Field(
-        "kl", description="the feature sub-loss (kl: on softened outputs; dkd: decoupled "
-        "KD on the logits, the target class apart from the others, both layers `fc`)")
+    feature_loss: Literal["l2", "cosine", "kl", "kl-standardized", "dkd"] = Field(
+        "kl", description="the feature sub-loss (kl: on softened outputs; kl-standardized: kl "
+        "on each image's logits standardized to mean 0 and unit deviation first; dkd: "
+        "decoupled KD on the logits, the target class apart from the others, both layers `fc`)")
     feature_weight: float = Field(0.5, ge=0.0, le=1000.0, description="weight of the feature "
                                   "sub-loss")
     ce_weight: float = Field(0.5, ge=0.0, le=1000.0, description="weight of the CE sub-loss")
     temperature: float = Field(1.0, gt=0.0, le=100.0, description="softening temperature of "
-                               "the kl and dkd feature losses")
+                               "the kl, kl-standardized and dkd feature losses")
     bank_mode: Literal["single", "per-state"] = Field("single", description="single: one bank, "
                                                       "each entry from the state that last "
                                                       "wrote it; per-state: bank s kept for "
@@ -104,7 +109,8 @@ class DistillConfig(ProfiledConfig):
     targets: Literal["auto", "states", "final", "labels", "bank"] = Field(
         "auto", description="what the student's stage s learns from: auto: the student is "
         "trained once per candidate (labels; final, plain KD at T=4; states, at "
-        "--temperature) on the same teacher stages, and the one best on validation is kept; "
+        "--temperature; standardized, KD on standardized logits) on the same teacher "
+        "stages, and the one best on validation is kept; "
         "states: teacher state s itself, run on the student's own augmented batch (the route "
         "of states, consistent with what the student sees); final: the last teacher state, "
         "on the student's batch, at every stage (plain KD when the layers are fc); labels: the "

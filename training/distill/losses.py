@@ -8,6 +8,11 @@ feature for the same images (from a feature bank, or from a teacher network run 
 - `l2`: mean squared difference over the feature's values (FitNets hints);
 - `cosine`: `1 - cos(f_s, f_t)` over the flattened feature;
 - `kl`: `T^2 * KL(softmax(f_t / T) || softmax(f_s / T))`, for logits (Hinton KD at layer `fc`);
+- `kl-standardized`: `kl` between each image's logits standardized first (minus their mean,
+  over their standard deviation: logit standardization, Sun et al., CVPR 2024), so the student
+  matches the teacher's ranking and relative gaps among the classes, not the scale of its
+  logits, which a much smaller network need not reach; `T` is then a base temperature on
+  unit-variance logits;
 - `dkd`: decoupled KD (Zhao et al., CVPR 2022), for logits: `T^2 * (TCKD + beta * NCKD)`, where
   TCKD is the KL between the teacher's and the student's binary split (the true class against
   the rest) and NCKD the KL between their distributions over the other classes. Plain KD is
@@ -41,7 +46,7 @@ from training.features import FeatureHooks
 from training.loops import Step
 from training.rounds import ModelStep
 
-FeatureLossKind = Literal["l2", "cosine", "kl", "dkd"]
+FeatureLossKind = Literal["l2", "cosine", "kl", "kl-standardized", "dkd"]
 FEATURE_LOSSES: tuple[str, ...] = get_args(FeatureLossKind)
 DKD_BETA = 8.0
 Targets = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
@@ -67,6 +72,12 @@ def decoupled_kl(student: Tensor, teacher: Tensor, labels: Tensor, temperature: 
     return (tckd + beta * nckd) * temperature**2
 
 
+def standardized(logits: Tensor) -> Tensor:
+    """Each row minus its mean, over its standard deviation (logit standardization)."""
+    mean = logits.mean(1, keepdim=True)
+    return (logits - mean) / (logits.std(1, keepdim=True) + 1e-7)
+
+
 def feature_loss_per_image(student: Tensor, teacher: Tensor, kind: FeatureLossKind,
                            temperature: float = 4.0, labels: Tensor | None = None) -> Tensor:
     """The per-image distance `L(f_s, f_t)` (see the module docstring), shape `(batch,)`;
@@ -79,6 +90,8 @@ def feature_loss_per_image(student: Tensor, teacher: Tensor, kind: FeatureLossKi
         return (s - t).pow(2).mean(1)
     if kind == "cosine":
         return 1.0 - F.cosine_similarity(s, t, dim=1, eps=1e-6)
+    if kind == "kl-standardized":
+        s, t, kind = standardized(s), standardized(t), "kl"
     if kind == "kl":
         log_p_student = F.log_softmax(s / temperature, dim=1)
         log_p_teacher = F.log_softmax(t / temperature, dim=1)
