@@ -100,7 +100,8 @@ VARIANTS: dict[str, dict] = {
     # kept; each candidate is scored as the variant it is (`CANDIDATE_ROWS`)
     "auto": {"targets": "auto", **LOGITS, "temperature": 1.0},
     # KD from the final state on standardized logits, the recipe of Sun et al. (CVPR 2024)
-    "kd-ls": {"targets": "final", **LOGITS, **AUTO_CANDIDATES["standardized"]},
+    "kd-ls": {"targets": "final", **LOGITS, "feature_loss": "kl-standardized",
+              "temperature": 2.0, "ce_weight": 0.1, "feature_weight": 9.0},
 }
 # `--targets auto`'s candidates as the variants above they equal (the `auto` variant's loss
 # fields and T=1; `final` is KD at T=4; `labels` is CE alone, like `alone`)

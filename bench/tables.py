@@ -528,9 +528,9 @@ def budget_label(record: dict, variant: str) -> str:
     `--patience N` other than the default and the variant sets no budget of its own (`kd` of a
     `--patience 6` record is `kd x6`); `auto` of a record whose default chose among other
     candidates than the flow's now is `auto of N` (never merged with today's default)."""
-    if variant == "auto" and record.get("auto_candidates", EARLIER_AUTO) != list(
-            AUTO_CANDIDATES):
-        return f"auto of {len(record.get('auto_candidates', EARLIER_AUTO))}"
+    candidates = record.get("auto_candidates", EARLIER_AUTO)
+    if variant == "auto" and candidates != list(AUTO_CANDIDATES):
+        return f"auto of {len(candidates)}"
     patience = record.get("base", {}).get("student_patience", BENCH_PATIENCE)
     own = "student_patience" in record.get("variants", {}).get(variant, {})
     return variant if variant == "teacher" or own or patience == BENCH_PATIENCE \
@@ -878,8 +878,8 @@ def summary_table(picked: dict) -> str:
     for entry in picked["distill"]["results"]:
         variants = entry["variants"]
         # today's default, else an earlier one (`auto of 3`), labelled as such
-        shown = next((v for v in (DISTILL_DEFAULT, *sorted(variants)) if v in variants and (
-            v == DISTILL_DEFAULT or v.startswith(f"{DISTILL_DEFAULT} of "))), None)
+        shown = DISTILL_DEFAULT if DISTILL_DEFAULT in variants else next(
+            (v for v in sorted(variants) if v.startswith(f"{DISTILL_DEFAULT} of ")), None)
         if shown is not None and "kd" in variants:
             default = variants[shown]
             what = "default (`--targets auto`)" if shown == DISTILL_DEFAULT else \

@@ -53,9 +53,8 @@ class DistillSummary(BaseModel):
 @flow(name=FLOW_NAME, description="Distil a deeper teacher, trained in stages, into a patient "
       "student: by default trained four ways on it (labels alone, KD from the last state, KD "
       "on standardized logits, each state on the student's batches; or the multi-state "
-      "feature bank they fill), the "
-      "best on validation kept; register the student and promote it if it beats the champion "
-      "and the raw-pixel baselines.")
+      "feature bank they fill), the best on validation kept; register the student and "
+      "promote it if it beats the champion and the raw-pixel baselines.")
 def distill(config: DistillConfig) -> DistillSummary:
     """Runs the stages, then tests, registers and promotes the student."""
     run_name = f"{FLOW_NAME}-{config.teacher_model}-to-{config.student_model}-seed{config.run.seed}"
