@@ -29,6 +29,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import numpy as np
 import pandas as pd
 import torch
 from PIL import Image
@@ -46,15 +47,21 @@ BATCHES = (1, 64)
 CALLS = {1: 300, 64: 20}  # calls per model and batch (after one warm-up call)
 
 
-def png_frame(count: int) -> pd.DataFrame:
-    """The first `count` Fashion-MNIST test images as a DataFrame of PNG bytes."""
-    test = load_fashion_mnist(fashion_mnist_root(), train=False)
+def png_bytes(images: np.ndarray) -> pd.DataFrame:
+    """Raw uint8 images (N x H x W) as a DataFrame of PNG bytes in the column `image`, what
+    the scoring server hands the model."""
     encoded = []
-    for image in test.images[:count, 0].numpy():
+    for image in images:
         buffer = io.BytesIO()
         Image.fromarray(image).save(buffer, format="PNG")
         encoded.append(buffer.getvalue())
     return pd.DataFrame({"image": encoded})
+
+
+def png_frame(count: int) -> pd.DataFrame:
+    """The first `count` Fashion-MNIST test images as a DataFrame of PNG bytes."""
+    test = load_fashion_mnist(fashion_mnist_root(), train=False)
+    return png_bytes(test.images[:count, 0].numpy())
 
 
 def rows_of(frame: pd.DataFrame, n: int, batch: int) -> pd.DataFrame:
@@ -74,6 +81,18 @@ def interleaved(calls: dict[str, Callable[[int], object]], count: int) -> dict[s
             if n:
                 times[name].append(time.perf_counter() - started)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def client_ms(models: dict[str, object], frame: pd.DataFrame) -> dict[str, dict[int, float]]:
+    """Each loaded pyfunc's median milliseconds per image of `predict` on the frame's PNG
+    bytes, at each of `BATCHES` images a call, the models' calls interleaved."""
+    figures: dict[str, dict[int, float]] = {name: {} for name in models}
+    for batch in BATCHES:
+        client = interleaved({name: (lambda n, m=model, b=batch: m.predict(rows_of(frame, n, b)))
+                              for name, model in models.items()}, CALLS[batch])
+        for name in models:
+            figures[name][batch] = client[name] * 1e3 / batch
+    return figures
 
 
 def network_call(implementation) -> Callable[[torch.Tensor], object]:
@@ -107,18 +126,17 @@ def main() -> None:
         loaded[uri] = tracking.load_pyfunc(uri)
         resolved[uri] = loaded[uri].unwrap_python_model().implementation
     figures: dict[str, dict] = {uri: {"parameters": served_parameters(uri)} for uri in loaded}
+    client = client_ms(loaded, frame)
     for batch in BATCHES:
         prepared = {uri: [impl.normalize(torch.cat(list(input_batches(
             rows_of(frame, n, batch), impl.size, impl.channels))))
             for n in range(CALLS[batch] + 1)] for uri, impl in resolved.items()}
-        client = interleaved({uri: (lambda n, m=model, b=batch: m.predict(rows_of(frame, n, b)))
-                              for uri, model in loaded.items()}, CALLS[batch])
         forwards = {uri: network_call(impl) for uri, impl in resolved.items()}
         with torch.no_grad():
             network = interleaved({uri: (lambda n, f=forwards[uri], x=prepared[uri]: f(x[n]))
                                    for uri in resolved}, CALLS[batch])
         for uri in loaded:
-            figures[uri] |= {f"client_ms_b{batch}": client[uri] * 1e3 / batch,
+            figures[uri] |= {f"client_ms_b{batch}": client[uri][batch],
                              f"network_ms_b{batch}": network[uri] * 1e3 / batch}
     baseline = next(iter(loaded))
     for figure in figures.values():

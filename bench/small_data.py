@@ -24,6 +24,11 @@ default the `unread` holdout of `bench.report_set`, training-file images no choi
   with that flow's network (`resnet18` for `train`, the `lenet` student for `distill` and
   `pbt`), `--long-factor` times the minimum steps and the most passes, no early stopping.
 
+With `train` and `pipeline` both run on a Fashion-MNIST set, their registered models are also
+timed as a client meets them (`bench.serving.client_ms`: `predict` on PNG bytes of the
+holdout's first images at the set's size, batch 1 and 64, one thread, the two interleaved),
+with the parameters each serves.
+
 Targets: every flow above both baselines on every set, and within 1 point of the long run.
 A test split of 200 or 500 images moves by 2-5 points between splits, so `--split-per-seed`
 gives each seed its own split (`split_seed` = seed, for the baselines and the long runs too):
@@ -50,6 +55,7 @@ import torch  # noqa: E402
 
 from bench.common import mean_std, parse_overrides, print_json, print_table  # noqa: E402
 from bench.report_set import REPORT_IMAGES, unread_positions  # noqa: E402
+from bench.serving import BATCHES, CALLS, client_ms, png_bytes  # noqa: E402
 from bench.sets import (  # noqa: E402
     REPORT_SETS,
     TUNING_SETS,
@@ -63,7 +69,8 @@ from flows.distill import distill  # noqa: E402
 from flows.pbt import pbt  # noqa: E402
 from flows.pipeline import pipeline  # noqa: E402
 from flows.train import train  # noqa: E402
-from tasks.adapters.registration import pyfunc_accuracy  # noqa: E402
+from tasks.adapters import tracking  # noqa: E402
+from tasks.adapters.registration import pyfunc_accuracy, served_parameters  # noqa: E402
 from tasks.configs.distill import DistillConfig  # noqa: E402
 from tasks.configs.pbt import PBTConfig  # noqa: E402
 from tasks.configs.pipeline import PipelineConfig  # noqa: E402
@@ -99,6 +106,21 @@ class Holdout:
         self.images = np.stack([np.asarray(resized(image, size))
                                 for image in source.images[index]])
         self.labels = [class_folder(source.classes[i]) for i in source.labels[index].tolist()]
+
+    def client_times(self, uris: dict[str, str]) -> dict[str, dict]:
+        """Each registered model's client-side milliseconds per image at batch 1 and 64 on
+        PNG bytes of the holdout's first images (one thread, the models interleaved), and the
+        parameters it serves."""
+        frame = png_bytes(self.images[:max(CALLS[1], 64 * 4)])
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            times = client_ms({name: tracking.load_pyfunc(uri) for name, uri in uris.items()},
+                              frame)
+        finally:
+            torch.set_num_threads(threads)
+        return {name: {f"client_ms_b{batch}": times[name][batch] for batch in BATCHES}
+                | {"parameters": served_parameters(uri)} for name, uri in uris.items()}
 
     def model_accuracy(self, model_uri: str) -> float:
         """The served model's accuracy on the holdout (its classes are the folder names)."""
@@ -148,7 +170,8 @@ def run_flow(flow: str, folder: Path, size: int, seed: int, split_seed: int = 0,
         "student_share": summary.fallback.metrics["test_student_share"],
         "student_alone_stands": summary.fallback.metrics.get("student_alone_stands")}
     return {"test_accuracy": summary.test_accuracy, "baselines": baselines, "seconds": seconds,
-            "alias": summary.registration.alias, "holdout_accuracy": None if holdout is None
+            "alias": summary.registration.alias, "model_uri": summary.registration.model_uri,
+            "holdout_accuracy": None if holdout is None
             else holdout.model_accuracy(summary.registration.model_uri)} | shares
 
 
@@ -203,6 +226,12 @@ def main() -> None:
                 runs.setdefault(flow, []).append(run_flow(flow, folder, size, seed, split,
                                                           holdout, **overrides))
                 print(f"{spec} seed {seed} {flow}: {runs[flow][-1]}", flush=True)
+            if holdout is not None and {"train", "pipeline"} <= set(args.flows):
+                timed = holdout.client_times({flow: runs[flow][-1]["model_uri"]
+                                              for flow in ("train", "pipeline")})
+                for flow, figures in timed.items():
+                    runs[flow][-1] |= figures
+                print(f"{spec} seed {seed} served: {timed}", flush=True)
             for model in long_models if args.long_factor and seed in long_seeds else []:
                 fields = TrainConfig.flat_fields()
                 runs.setdefault(f"long {model}", []).append(run_flow(
@@ -222,9 +251,10 @@ def main() -> None:
             long_runs = runs.get(f"long {NETWORKS.get(flow)}")
             row = {"set": spec, "flow": flow, "seconds": mean_std(
                 [r["seconds"] for r in flow_runs])[0], "aliases": [r["alias"] for r in flow_runs]}
-            row |= {key: [r[key] for r in flow_runs] for key in ("student_share",
-                                                                 "student_alone_stands")
-                    if key in flow_runs[0]}  # the pipeline's, seed by seed
+            row |= {key: [r[key] for r in flow_runs] for key in (
+                "student_share", "student_alone_stands", "parameters",
+                *(f"client_ms_b{batch}" for batch in BATCHES))
+                    if key in flow_runs[0]}  # seed by seed
             cells = []
             for score in ("test_accuracy", "holdout_accuracy"):
                 accuracies = [r[score] for r in flow_runs]
