@@ -62,6 +62,7 @@ from tasks.data import DatasetRef
 from tasks.image_text.tasks import AsClassifier, as_classifier
 from tasks.pbt import SCORED_WEIGHTS
 from tasks.pipeline import (
+    STEP_TIMING_IMAGES,
     Fallback,
     TimedStep,
     fit_fallback,
@@ -291,12 +292,14 @@ def run_cascade(config: PipelineConfig, dataset: DatasetRef, run_id: str,
         fallback = fit_fallback(student.classifier, teacher.classifier, dataset,
                                 student.checkpoint, teacher.checkpoint,
                                 config.fallback.tolerance, config.fallback.predictor,
-                                config.run.seed, student_weights=student.weights)
+                                config.run.seed, config.fallback.timing_images,
+                                student_weights=student.weights)
         tracking.log_dict(fallback_run, fallback.latency, "cascade/latency.json")
         tracking.set_tags(fallback_run, {"cascade.routing": fallback.routing})
         timing = time_steps([TimedStep(name=s.name, classifier=s.classifier,
                                        checkpoint=s.checkpoint, weights=s.weights)
-                             for s in steps], dataset, fallback, front, "teacher")
+                             for s in steps], dataset, fallback, front, "teacher",
+                            min(config.fallback.timing_images, STEP_TIMING_IMAGES))
         steps = [s.model_copy(update={"ms_per_image_b1": timing[s.name]["ms_per_image_b1"],
                                       "parameters": int(timing[s.name]["parameters"])})
                  for s in steps]

@@ -34,6 +34,8 @@ from training.latency import interleaved_ms_per_image
 from training.loops import predict
 from training.sparsify.pruning import parameter_count
 
+STEP_TIMING_IMAGES = 300  # the table of steps times every step's network: fewer images
+
 
 @task(cache_key_fn=computation_key, persist_result=True, task_run_name="hand-over-{entry}")
 def hand_over(checkpoint: ArtifactRef, entry: str, step: str) -> ArtifactRef:
@@ -116,7 +118,7 @@ class TimedStep(BaseModel):
 
 @task(task_run_name="time-steps")
 def time_steps(steps: list[TimedStep], dataset: DatasetRef, fallback: Fallback,
-               student: str, teacher: str, latency_images: int = 300
+               student: str, teacher: str, latency_images: int = STEP_TIMING_IMAGES
                ) -> dict[str, dict[str, float]]:
     """Every step's network and the cascade (`student` in front of `teacher`, with
     `fallback`'s routing) timed side by side at batch 1 on test images (passes interleaved,

@@ -79,6 +79,9 @@ class FallbackStep(StrictConfig):
         "the student's outputs fitted on half the validation split competes with the "
         "confidence rule on the other half and is kept only where it is cheaper at the same "
         "accuracy (as `cascade --predictor fitted`); fixed: the confidence rule")
+    timing_images: int = Field(1000, ge=1, le=1_000_000, description="test images the "
+                               "student, the teacher and the cascade are timed on at batch 1 "
+                               "(the table of steps: at most 300 of them)")
 
 
 class PipelineConfig(DistillConfig):
@@ -94,7 +97,7 @@ class PipelineConfig(DistillConfig):
         "text": "text_", "pbt": "pbt_", "sparse": "sparse_", "fallback": "fallback_"}
     PROFILES: ClassVar[dict[str, dict[str, Any]]] = {
         "smoke": {**DistillConfig.PROFILES["smoke"], **PIPELINE_DISTILL, "pbt_members": 2,
-                  "pbt_stages": 1,
+                  "pbt_stages": 1, "fallback_timing_images": 32,
                   "sparse_rounds": 1, "zero_threshold_tolerance": None,
                   "text_encoder": "builtin", "text_rounds": 1},
         "quick": PIPELINE_DISTILL,
