@@ -293,7 +293,8 @@ def run_cascade(config: PipelineConfig, dataset: DatasetRef, run_id: str,
                                 student.checkpoint, teacher.checkpoint,
                                 config.fallback.tolerance, config.fallback.predictor,
                                 config.run.seed, config.fallback.timing_images,
-                                student_weights=student.weights)
+                                student_weights=student.weights,
+                                level=config.fallback.level)
         tracking.log_dict(fallback_run, fallback.latency, "cascade/latency.json")
         tracking.set_tags(fallback_run, {"cascade.routing": fallback.routing})
         timing = time_steps([TimedStep(name=s.name, classifier=s.classifier,

@@ -32,6 +32,7 @@ from training.cascade.routing import Router
 from training.device import place_model, setup_device
 from training.latency import interleaved_ms_per_image
 from training.loops import predict
+from training.promotion import ALPHA
 from training.sparsify.pruning import parameter_count
 
 STEP_TIMING_IMAGES = 300  # the table of steps times every step's network: fewer images
@@ -78,7 +79,8 @@ class Fallback(BaseModel):
 def fit_fallback(student: ClassifierConfig, teacher: ClassifierConfig, dataset: DatasetRef,
                  student_checkpoint: ArtifactRef, teacher_checkpoint: ArtifactRef,
                  tolerance: float, predictor: str = "fitted", seed: int = 0,
-                 latency_images: int = 1000, student_weights: str = "model") -> Fallback:
+                 latency_images: int = 1000, student_weights: str = "model",
+                 level: float = ALPHA) -> Fallback:
     """The trained student and teacher, their logits on the validation and test splits, and
     the cascade's routing and threshold chosen from them
     (`training.cascade.fallback_choice.choose_fallback`: timed at batch 1, chosen on
@@ -98,7 +100,7 @@ def fit_fallback(student: ClassifierConfig, teacher: ClassifierConfig, dataset: 
 
     sample = next(iter(split_batches(data, dataset, "test", latency_images, device)))[1]
     choice = choose_fallback(small, large, scored("val"), scored("test"), sample, device,
-                             tolerance, predictor, seed)
+                             tolerance, predictor, seed, level)
     return Fallback(threshold=choice.threshold, metrics=choice.metrics,
                     router=None if choice.router is None else choice.router.cpu().to_json(),
                     latency=choice.latency)

@@ -11,9 +11,11 @@ import torch
 
 from training.cascade.fallback import (
     calibrate_fallback,
+    cascade_evidence,
     fallback_infer,
     fallback_table,
 )
+from training.cascade.fallback_choice import Scored, choose_fallback
 from training.cascade.learning import split_disjoint
 from training.cascade.routing import Router, choose_routing, fit_router, stands
 
@@ -95,6 +97,34 @@ def test_the_student_answers_alone_where_the_cascade_buys_at_most_the_tolerance(
     assert calibrate_fallback(table, 0.24) >= 0.6
     assert table.outcome(torch.tensor([calibrate_fallback(table, 0.24)]))["accuracy"] == 1.0
     assert calibrate_fallback(table, 1.0) == 0.0  # `--fallback-tolerance 1`: always alone
+
+
+def gains(wrong: int, images: int = 84) -> Scored:
+    """`images` validation images of two classes, all of class 0: the student sure and right
+    on all but `wrong`, which it gets wrong unsure; the teacher right on every one."""
+    student = logits_for([[0.9, 0.1]] * (images - wrong) + [[0.45, 0.55]] * wrong)
+    teacher = logits_for([[0.8, 0.2]] * images)
+    return Scored(student, teacher, torch.zeros(images, dtype=torch.long))
+
+
+@pytest.mark.parametrize(("wrong", "level", "alone"), [
+    (2, 0.05, True),  # two images ahead of 84 (2.4 points, above the tolerance): p = 0.25
+    (5, 0.05, False),  # five: p = 1/32, significant
+    (2, 1.0, False),  # level 1: any advantage beyond the tolerance keeps the teacher
+])
+def test_the_teacher_is_kept_only_where_its_validation_advantage_is_significant(
+        wrong, level, alone):
+    scored = gains(wrong)
+    table = fallback_table(scored.student, scored.teacher, scored.labels, 1.0, 1.0)
+    only_cascade, only_student, p_better = cascade_evidence(table, calibrate_fallback(table,
+                                                                                      0.01))
+    assert (only_cascade, only_student, p_better) == (wrong, 0, 0.5 ** wrong)
+    choice = choose_fallback(torch.nn.Identity(), torch.nn.Identity(), scored, scored,
+                             torch.zeros(4, 2), torch.device("cpu"), 0.01, "fixed", 0, level)
+    assert (choice.threshold == 0.0) == alone
+    assert choice.metrics["student_alone_stands"] == float(alone)
+    assert choice.metrics["val_cascade_p_better"] == 0.5 ** wrong
+    assert choice.metrics["val_accuracy"] == pytest.approx((84 - wrong) / 84 if alone else 1.0)
 
 
 # --- the routing (`training.cascade.routing`): the confidence rule or a fitted predictor

@@ -24,12 +24,13 @@ CLASS_DESCRIPTIONS = str(Path(__file__).parent / "data" / "fashion_classes.csv")
 
 def smoke_pipeline(**overrides) -> PipelineConfig:
     """The smoke pipeline with a warm-started teacher, better than the student after its
-    later steps, and tolerance 0 (every image the teacher gets right is kept): the teacher
-    answers some images and the registered model is the cascade."""
+    later steps, tolerance 0 (every image the teacher gets right is kept) and level 1 (any
+    advantage counts, significant on the smoke run's few validation images or not): the
+    teacher answers some images and the registered model is the cascade."""
     return PipelineConfig(**{"profile": "smoke", "registry": True, "model_name": NAME,
                              "class_descriptions": CLASS_DESCRIPTIONS,
                              "teacher_pretrain_rounds": 4, "fallback_tolerance": 0.0,
-                             **overrides})
+                             "fallback_level": 1.0, **overrides})
 
 
 @pytest.fixture(scope="module")

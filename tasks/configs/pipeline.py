@@ -15,6 +15,7 @@ from tasks.configs.image_text import ImageTextConfig, ImageTextNetwork
 from tasks.configs.pbt import PBTConfig
 from tasks.configs.sections import CommaList, ModelSection, StrictConfig, same_field
 from tasks.configs.sparsify import SparsifyConfig, SparsifyNetwork
+from training.promotion import ALPHA
 
 # The pipeline's distillation: the recipe its step table was measured with (a bank of pooled
 # features, cosine, the student's fitted budget, a cold teacher), not `distill`'s default (a
@@ -79,6 +80,13 @@ class FallbackStep(StrictConfig):
         "the student's outputs fitted on half the validation split competes with the "
         "confidence rule on the other half and is kept only where it is cheaper at the same "
         "accuracy (as `cascade --predictor fitted`); fixed: the confidence rule")
+    # the registry's level: on ~85 validation images a cascade one or two images ahead of the
+    # student was registered, bigger than `train`'s model and no faster (bench.small_data
+    # 1000x28, seeds 3-5; docs/pipeline.md)
+    level: float = Field(ALPHA, gt=0.0, le=1.0, description="the cascade is registered only "
+                         "where its validation advantage over the student alone is also "
+                         "significant at this level (McNemar's exact test, one-sided, as the "
+                         "registry decides); 1: any advantage beyond the tolerance")
     timing_images: int = Field(1000, ge=1, le=1_000_000, description="test images the "
                                "student, the teacher and the cascade are timed on at batch 1 "
                                "(the table of steps: at most 300 of them)")

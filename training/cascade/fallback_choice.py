@@ -19,12 +19,14 @@ from torch import Tensor, nn
 
 from training.cascade.fallback import (
     calibrate_fallback,
+    cascade_evidence,
     fallback_infer,
     fallback_table,
 )
 from training.cascade.learning import split_disjoint
 from training.cascade.routing import Router, choose_routing, fit_router, stands
 from training.latency import interleaved_ms_per_image
+from training.promotion import ALPHA
 
 
 @dataclass(frozen=True)
@@ -66,14 +68,21 @@ def timing_calls(small: nn.Module, large: nn.Module, router: Router | None,
 
 def choose_fallback(small: nn.Module, large: nn.Module, val: Scored, test: Scored,
                     sample: Tensor, device: torch.device, tolerance: float,
-                    predictor: str = "fitted", seed: int = 0) -> FallbackChoice:
+                    predictor: str = "fitted", seed: int = 0, level: float = ALPHA
+                    ) -> FallbackChoice:
     """The module docstring: `sample` is the batch the timings run on; `predictor` "fitted"
-    fits and offers a predictor, "fixed" keeps the exit rule."""
+    fits and offers a predictor, "fixed" keeps the exit rule. The student stands alone where
+    the cascade is at most `tolerance` more accurate on validation, and also where its
+    advantage is not significant at `level` (`cascade_evidence`; 1: any advantage counts):
+    on a small validation split one or two images are not a reason to ship the teacher."""
     router, choice = None, None
     # the exit rule's threshold, calibrated once: the cheapest cascade sends the fewest images
     # on whatever each network costs, so unit costs give the timed table's threshold
-    fixed = calibrate_fallback(fallback_table(val.student, val.teacher, val.labels, 1.0, 1.0),
-                               tolerance)
+    unit = fallback_table(val.student, val.teacher, val.labels, 1.0, 1.0)
+    fixed = calibrate_fallback(unit, tolerance)
+    only_cascade, only_student, p_better = cascade_evidence(unit, fixed)
+    if p_better >= level:
+        fixed = 0.0
     on_its_own = fixed == 0.0  # the student alone stands: no predictor is fitted
     if predictor == "fitted" and not on_its_own:
         fit_rows, rows = split_disjoint(len(val.labels), 0.5, seed)
@@ -93,7 +102,10 @@ def choose_fallback(small: nn.Module, large: nn.Module, val: Scored, test: Score
 
         full = table(val, False)
         thresholds = {"fixed": fixed}
-        metrics: dict[str, float] = {"student_alone_stands": float(on_its_own)}
+        metrics: dict[str, float] = {"student_alone_stands": float(on_its_own),
+                                     "val_only_cascade_right": float(only_cascade),
+                                     "val_only_student_right": float(only_student),
+                                     "val_cascade_p_better": p_better}
         if router is not None:
             compared = table(val, True, rows)
             choice = choose_routing(table(val, False, rows), compared, tolerance)
