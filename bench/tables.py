@@ -297,6 +297,30 @@ def set_label(row: dict) -> str:
     return f"{row['set'].replace('x', ' x ')} px" + seeds_suffix(row.get("seeds", [0, 1, 2]))
 
 
+def served_against(mine: dict, base: dict) -> str:
+    """`; served 0.31x of `train`'s time per image at batch 1, 0.29x at batch 64, 11% of its
+    parameters`: a small-data pipeline row's client-side time and served parameters over its
+    `train` row's, seed by seed (means of the ratios); nothing for rows measured before
+    `bench.small_data` timed them."""
+    if "client_ms_b1" not in mine or "client_ms_b1" not in base:
+        return ""
+
+    def ratio(key: str) -> float:
+        return mean_std([a / b for a, b in zip(mine[key], base[key], strict=True)])[0]
+
+    return (f"; served {ratio('client_ms_b1'):.2f}x of `train`'s time per image at batch 1, "
+            f"{ratio('client_ms_b64'):.2f}x at batch 64, {ratio('parameters'):.0%} of its "
+            "parameters")
+
+
+def alone_on(row: dict) -> str:
+    """`; the student registered alone on 2 of 3 seeds` for a small-data pipeline row that
+    recorded its decisions."""
+    alone = row.get("student_alone_stands")
+    return "" if alone is None else (f"; the student registered alone on {sum(alone):.0f} of "
+                                     f"{len(alone)} seeds")
+
+
 def small_data(record: dict) -> str:
     """`bench.small_data`'s sets: each flow's accuracy on the holdout and on the set's own
     test split, beside the raw-pixel baselines (mean ± std over the seeds); one line per set
@@ -318,10 +342,19 @@ def small_data(record: dict) -> str:
             values = [b[kind] for b in held.get(name) or []]
             cells.append(spread(*mean_std(values)) if values else "-")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    served = []
+    for name in dict.fromkeys(set_label(r) for r in rows):
+        pair = [next((r for r in rows if set_label(r) == name and r["flow"] == flow), {})
+                for flow in ("pipeline", "train")]
+        if figures := served_against(*pair):
+            served.append(f"{name}:{figures.removeprefix(';')}")
+    timed = ("" if not served else " The pipeline's registered model against `train`'s, "
+             "as a client meets them (`predict` on PNG bytes, one thread, interleaved): "
+             + "; ".join(served) + ".")
     return "\n".join(lines) + (
         f"\n\nEach cell: accuracy on the {record['holdout']} holdout (10,000 images) / on "
         f"the set's own test split (20%); baselines on the holdout. Tuning sets, not reported "
-        f"here: {', '.join(record['tuning_sets'])}. "
+        f"here: {', '.join(record['tuning_sets'])}.{timed} "
         f"{' '.join(provenance(source) for source in record.get('sources', [record]))}\n")
 
 
@@ -874,7 +907,9 @@ def summary_table(picked: dict) -> str:
             rows.append((f"the pipeline against `train`, {set_label(mine)} (never tuned on)",
                          f"{mine['holdout_accuracy_mean']:.4f} against "
                          f"{base['holdout_accuracy_mean']:.4f}: {paired[0]:+.4f} ± "
-                         f"{paired[1]:.4f} (paired)", "defaults-on-data-no-default-was-tuned-on"))
+                         f"{paired[1]:.4f} (paired)" + served_against(mine, base)
+                         + alone_on(mine),
+                         "defaults-on-data-no-default-was-tuned-on"))
     for entry in picked["distill"]["results"]:
         variants = entry["variants"]
         # today's default, else an earlier one (`auto of 3`), labelled as such

@@ -233,6 +233,23 @@ def test_small_data_runs_on_other_seeds_make_their_own_rows(tmp_path):
     assert "| 2500 x 16 px | 0.8000" in table and "| 2500 x 16 px, seeds 3, 4, 5 | 0.6000" in table
 
 
+def test_small_data_client_times_are_ratios_seed_by_seed_and_absent_before_they_were_timed():
+    """The pipeline's served time over `train`'s is the mean of each seed's ratio (a slow seed
+    of both models cancels out), and rows recorded before `bench.small_data` timed the models
+    say nothing of time."""
+    from bench.tables import served_against
+
+    train = {"client_ms_b1": [4.0, 1.0], "client_ms_b64": [0.4, 0.1],
+             "parameters": [177478, 177478]}
+    pipeline = {"client_ms_b1": [2.0, 0.25], "client_ms_b64": [0.2, 0.1],
+                "parameters": [20490, 20490 + 177478]}
+    # b1: (0.5 + 0.25) / 2 (the ratio of the means would be 0.45); b64: (0.5 + 1.0) / 2
+    assert served_against(pipeline, train) == (
+        "; served 0.38x of `train`'s time per image at batch 1, 0.75x at batch 64, 62% of its "
+        "parameters")
+    assert served_against({"holdout_accuracy": [0.8]}, train) == ""
+
+
 def test_the_pipeline_table_counts_the_teacher_only_where_it_was_registered():
     from bench.tables import registered_parameters
 
