@@ -169,8 +169,13 @@ def routing_row(fallback: Fallback) -> str:
     """The summary's line on which routing validation kept."""
     metrics = fallback.metrics
     if fallback.student_alone:
-        return (f"none: the cascade buys at most the tolerance on validation over the "
-                f"student alone ({metrics['val_student_accuracy']:.4f}; the teacher alone "
+        ahead = metrics.get("val_only_cascade_right", 0.0)
+        why = ("buys at most the tolerance" if not ahead else
+               f"is not significantly better (right on {ahead:.0f} validation images the "
+               f"student alone misses, wrong on {metrics['val_only_student_right']:.0f} it "
+               f"gets right: p = {metrics['val_cascade_p_better']:.2g})")
+        return (f"none: the cascade {why} on validation over the student alone "
+                f"({metrics['val_student_accuracy']:.4f}; the teacher alone "
                 f"{metrics['val_teacher_accuracy']:.4f})")
     if "predictors_kept" not in metrics:
         return "the confidence rule (`--fallback-predictor fixed`)"

@@ -299,3 +299,20 @@ def test_later_steps_take_the_pipelines_sections_and_none_of_distills_own_fields
         assert (step.network.model, step.network.width) == (config.student_model, 8)
         assert step.dataset == config.dataset and step.run == config.run
     assert pbt.cluster.dask_workers == 3
+
+
+def test_the_summary_says_why_the_student_stands_alone():
+    """Within the tolerance, or ahead but not significantly: the run's summary says which."""
+    from flows.pipeline import routing_row
+    from tasks.pipeline import Fallback
+
+    base = {"val_student_share": 1.0, "val_student_accuracy": 0.9048,
+            "val_teacher_accuracy": 0.881, "val_only_cascade_right": 0.0,
+            "val_only_student_right": 0.0, "val_cascade_p_better": 1.0}
+    assert routing_row(Fallback(threshold=0.0, metrics=base)).startswith(
+        "none: the cascade buys at most the tolerance on validation")
+    ahead = base | {"val_only_cascade_right": 2.0, "val_cascade_p_better": 0.25}
+    assert routing_row(Fallback(threshold=0.0, metrics=ahead)) == (
+        "none: the cascade is not significantly better (right on 2 validation images the "
+        "student alone misses, wrong on 0 it gets right: p = 0.25) on validation over the "
+        "student alone (0.9048; the teacher alone 0.8810)")
