@@ -331,10 +331,12 @@ def small_data(record: dict) -> str:
     flows = list(dict.fromkeys(r["flow"] for r in rows if not r["flow"].startswith("long")))
     lines = ["| set | " + " | ".join(f"`{flow}`" for flow in flows)
              + " | k-NN pixels | linear pixels |", "| --- " * (len(flows) + 3) + "|"]
-    for name in dict.fromkeys(set_label(r) for r in rows):
+    by_line = {(set_label(r), r["flow"]): r for r in rows}  # one row per set, seeds and flow
+    served = []
+    for name in dict.fromkeys(label for label, _ in by_line):
         cells = []
         for flow in flows:
-            row = next((r for r in rows if set_label(r) == name and r["flow"] == flow), None)
+            row = by_line.get((name, flow))
             cells.append("-" if row is None else
                          f"{spread(row['holdout_accuracy_mean'], row['holdout_accuracy_std'])}"
                          f" / {row['test_accuracy_mean']:.3f}")
@@ -342,11 +344,8 @@ def small_data(record: dict) -> str:
             values = [b[kind] for b in held.get(name) or []]
             cells.append(spread(*mean_std(values)) if values else "-")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    served = []
-    for name in dict.fromkeys(set_label(r) for r in rows):
-        pair = [next((r for r in rows if set_label(r) == name and r["flow"] == flow), {})
-                for flow in ("pipeline", "train")]
-        if figures := served_against(*pair):
+        if figures := served_against(by_line.get((name, "pipeline"), {}),
+                                     by_line.get((name, "train"), {})):
             served.append(f"{name}:{figures.removeprefix(';')}")
     timed = ("" if not served else " The pipeline's registered model against `train`'s, "
              "as a client meets them (`predict` on PNG bytes, one thread, interleaved): "
