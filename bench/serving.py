@@ -70,6 +70,13 @@ def rows_of(frame: pd.DataFrame, n: int, batch: int) -> pd.DataFrame:
     return frame.iloc[start:start + batch].reset_index(drop=True)
 
 
+def requests_of(frame: pd.DataFrame, batch: int) -> list[pd.DataFrame]:
+    """The DataFrame of each call at `batch` images a call (the warm-up's first), cut before
+    any timing starts: the scoring server hands `predict` a DataFrame it has built, so
+    building one is not the model's time."""
+    return [rows_of(frame, n, batch) for n in range(CALLS[batch] + 1)]
+
+
 def interleaved(calls: dict[str, Callable[[int], object]], count: int) -> dict[str, float]:
     """Median seconds of each call (given the call's number), the calls interleaved, after
     one warm-up round."""
@@ -85,10 +92,12 @@ def interleaved(calls: dict[str, Callable[[int], object]], count: int) -> dict[s
 
 def client_ms(models: dict[str, object], frame: pd.DataFrame) -> dict[str, dict[int, float]]:
     """Each loaded pyfunc's median milliseconds per image of `predict` on the frame's PNG
-    bytes, at each of `BATCHES` images a call, the models' calls interleaved."""
+    bytes, at each of `BATCHES` images a call (`requests_of`), the models' calls
+    interleaved."""
     figures: dict[str, dict[int, float]] = {name: {} for name in models}
     for batch in BATCHES:
-        client = interleaved({name: (lambda n, m=model, b=batch: m.predict(rows_of(frame, n, b)))
+        requests = requests_of(frame, batch)
+        client = interleaved({name: (lambda n, m=model, r=requests: m.predict(r[n]))
                               for name, model in models.items()}, CALLS[batch])
         for name in models:
             figures[name][batch] = client[name] * 1e3 / batch
@@ -129,8 +138,8 @@ def main() -> None:
     client = client_ms(loaded, frame)
     for batch in BATCHES:
         prepared = {uri: [impl.normalize(torch.cat(list(input_batches(
-            rows_of(frame, n, batch), impl.size, impl.channels))))
-            for n in range(CALLS[batch] + 1)] for uri, impl in resolved.items()}
+            request, impl.size, impl.channels)))) for request in requests_of(frame, batch)]
+            for uri, impl in resolved.items()}
         forwards = {uri: network_call(impl) for uri, impl in resolved.items()}
         with torch.no_grad():
             network = interleaved({uri: (lambda n, f=forwards[uri], x=prepared[uri]: f(x[n]))
@@ -146,8 +155,9 @@ def main() -> None:
             figure[f"client_vs_baseline_b{batch}"] = (figure[f"client_ms_b{batch}"]
                                                       / figures[baseline][f"client_ms_b{batch}"])
     for batch in BATCHES:
-        inputs = interleaved({uri: (lambda n, i=impl, b=batch: i.normalize(torch.cat(list(
-            input_batches(rows_of(frame, n, b), i.size, i.channels)))))
+        requests = requests_of(frame, batch)
+        inputs = interleaved({uri: (lambda n, i=impl, r=requests: i.normalize(torch.cat(list(
+            input_batches(r[n], i.size, i.channels)))))
             for uri, impl in resolved.items()}, CALLS[batch])
         for uri in loaded:
             figures[uri][f"input_ms_b{batch}"] = inputs[uri] * 1e3 / batch

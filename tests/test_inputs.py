@@ -150,3 +150,22 @@ def test_a_served_models_parameters_count_every_network_it_holds_once():
     served = SimpleNamespace(program=student, fallback=teacher, again=student,
                              teacher=lambda x: teacher(x))
     assert parameters_of(served) == (4 * 2 + 2) + (8 * 2 + 2)
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_a_served_program_runs_without_input_checks_to_the_same_numbers(tmp_path, batch):
+    """`load_program` drops the checks `torch.export` runs on every call (the served model's
+    input is checked before, `input_batches`); the outputs are the checked program's."""
+    from models import build_model
+    from serving.classifier import load_program
+    from training.features import export_program
+
+    torch.manual_seed(0)
+    path = tmp_path / "lenet.pt2"
+    export_program(build_model("lenet", 1, 10, None), 1, 28, path)
+    served, checked = load_program(str(path)), torch.export.load(str(path)).module()
+    assert not hasattr(served, "_guards_fn") and hasattr(checked, "_guards_fn")
+    images = torch.randn(batch, 1, 28, 28)
+    with torch.no_grad():
+        for got, want in zip(served(images), checked(images), strict=True):
+            torch.testing.assert_close(got, want)
