@@ -64,10 +64,12 @@ from tasks.pbt import SCORED_WEIGHTS
 from tasks.pipeline import (
     STEP_TIMING_IMAGES,
     Fallback,
+    StepEvidence,
     TimedStep,
     fit_fallback,
     hand_over,
     register_fallback,
+    step_evidence,
     time_steps,
 )
 from tasks.promotion import register_and_promote
@@ -316,13 +318,34 @@ def run_cascade(config: PipelineConfig, dataset: DatasetRef, run_id: str,
     return fallback, steps
 
 
-def kept_over(step: StepResult, before: StepResult) -> tuple[StepResult, str]:
-    """`step` marked kept where it does not lose to `before` on validation; the decision in
-    words."""
-    kept = step.val_accuracy >= before.val_accuracy
-    return step.model_copy(update={"kept": kept}), (
-        f"{'kept' if kept else 'not kept'}: validation {step.val_accuracy:.4f} against "
-        f"{before.name}'s {before.val_accuracy:.4f}")
+def kept_over(step: StepResult, before: StepResult, evidence: StepEvidence | None = None,
+              level: float = 1.0) -> tuple[StepResult, str]:
+    """`step` marked kept where it does not lose to `before` on validation and, below level
+    1, where its advantage there is significant at `level` (`evidence`, `step_evidence`);
+    the decision in words."""
+    ahead = step.val_accuracy >= before.val_accuracy
+    significant = evidence is None or evidence.p_better <= level
+    kept = ahead and significant
+    words = (f"{'kept' if kept else 'not kept'}: validation {step.val_accuracy:.4f} against "
+             f"{before.name}'s {before.val_accuracy:.4f}")
+    if evidence is not None:
+        words += (f" (right on {evidence.only_step_right} images it misses, wrong on "
+                  f"{evidence.only_before_right} it gets right: p = {evidence.p_better:.2g}"
+                  + (f", not significant at {level:g}" if ahead and not significant else "")
+                  + ")")
+    return step.model_copy(update={"kept": kept}), words
+
+
+def kept_step(config: PipelineConfig, step: StepResult, before: StepResult,
+              dataset: DatasetRef) -> tuple[StepResult, str]:
+    """`kept_over` at the config's `step_level`, with the paired evidence where the level
+    asks for it (below 1)."""
+    if config.step_level >= 1.0:
+        return kept_over(step, before)
+    evidence = step_evidence(*(TimedStep(name=s.name, classifier=s.classifier,
+                                         checkpoint=s.checkpoint, weights=s.weights)
+                               for s in (step, before)), dataset)
+    return kept_over(step, before, evidence, config.step_level)
 
 
 @flow(name=FLOW_NAME, description="The retraining pipeline: data check, distillation from a "
@@ -371,7 +394,7 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
         pbt_classifier, best = run_pbt(config, prepared, run_id, handed)  # 3.
         pbt_step = tested("pbt", pbt_classifier, prepared, best.checkpoint,
                           best.metrics["val_accuracy"], run_id, SCORED_WEIGHTS)
-        pbt_step, pbt_decision = kept_over(pbt_step, front)
+        pbt_step, pbt_decision = kept_step(config, pbt_step, front, dataset)
         steps.append(pbt_step)
         if pbt_step.kept:
             front = pbt_step
@@ -382,7 +405,7 @@ def pipeline(config: PipelineConfig) -> PipelineSummary:
             len(report.layers), 1)
         sparse_step = tested("sparsify", sparse_classifier, prepared, sparse.checkpoint,
                              sparse.metrics["val_accuracy"], run_id, zero_fraction=zeros)
-        sparse_step, sparse_decision = kept_over(sparse_step, front)
+        sparse_step, sparse_decision = kept_step(config, sparse_step, front, dataset)
         steps.append(sparse_step)
         if sparse_step.kept:
             front = sparse_step

@@ -32,7 +32,7 @@ from training.cascade.routing import Router
 from training.device import place_model, setup_device
 from training.latency import interleaved_ms_per_image
 from training.loops import predict
-from training.promotion import ALPHA
+from training.promotion import ALPHA, binomial_tail
 from training.sparsify.pruning import parameter_count
 
 STEP_TIMING_IMAGES = 300  # the table of steps times every step's network: fewer images
@@ -107,8 +107,8 @@ def fit_fallback(student: ClassifierConfig, teacher: ClassifierConfig, dataset: 
 
 
 class TimedStep(BaseModel):
-    """One step's network as the latency table times it: its classifier config, checkpoint
-    and weights entry."""
+    """One step's network as the latency table times it (and `step_evidence` scores it): its
+    classifier config, checkpoint and weights entry."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -116,6 +116,39 @@ class TimedStep(BaseModel):
     classifier: ClassifierConfig
     checkpoint: ArtifactRef
     weights: str = "model"
+
+
+class StepEvidence(BaseModel):
+    """A step's model against the step before it on the validation split, paired
+    (`step_evidence`): the images only it gets right, those only the step before gets right,
+    and McNemar's exact one-sided p-value that it is better."""
+
+    model_config = ConfigDict(frozen=True)
+
+    only_step_right: int
+    only_before_right: int
+    p_better: float
+
+
+@task(task_run_name="step-evidence-{step.name}")
+def step_evidence(step: TimedStep, before: TimedStep, dataset: DatasetRef) -> StepEvidence:
+    """`step`'s network against `before`'s on every validation image, paired, with the
+    registry's test (`training.promotion.binomial_tail`): a step whose own choices read the
+    validation split (PBT's members, the sparse step's round) looks better there than it is,
+    and on a small split one or two images decide a plain comparison."""
+    device = setup_device(step.classifier)
+    data = load_dataset(dataset)
+
+    def correct(of: TimedStep) -> Tensor:
+        model = place_model(trained_model(of.classifier, dataset, of.checkpoint, of.weights),
+                            device).eval()
+        logits, labels = predict(model, eval_batches(data, dataset, "val", device), device)
+        return logits.argmax(dim=1) == labels
+
+    mine, theirs = correct(step), correct(before)
+    only_step, only_before = int((mine & ~theirs).sum()), int((theirs & ~mine).sum())
+    return StepEvidence(only_step_right=only_step, only_before_right=only_before,
+                        p_better=binomial_tail(only_step, only_step + only_before))
 
 
 @task(task_run_name="time-steps")

@@ -123,6 +123,49 @@ def test_each_step_starts_from_the_last_ones_weights(run):
     assert client.get_run(run.run_id).data.tags["pipeline.front"] == run.front
 
 
+def test_a_step_goes_on_below_level_1_only_on_a_significant_validation_advantage():
+    """`--step-level`: PBT or the sparse step two images ahead of the step before on
+    validation (p = 0.25) goes on at level 1 (not below), not at 0.05; five clean wins
+    (p = 0.03) go on at both; a step below the one before goes on at neither."""
+    from flows.pipeline import StepResult, kept_over
+    from tasks.pipeline import StepEvidence
+    from training.promotion import binomial_tail
+
+    def step(name: str, val: float) -> StepResult:
+        return StepResult.model_construct(name=name, val_accuracy=val, kept=True)
+
+    distill = step("distill", 0.8500)
+    for only_step, only_before, val, level, kept in [
+            (2, 0, 0.8750, 1.0, True), (2, 0, 0.8750, 0.05, False), (5, 0, 0.9125, 0.05, True),
+            (5, 0, 0.9125, 1.0, True), (1, 3, 0.8250, 1.0, False), (1, 3, 0.8250, 0.05, False)]:
+        evidence = StepEvidence(only_step_right=only_step, only_before_right=only_before,
+                                p_better=binomial_tail(only_step, only_step + only_before))
+        result, words = kept_over(step("pbt", val), distill, evidence, level)
+        assert result.kept == kept, (only_step, only_before, level)
+        assert words.startswith("kept" if kept else "not kept")
+        assert f"right on {only_step} images it misses, wrong on {only_before}" in words
+        assert ("not significant at 0.05" in words) == (level < 1 and not kept and val >= 0.85)
+
+
+def test_the_paired_step_evidence_counts_what_the_validation_accuracies_say(run):
+    """`step_evidence` scores PBT's and the distilled student's networks on every validation
+    image: the images only one of them gets right differ by what their validation accuracies
+    (each logged by its own step) differ by."""
+    from tasks.data import prepare_dataset, source_version
+    from tasks.pipeline import TimedStep, step_evidence
+
+    data = smoke_pipeline().dataset
+    dataset = prepare_dataset(data, source_version(data))
+    steps = {step.name: step for step in run.steps}
+    pbt, distill = (TimedStep(name=s.name, classifier=s.classifier, checkpoint=s.checkpoint,
+                              weights=s.weights) for s in (steps["pbt"], steps["distill"]))
+    evidence = step_evidence.fn(pbt, distill, dataset)
+    images = dataset.sizes["val"]
+    assert (evidence.only_step_right - evidence.only_before_right) / images == pytest.approx(
+        steps["pbt"].val_accuracy - steps["distill"].val_accuracy, abs=0.5 / images)
+    assert 0.0 < evidence.p_better <= 1.0
+
+
 def test_a_student_answering_every_validation_image_is_registered_without_the_teacher(run):
     import mlflow
 
