@@ -16,6 +16,7 @@ scoring server hands a request to the model), one thread, the models' calls inte
 
     python -m bench.serving                          # the two champions, about a minute
     python -m bench.serving --models models:/compactml-train/1 models:/compactml-pipeline/1
+    python -m bench.serving --export-checks          # and each with torch.export's input checks
 
 It reads no accuracy: what a model gets right is in `bench.pipeline` and the flows' tables.
 """
@@ -29,12 +30,15 @@ import statistics
 import time
 from collections.abc import Callable
 
+import mlflow.pyfunc
 import numpy as np
 import pandas as pd
 import torch
 from PIL import Image
 
 from bench.common import print_json, print_table
+from serving.classifier import for_serving
+from serving.fallback import logits_of
 from serving.inputs import input_batches
 from tasks.adapters import tracking
 from tasks.adapters.registration import served_parameters
@@ -113,16 +117,36 @@ def network_call(implementation) -> Callable[[torch.Tensor], object]:
     return implementation.program
 
 
+CHECKED = " (export's input checks)"
+
+
+def with_export_checks(model):  # noqa: ANN001, ANN201 (a loaded pyfunc)
+    """`model` (a loaded pyfunc of the classifier or fallback kind) with its programs as
+    `torch.export` loads them, checking every call's input, as served models ran them before
+    `serving.classifier.load_program` dropped the checks: `--export-checks`' other arm."""
+    implementation = model.unwrap_python_model().implementation
+    artifacts = model._model_impl.context.artifacts  # the load's context: MLflow keeps it there
+    implementation.program = for_serving(torch.export.load(artifacts["program"]).module())
+    if hasattr(implementation, "teacher"):
+        implementation.fallback = for_serving(torch.export.load(artifacts["fallback"]).module())
+        implementation.student = logits_of(implementation.program)
+        implementation.teacher = logits_of(implementation.fallback)
+    return model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=[
         f"models:/{model_name_of(None, None, 'train')}@champion",
         f"models:/{model_name_of(None, None, 'pipeline')}@champion"],
         help="registered model URIs; the first is the baseline of the ratios")
+    parser.add_argument("--export-checks", action="store_true", help="also each model with "
+                        "torch.export's per-call input checks on (as served before they were "
+                        "dropped), timed beside it: what dropping them buys")
     args = parser.parse_args()
     torch.set_num_threads(1)
     frame = png_frame(max(CALLS[1], 64 * 4))
-    loaded, resolved = {}, {}
+    loaded = {}
     for uri in args.models:
         name, _, alias = uri.removeprefix("models:/").partition("@")
         if alias:  # the version the alias points at now, for the record
@@ -133,8 +157,12 @@ def main() -> None:
                                  "give --models")
             uri = f"models:/{name}/{version}"
         loaded[uri] = tracking.load_pyfunc(uri)
-        resolved[uri] = loaded[uri].unwrap_python_model().implementation
-    figures: dict[str, dict] = {uri: {"parameters": served_parameters(uri)} for uri in loaded}
+        if args.export_checks:
+            # its own copy (load_pyfunc hands one object per URI to a process)
+            loaded[uri + CHECKED] = with_export_checks(mlflow.pyfunc.load_model(uri))
+    resolved = {uri: model.unwrap_python_model().implementation for uri, model in loaded.items()}
+    figures: dict[str, dict] = {uri: {"parameters": served_parameters(uri.removesuffix(CHECKED))}
+                                for uri in loaded}
     client = client_ms(loaded, frame)
     for batch in BATCHES:
         prepared = {uri: [impl.normalize(torch.cat(list(input_batches(

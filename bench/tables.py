@@ -870,7 +870,23 @@ def summary(results: Path) -> dict:
             "pbt": newest("pbt", results), "small_data": newest_per_flow("small_data", results),
             "faults": newest("faults", results) if (results / "faults.jsonl").exists() else None,
             "pbt_peer": merged_pbt_peer("pbt_peer", results)
-            if (results / "pbt_peer.jsonl").exists() else None}
+            if (results / "pbt_peer.jsonl").exists() else None,
+            "serving": newest("serving", results)
+            if (results / "serving.jsonl").exists() else None}
+
+
+def served_row(record: dict) -> tuple[str, str, str]:
+    """The summary's row of `bench.serving`: each registered model against the baseline as a
+    client meets it (PNG bytes), and what the path around its networks costs at batch 64."""
+    baseline = record["baseline"]
+    shown = [uri for uri in record["models"] if uri != baseline and "(" not in uri]
+    return ("the registered models as a client meets them (`predict` on PNG bytes), "
+            "Fashion-MNIST", "; ".join(
+                f"`{uri.removeprefix('models:/')}` {f['client_vs_baseline_b1']:.2f}x of "
+                f"`{baseline.removeprefix('models:/')}`'s time per image at batch 1, "
+                f"{f['client_vs_baseline_b64']:.2f}x at batch 64; the path around its network "
+                f"{f['client_over_network_b64']:.2f}x the network's own time at batch 64"
+                for uri in shown for f in [record["models"][uri]]), "the-pipeline")
 
 
 def summary_table(picked: dict) -> str:
@@ -889,11 +905,13 @@ def summary_table(picked: dict) -> str:
     alone = sum(run["pipeline"].get("student_alone", False) for run in runs)
     rows = [("the pipeline (`make run`) against `train`, Fashion-MNIST" + seeds_suffix(seeds),
              f"{mean_of('pipeline', 'report_accuracy'):.4f} against "
-             f"{mean_of('train', 'report_accuracy'):.4f}; served {ratio('ms'):.2f}x of "
-             f"`train`'s time per image at batch 1, {ratio('ms_b64'):.2f}x at batch 64; common "
+             f"{mean_of('train', 'report_accuracy'):.4f}; on uint8 arrays {ratio('ms'):.2f}x "
+             f"of `train`'s time per image at batch 1, {ratio('ms_b64'):.2f}x at batch 64; common "
              f"path {share:.0%} of its parameters"
              + (f", the student registered alone on {alone} of {len(runs)} seeds" if alone
                 else ""), "the-pipeline")]
+    if picked.get("serving") is not None:
+        rows.append(served_row(picked["serving"]))
     small = {(set_label(r), r["flow"]): r for r in picked["small_data"]["results"]
              if "flow" in r}
     for data_set in ("2500x16", "1000x28"):

@@ -14,7 +14,10 @@
    every member starts from the student's weights, trains a burn-in round and `--pbt-stages`
    stages with evaluation, weight copy and hyperparameter exploration, then the greedy soup.
 4. `sparsify`'s rounds on PBT's best: fine-tuning with the activation-sparsity term, then the
-   activation thresholds (`--zero-threshold-tolerance`).
+   activation thresholds (`--zero-threshold-tolerance`). PBT's best and the sparse student
+   each go on only where they are not below the step before on validation and, with
+   `--step-level` below 1, significantly better there (`kept_step`); otherwise the next step
+   starts from the step before.
 5. The fallback cascade (`training.cascade.fallback`): the sparse student answers the images it
    is confident about, the teacher the rest; where the cascade buys at most
    `--fallback-tolerance` of validation accuracy over the student alone, the student answers
