@@ -40,9 +40,10 @@ def for_serving(network: nn.Module) -> nn.Module:
 def load_program(path: str) -> nn.Module:
     """An exported program (`torch.export`) as a module, `for_serving`, without the checks
     `torch.export` runs on every call's input (its guards function and input-constraint hook:
-    50-100 us a call, a third of a served `lenet`'s forward at batch 1): a served model only
-    ever calls its programs on the batches `serving.inputs.input_batches` makes, (n, channels,
-    size, size) as exported, and bad input is refused there, by name."""
+    about 0.05 ms a call, a fifth of a served `lenet`'s forward at batch 1, 4% of its client
+    call; `python -m bench.serving --export-checks`): a served model only ever calls its
+    programs on the batches `serving.inputs.input_batches` makes, (n, channels, size, size)
+    as exported, and bad input is refused there, by name."""
     module = torch.export.load(path).module(check_guards=False)
     module.validate_inputs = False  # torch's switch for callers that check their own input
     return for_serving(module)
