@@ -65,6 +65,9 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> Non
 
 
 ROOT = Path(__file__).resolve().parents[1]
+# `bench.serving --export-checks`: the suffix of a model's name timed with torch.export's
+# per-call input checks on (the README summary leaves those rows out)
+EXPORT_CHECKS = " (export's input checks)"
 
 
 def _git(*args: str) -> str:

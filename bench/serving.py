@@ -36,7 +36,7 @@ import pandas as pd
 import torch
 from PIL import Image
 
-from bench.common import print_json, print_table
+from bench.common import EXPORT_CHECKS, print_json, print_table
 from serving.classifier import for_serving
 from serving.fallback import logits_of
 from serving.inputs import input_batches
@@ -117,9 +117,6 @@ def network_call(implementation) -> Callable[[torch.Tensor], object]:
     return implementation.program
 
 
-CHECKED = " (export's input checks)"
-
-
 def with_export_checks(model):  # noqa: ANN001, ANN201 (a loaded pyfunc)
     """`model` (a loaded pyfunc of the classifier or fallback kind) with its programs as
     `torch.export` loads them, checking every call's input, as served models ran them before
@@ -159,10 +156,10 @@ def main() -> None:
         loaded[uri] = tracking.load_pyfunc(uri)
         if args.export_checks:
             # its own copy (load_pyfunc hands one object per URI to a process)
-            loaded[uri + CHECKED] = with_export_checks(mlflow.pyfunc.load_model(uri))
+            loaded[uri + EXPORT_CHECKS] = with_export_checks(mlflow.pyfunc.load_model(uri))
     resolved = {uri: model.unwrap_python_model().implementation for uri, model in loaded.items()}
-    figures: dict[str, dict] = {uri: {"parameters": served_parameters(uri.removesuffix(CHECKED))}
-                                for uri in loaded}
+    figures: dict[str, dict] = {
+        uri: {"parameters": served_parameters(uri.removesuffix(EXPORT_CHECKS))} for uri in loaded}
     client = client_ms(loaded, frame)
     for batch in BATCHES:
         prepared = {uri: [impl.normalize(torch.cat(list(input_batches(

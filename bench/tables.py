@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import ROOT, mean_std
+from bench.common import EXPORT_CHECKS, ROOT, mean_std
 from tasks.configs.distill import AUTO_CANDIDATES
 
 RESULTS = ROOT / "bench" / "results"
@@ -879,7 +879,8 @@ def served_row(record: dict) -> tuple[str, str, str]:
     """The summary's row of `bench.serving`: each registered model against the baseline as a
     client meets it (PNG bytes), and what the path around its networks costs at batch 64."""
     baseline = record["baseline"]
-    shown = [uri for uri in record["models"] if uri != baseline and "(" not in uri]
+    shown = [uri for uri in record["models"]
+             if uri != baseline and not uri.endswith(EXPORT_CHECKS)]
     return ("the registered models as a client meets them (`predict` on PNG bytes), "
             "Fashion-MNIST", "; ".join(
                 f"`{uri.removeprefix('models:/')}` {f['client_vs_baseline_b1']:.2f}x of "

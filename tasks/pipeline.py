@@ -32,7 +32,7 @@ from training.cascade.routing import Router
 from training.device import place_model, setup_device
 from training.latency import interleaved_ms_per_image
 from training.loops import predict
-from training.promotion import ALPHA, binomial_tail
+from training.promotion import ALPHA, discordant
 from training.sparsify.pruning import parameter_count
 
 STEP_TIMING_IMAGES = 300  # the table of steps times every step's network: fewer images
@@ -133,7 +133,7 @@ class StepEvidence(BaseModel):
 @task(task_run_name="step-evidence-{step.name}")
 def step_evidence(step: TimedStep, before: TimedStep, dataset: DatasetRef) -> StepEvidence:
     """`step`'s network against `before`'s on every validation image, paired, with the
-    registry's test (`training.promotion.binomial_tail`): a step whose own choices read the
+    registry's test (`training.promotion.discordant`): a step whose own choices read the
     validation split (PBT's members, the sparse step's round) looks better there than it is,
     and on a small split one or two images decide a plain comparison."""
     device = setup_device(step.classifier)
@@ -145,10 +145,9 @@ def step_evidence(step: TimedStep, before: TimedStep, dataset: DatasetRef) -> St
         logits, labels = predict(model, eval_batches(data, dataset, "val", device), device)
         return logits.argmax(dim=1) == labels
 
-    mine, theirs = correct(step), correct(before)
-    only_step, only_before = int((mine & ~theirs).sum()), int((theirs & ~mine).sum())
+    only_step, only_before, p_better = discordant(correct(step), correct(before))
     return StepEvidence(only_step_right=only_step, only_before_right=only_before,
-                        p_better=binomial_tail(only_step, only_step + only_before))
+                        p_better=p_better)
 
 
 @task(task_run_name="time-steps")

@@ -117,13 +117,20 @@ def binomial_tail(successes: int, trials: int) -> float:
     return sum(math.comb(trials, k) for k in range(successes, trials + 1)) / 2 ** trials
 
 
+def discordant(new, old) -> tuple[int, int, float]:  # noqa: ANN001 (bool arrays or tensors)
+    """McNemar's counts of two classifiers' per-image rightness (numpy arrays or tensors of
+    bool, the same images in order): the images only `new` gets right, those only `old` gets
+    right, and the exact one-sided p-value that `new` is better."""
+    only_new, only_old = int((new & ~old).sum()), int((old & ~new).sum())
+    return only_new, only_old, binomial_tail(only_new, only_new + only_old)
+
+
 def mcnemar(new: Correct, old: Correct, alpha: float = ALPHA) -> Verdict:
     """McNemar's exact test of `new` against `old` on the same images (module docstring)."""
     _same_images(new, old)
-    b = int(np.sum(new.right & ~old.right))
-    c = int(np.sum(~new.right & old.right))
+    b, c, p_better = discordant(new.right, old.right)
     return Verdict(test="McNemar exact", images=len(new), new_score=new.score(),
-                   old_score=old.score(), p_better=binomial_tail(b, b + c),
+                   old_score=old.score(), p_better=p_better,
                    p_worse=binomial_tail(c, b + c), alpha=alpha,
                    detail=f"only the new one right on {b}, only the old one on {c}")
 

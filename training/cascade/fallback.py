@@ -22,7 +22,7 @@ from torch import Tensor
 
 from models.cascade import confidence_of
 from training.cascade.learning import ExitTable, threshold_grid
-from training.promotion import binomial_tail
+from training.promotion import discordant
 
 
 def fallback_table(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor,
@@ -59,13 +59,10 @@ def calibrate_fallback(table: ExitTable, tolerance: float) -> float:
 def cascade_evidence(table: ExitTable, threshold: float) -> tuple[int, int, float]:
     """The cascade at `threshold` against the student alone on `table`'s images, paired:
     the images only the cascade gets right, those only the student gets right, and McNemar's
-    exact one-sided p-value that the cascade is better (`training.promotion.binomial_tail`,
-    the registry's test)."""
+    exact one-sided p-value that the cascade is better (`training.promotion.discordant`, the
+    registry's test)."""
     exits = table.exits(torch.tensor([threshold]))
-    cascade = table.correct[torch.arange(len(exits)), exits]
-    student = table.correct[:, 0]
-    only_cascade, only_student = int((cascade & ~student).sum()), int((student & ~cascade).sum())
-    return only_cascade, only_student, binomial_tail(only_cascade, only_cascade + only_student)
+    return discordant(table.correct[torch.arange(len(exits)), exits], table.correct[:, 0])
 
 
 @dataclass
